@@ -1,0 +1,44 @@
+# kvq: fresh-machine entry points. `make demo` and `make test` set everything up.
+PYTHON ?= python3
+VENV ?= .venv
+TORCH_SPEC ?= torch==2.13.0
+KVQ_DATA_DIR ?= $(abspath ../shared/data)
+DEMO_OUT ?= artifacts/demo
+DEMO_BITS ?= 4
+DEMO_WINDOWS ?= 16
+DEMO_SEQLEN ?= 512
+BIN := $(VENV)/bin
+export KVQ_DATA_DIR
+
+.PHONY: setup demo test check bench clean
+
+$(BIN)/.stamp: pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q "$(TORCH_SPEC)"
+	$(BIN)/pip install -q -e ".[dev]"
+	touch $@
+
+setup: $(BIN)/.stamp
+
+demo: setup
+	$(BIN)/kvq calibrate channel-scales --model gemma3-270m \
+	    --dataset $(KVQ_DATA_DIR)/calibration/groups_merged.txt \
+	    --samples 16 --seqlen 512 --bits $(DEMO_BITS) --out $(DEMO_OUT)
+	$(BIN)/kvq export manifest $(DEMO_OUT) --schema-out $(DEMO_OUT)/manifest.schema.json
+	$(BIN)/kvq run-eval --model gemma3-270m --artifact $(DEMO_OUT) --dataset wikitext2 \
+	    --tasks ppl,kld,bytes --windows $(DEMO_WINDOWS) --seqlen $(DEMO_SEQLEN) \
+	    --protocol prefill --json $(DEMO_OUT)/eval.json
+
+test: setup
+	$(BIN)/python -m pytest -q -x --durations=15
+
+check: setup
+	$(BIN)/ruff check kvq tests bench
+	$(BIN)/ruff format --check kvq tests bench
+
+bench: setup
+	$(BIN)/python bench/eval_matrix.py
+
+clean:
+	rm -rf $(VENV) artifacts .pytest_cache

@@ -1,0 +1,51 @@
+"""The Python API for users who embed kvq.
+
+model, tokenizer = kvq.load_model("gemma3-270m")
+artifact = kvq.load_artifact("artifacts/int4", model=model)   # validates
+cache = kvq.make_cache(model, artifact=artifact)              # or policy="int8"
+out = model.generate(**inputs, past_key_values=cache)
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from kvq.errors import KvqError
+from kvq.exporters.artifact import Artifact
+from kvq.models.loading import LoadedModel
+from kvq.models.loading import load_model as _load
+from kvq.pipeline import cache_for
+from kvq.pipeline import load_artifact as _load_artifact
+from kvq.runtime.cache import QuantizedKVCache
+
+_ATTR = "_kvq_loaded"
+
+
+def load_model(spec: str = "gemma3-270m"):
+    """Resolve a MODEL spec to (model, tokenizer); see `kvq.models.loading`."""
+    loaded = _load(spec)
+    # remembered on the model so artifacts can be checked against its identity later
+    object.__setattr__(loaded.model, _ATTR, loaded)
+    return loaded.model, loaded.tokenizer
+
+
+def _loaded(model) -> LoadedModel:
+    loaded = getattr(model, _ATTR, None)
+    if loaded is None:
+        raise KvqError("this model was not loaded through kvq.load_model; load it with kvq first")
+    return loaded
+
+
+def load_artifact(path: str | Path, model=None) -> Artifact:
+    """Read an artifact, verify its tensors and, given a model, its compatibility."""
+    return _load_artifact(path, _loaded(model) if model is not None else None)
+
+
+def make_cache(
+    model, artifact: Artifact | str | Path | None = None, policy: str | None = None
+) -> QuantizedKVCache:
+    """A fresh `QuantizedKVCache` for `model` from an artifact (object or path) or a policy name."""
+    loaded = _loaded(model)
+    if isinstance(artifact, (str, Path)):
+        artifact = _load_artifact(artifact, loaded)
+    return cache_for(loaded, artifact=artifact, policy=policy)

@@ -1,0 +1,71 @@
+"""ONE hook engine for calibration: stream K (pre- or post-RoPE), V and Q per layer.
+
+Forward hooks sit on the modules the adapter names (k_norm or k_proj, v_proj,
+q_norm or q_proj) of the unmodified transformers model, so no modeling file is
+forked. Each window's tensors are handed to a consumer and dropped, which keeps
+memory bounded by one window whatever the number of samples.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from contextlib import contextmanager
+
+import torch
+from torch import Tensor
+
+Consumer = Callable[[int, str, Tensor], None]  # (layer, "key"|"value"|"query", [B, H, T, D])
+
+
+@contextmanager
+def capture(
+    adapter,
+    consumer: Consumer,
+    parts: Iterable[str] = ("key", "value"),
+    key_stage: str = "pre-rope",
+    positions: Tensor | None = None,
+):
+    """Install hooks feeding `consumer`; removed on exit even after an error.
+
+    With key_stage "post-rope" keys are rotated at `positions` ([T], set per
+    window through `set_positions`) with the model's own RoPE before delivery.
+    """
+    handles = []
+    state = {"positions": positions}
+    sites = {
+        "key": adapter.key_pre_rope_site,
+        "value": adapter.value_site,
+        "query": adapter.query_pre_rope_site,
+    }
+
+    def make_hook(layer: int, part: str, to_heads):
+        def hook(_module, _inputs, output):
+            x = to_heads(output).detach()
+            if part == "key" and key_stage == "post-rope":
+                pos = state["positions"]
+                if pos is None:
+                    pos = torch.arange(x.shape[2], device=x.device)
+                cos, sin = adapter.rope_cos_sin(layer, pos)
+                x = adapter.apply_rope(x.float(), cos.to(x.device), sin.to(x.device))
+            consumer(layer, part, x)
+
+        return hook
+
+    try:
+        for layer in range(adapter.info.num_layers):
+            for part in parts:
+                module, to_heads = sites[part](layer)
+                handles.append(module.register_forward_hook(make_hook(layer, part, to_heads)))
+        yield state
+    finally:
+        for h in handles:
+            h.remove()
+
+
+@torch.no_grad()
+def run_windows(model, windows: Tensor, on_window: Callable[[int], None] | None = None) -> None:
+    """Forward each calibration window ([N, L] token ids) through `model`, one at a time."""
+    for i in range(windows.shape[0]):
+        model(windows[i : i + 1].to(model.device), use_cache=False)
+        if on_window is not None:
+            on_window(i)

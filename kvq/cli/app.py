@@ -1,0 +1,202 @@
+"""The `kvq` command line: parse, call the library, render with rich. No logic here."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import click
+import typer
+from typer.core import TyperGroup
+
+from kvq.errors import KvqError
+
+
+class OneLineErrors(TyperGroup):
+    """Every user error is one line on stderr and exit code 2, never a traceback."""
+
+    def main(self, *args, **kwargs):
+        kwargs["standalone_mode"] = False
+        try:
+            rv = super().main(*args, **kwargs)
+        except click.exceptions.NoArgsIsHelpError as e:
+            click.echo(e.ctx.get_help() if e.ctx else str(e))
+            sys.exit(2)
+        except click.UsageError as e:
+            _fail(e.format_message())
+        except click.exceptions.Exit as e:
+            sys.exit(e.exit_code)
+        except click.Abort:
+            click.echo("aborted", err=True)
+            sys.exit(130)
+        except KvqError as e:
+            _fail(str(e))
+        sys.exit(rv if isinstance(rv, int) else 0)
+
+
+def _fail(message: str) -> None:
+    first = " ".join(message.split())
+    click.echo(f"kvq: error: {first}", err=True)
+    sys.exit(2)
+
+
+app = typer.Typer(
+    cls=OneLineErrors,
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    help="Calibrate, export and evaluate live-data (K/V cache) quantization.",
+)
+calibrate_app = typer.Typer(cls=OneLineErrors, no_args_is_help=True, help="Run a calibration pass.")
+export_app = typer.Typer(cls=OneLineErrors, no_args_is_help=True, help="Export an artifact.")
+app.add_typer(calibrate_app, name="calibrate")
+app.add_typer(export_app, name="export")
+
+MODEL = typer.Option(
+    "gemma3-270m", "--model", help="gemma3-270m, a local HF dir, a .gguf file or a hub id"
+)
+DATA_DIR = typer.Option(
+    None, "--data-dir", help="folder holding wikitext-2-raw/ (else $KVQ_DATA_DIR)"
+)
+
+
+@calibrate_app.command("channel-scales")
+def calibrate_channel_scales(
+    dataset: str = typer.Option(..., "--dataset", help="wikitext2 or a .txt/.jsonl/.parquet path"),
+    out: Path = typer.Option(..., "--out", help="artifact directory to write"),
+    model: str = MODEL,
+    samples: int = typer.Option(16, "--samples", help="calibration windows"),
+    seqlen: int = typer.Option(512, "--seqlen", help="tokens per window"),
+    bits: int = typer.Option(4, "--bits", help="2, 3, 4 or 8"),
+    key_stage: str = typer.Option("pre-rope", "--key-stage", help="pre-rope or post-rope"),
+    clip_percentile: float = typer.Option(
+        100.0, "--clip-percentile", help="per-tail key percentile"
+    ),
+    sink: int = typer.Option(1, "--sink", help="first N positions kept in full precision"),
+    v_group: int = typer.Option(
+        32, "--v-group", help="V channels per qparam group (0: whole head)"
+    ),
+    seed: int = typer.Option(0, "--seed"),
+    overwrite: bool = typer.Option(False, "--overwrite", help="replace an existing artifact"),
+    data_dir: str | None = DATA_DIR,
+) -> None:
+    """Static per-channel K scales (pre-RoPE by default); V per token at append."""
+    from kvq.calibrators.channel_scales import ChannelScalesOptions
+    from kvq.cli.progress import RichProgress
+    from kvq.cli.render import print_calibration_summary
+    from kvq.pipeline import calibrate_channel_scales_job
+
+    _positive(samples=samples, seqlen=seqlen)
+    options = ChannelScalesOptions(
+        bits=bits,
+        key_stage=key_stage,
+        clip_percentile=clip_percentile,
+        sink=sink,
+        value_group=v_group or None,
+    )
+    artifact = calibrate_channel_scales_job(
+        model, dataset, samples, seqlen, seed, options, out, overwrite, data_dir, RichProgress()
+    )
+    print_calibration_summary(artifact, out)
+
+
+@export_app.command("manifest")
+def export_manifest(
+    artifact: Path = typer.Argument(..., help="artifact directory"),
+    schema_out: Path | None = typer.Option(None, "--schema-out", help="write the JSON Schema here"),
+) -> None:
+    """Validate an artifact, print its manifest, optionally write the JSON Schema."""
+    from kvq.cli.render import print_manifest
+    from kvq.exporters.artifact import read_artifact
+    from kvq.manifests.jsonschema import json_schema
+
+    art = read_artifact(artifact)
+    print_manifest(art)
+    if schema_out is not None:
+        _write_json(schema_out, json_schema())
+        typer.echo(f"JSON Schema written to {schema_out}", err=True)
+
+
+@app.command("inspect")
+def inspect(artifact: Path = typer.Argument(..., help="artifact directory")) -> None:
+    """Summary, byte ledger and validation result of an artifact."""
+    from kvq.cli.render import print_inspect
+    from kvq.exporters.artifact import read_artifact
+
+    print_inspect(read_artifact(artifact), artifact)
+
+
+@app.command("run-eval")
+def run_eval(
+    model: str = MODEL,
+    artifact: Path | None = typer.Option(None, "--artifact", help="artifact directory"),
+    policy: str | None = typer.Option(None, "--policy", help="calibration-free policy name"),
+    dataset: str = typer.Option("wikitext2", "--dataset"),
+    tasks: str = typer.Option("ppl,kld,bytes", "--tasks", help="comma list of ppl, kld, bytes"),
+    windows: int = typer.Option(16, "--windows"),
+    seqlen: int = typer.Option(512, "--seqlen"),
+    protocol: str = typer.Option("prefill", "--protocol", help="prefill or decode"),
+    seed: int = typer.Option(0, "--seed"),
+    json_out: Path | None = typer.Option(None, "--json", help="write the report here"),
+    data_dir: str | None = DATA_DIR,
+) -> None:
+    """Perplexity, KL divergence and bytes of the quantized cache vs the unquantized model."""
+    from kvq.cli.progress import RichProgress
+    from kvq.cli.render import print_eval
+    from kvq.eval.run import run_eval_job
+
+    _positive(windows=windows, seqlen=seqlen)
+    report = run_eval_job(
+        model,
+        artifact,
+        policy,
+        dataset,
+        tasks,
+        windows,
+        seqlen,
+        protocol,
+        seed,
+        data_dir,
+        RichProgress(),
+    )
+    print_eval(report)
+    if json_out is not None:
+        _write_json(json_out, report)
+
+
+@app.command("generate")
+def generate(
+    prompt: str = typer.Option(..., "--prompt"),
+    model: str = MODEL,
+    artifact: Path | None = typer.Option(None, "--artifact"),
+    policy: str | None = typer.Option(None, "--policy"),
+    max_new_tokens: int = typer.Option(64, "--max-new-tokens"),
+) -> None:
+    """Greedy generation through the quantized cache."""
+    from kvq.eval.run import generate_text
+
+    _positive(max_new_tokens=max_new_tokens)
+    text, ledger = generate_text(model, artifact, policy, prompt, max_new_tokens)
+    typer.echo(text)
+    typer.echo(
+        f"[cache: {ledger.total} bytes for {ledger.tokens} tokens, {ledger.ratio:.3f} x fp16]",
+        err=True,
+    )
+
+
+def _positive(**values: int) -> None:
+    for name, v in values.items():
+        if v <= 0:
+            raise KvqError(f"--{name.replace('_', '-')} must be positive, got {v}")
+
+
+def _write_json(path: Path, obj) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(obj, indent=2, sort_keys=False) + "\n")
+    tmp.replace(path)
+
+
+def main() -> None:
+    app()

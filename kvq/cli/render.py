@@ -1,0 +1,143 @@
+"""Rich tables for the CLI. Presentation only."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from kvq.exporters.artifact import Artifact
+from kvq.manifests.ledger import CATEGORIES, ByteLedger
+from kvq.manifests.schema import manifest_to_json
+
+OUT = Console()
+
+
+def _policy_rows(artifact: Artifact) -> Table:
+    m = artifact.manifest
+    table = Table(title="cache policy", show_lines=False)
+    for col in ("layers", "type", "K", "V", "key stage", "sink"):
+        table.add_column(col)
+    groups: dict[tuple, list[int]] = {}
+    for i, lp in enumerate(m.policy.layers):
+        key = (
+            m.architecture.layer_types[i],
+            lp.key.describe(),
+            lp.value.describe(),
+            lp.key_stage,
+            lp.sink_tokens,
+        )
+        groups.setdefault(key, []).append(i)
+    for key, layers in groups.items():
+        table.add_row(_ranges(layers), key[0], key[1], key[2], key[3], str(key[4]))
+    return table
+
+
+def _ranges(idx: list[int]) -> str:
+    if len(idx) > 4 and idx == list(range(idx[0], idx[-1] + 1)):
+        return f"{idx[0]}-{idx[-1]}"
+    return ",".join(map(str, idx))
+
+
+def ledger_table(ledger: ByteLedger, title: str = "byte ledger (measured)") -> Table:
+    table = Table(title=title)
+    table.add_column("category")
+    table.add_column("bytes", justify="right")
+    table.add_column("bytes/token", justify="right")
+    for cat in CATEGORIES:
+        n = getattr(ledger, cat)
+        if n:
+            table.add_row(cat, f"{n:,}", f"{n / ledger.tokens:,.1f}")
+    table.add_row("total", f"{ledger.total:,}", f"{ledger.bytes_per_token:,.1f}", style="bold")
+    table.add_row("fp16 K/V", f"{ledger.fp16_bytes:,}", f"{ledger.fp16_bytes_per_token:,.1f}")
+    table.add_row("ratio to fp16", "", f"{ledger.ratio:.4f}", style="bold")
+    return table
+
+
+def print_calibration_summary(artifact: Artifact, out: Path) -> None:
+    m = artifact.manifest
+    OUT.print(_policy_rows(artifact))
+    timing = Table(title="calibration stages")
+    timing.add_column("stage")
+    timing.add_column("seconds", justify="right")
+    for stage, s in m.calibration.stage_seconds.items():
+        timing.add_row(stage, f"{s:.1f}")
+    OUT.print(timing)
+    if m.ledger is not None:
+        OUT.print(ledger_table(m.ledger, f"byte ledger measured on {m.ledger.tokens} tokens"))
+    OUT.print(f"[green]artifact written:[/green] {out} ({len(artifact.tensors)} tensors)")
+
+
+def print_manifest(artifact: Artifact) -> None:
+    OUT.print_json(json.dumps(manifest_to_json(artifact.manifest)))
+    OUT.print("[green]valid[/green]: schema, tensor hashes and policy check out", highlight=False)
+
+
+def print_inspect(artifact: Artifact, path: Path) -> None:
+    m = artifact.manifest
+    head = Table(title=f"kvq artifact {path}", show_header=False)
+    head.add_column("field")
+    head.add_column("value")
+    arch = m.architecture
+    cal = m.calibration
+    head.add_row("schema / kvq", f"{m.schema_version} / {m.kvq_version}")
+    head.add_row("model", f"{m.model_spec} ({m.identity.model_type})")
+    head.add_row("weights sha256", m.identity.weights_sha256[:16] + "…")
+    head.add_row(
+        "layers",
+        f"{arch.num_layers} ({arch.layer_types.count('sliding_attention')} sliding, "
+        f"window {arch.sliding_window})",
+    )
+    head.add_row("heads", f"{arch.num_q_heads} q / {arch.num_kv_heads} kv × {arch.head_dim}")
+    head.add_row("method", cal.method)
+    if cal.dataset is not None:
+        d = cal.dataset
+        head.add_row("calibration data", f"{d.spec} ({d.samples} × {d.seqlen}, seed {d.seed})")
+    head.add_row(
+        "tensors",
+        f"{len(artifact.tensors)} ({sum(t.nbytes for t in artifact.tensors.values()):,} bytes)",
+    )
+    OUT.print(head)
+    OUT.print(_policy_rows(artifact))
+    if m.ledger is not None:
+        led = m.ledger
+        OUT.print(ledger_table(led, f"byte ledger measured on {led.tokens} tokens"))
+        elems = 2 * arch.num_kv_heads * arch.head_dim * arch.num_layers
+        OUT.print(
+            f"bits per K/V element, all overheads included: {8 * led.bytes_per_token / elems:.3f}"
+        )
+    OUT.print(
+        "[green]validation: OK[/green] (schema version, tensor names, dtypes, shapes, sha256)"
+    )
+
+
+def print_eval(report: dict) -> None:
+    t = report["tasks"]
+    table = Table(
+        title=f"{report['model']} · {report['policy']} · {report['dataset']} · "
+        f"{report['windows']}×{report['seqlen']} · {report['protocol']}"
+    )
+    table.add_column("metric")
+    table.add_column("baseline (unquantized)", justify="right")
+    table.add_column("quantized", justify="right")
+    table.add_column("ratio", justify="right")
+    if "ppl" in t:
+        p = t["ppl"]
+        table.add_row(
+            "perplexity", f"{p['baseline']:.4f}", f"{p['quantized']:.4f}", f"{p['ratio']:.4f}"
+        )
+    if "kld" in t:
+        k = t["kld"]
+        table.add_row("KL divergence (mean)", "0", f"{k['mean']:.5f}", "")
+        table.add_row("top-1 agreement", "1", f"{k['top1_agreement']:.4f}", "")
+    if "bytes" in t:
+        b = t["bytes"]
+        table.add_row(
+            "K/V bytes per token",
+            f"{b['fp16_bytes_per_token']:,.1f}",
+            f"{b['kv_bytes_per_token']:,.1f}",
+            f"{b['ratio']:.4f}",
+        )
+    OUT.print(table)

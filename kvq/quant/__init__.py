@@ -1,0 +1,1 @@
+"""The numeric core: pure torch, no model knowledge."""

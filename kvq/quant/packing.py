@@ -1,0 +1,76 @@
+"""Bit packing of unsigned codes along the last dimension, exact round trip.
+
+Bit order is little-endian within a byte: the first code of a unit sits in the
+lowest bits. Units: 8 bits -> 1 code per byte, 4 bits -> 2 codes per byte,
+2 bits -> 4 codes per byte, 3 bits -> 8 codes per 3 bytes (one 24-bit
+little-endian word). The last dimension is zero-padded to whole units.
+Signed codes must be offset to unsigned by the caller before packing.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from kvq.errors import KvqError
+
+# bits -> (codes per unit, bytes per unit)
+_UNITS = {8: (1, 1), 4: (2, 1), 2: (4, 1), 3: (8, 3)}
+
+
+def _unit(bits: int) -> tuple[int, int]:
+    if bits not in _UNITS:
+        raise KvqError(f"cannot pack {bits}-bit codes; supported: {sorted(_UNITS)}")
+    return _UNITS[bits]
+
+
+def packed_len(n: int, bits: int) -> int:
+    """Bytes that `n` codes of `bits` bits occupy after padding to whole units."""
+    codes, nbytes = _unit(bits)
+    if n < 0:
+        raise KvqError(f"code count must be >= 0, got {n}")
+    return -(-n // codes) * nbytes
+
+
+def _shifts(bits: int, count: int, device: torch.device) -> Tensor:
+    return torch.arange(count, device=device, dtype=torch.int32) * bits
+
+
+def pack_bits(codes: Tensor, bits: int) -> Tensor:
+    """uint8 codes [..., N] (each < 2^bits) -> packed uint8 [..., packed_len(N, bits)]."""
+    per, nbytes = _unit(bits)
+    if codes.dtype != torch.uint8:
+        raise KvqError(f"packed codes must be uint8, got {codes.dtype}")
+    if codes.dim() == 0:
+        raise KvqError("cannot pack a scalar; codes need a last dimension")
+    # 8-bit codes always fit (and 2**8 does not fit a uint8 comparison).
+    if bits < 8 and codes.numel() and bool((codes >= 2**bits).any()):
+        raise KvqError(f"a code does not fit in {bits} bits (max {2**bits - 1})")
+    if bits == 8:
+        return codes.clone()
+    lead, n = codes.shape[:-1], codes.shape[-1]
+    units = -(-n // per)
+    padded = torch.nn.functional.pad(codes, (0, units * per - n))
+    # int32 holds a whole unit (at most 24 bits) so the shifts cannot overflow.
+    grouped = padded.reshape(*lead, units, per).to(torch.int32)  # [..., U, per]
+    word = (grouped << _shifts(bits, per, codes.device)).sum(-1)  # [..., U]
+    byte_shifts = _shifts(8, nbytes, codes.device)
+    out = (word.unsqueeze(-1) >> byte_shifts) & 0xFF  # [..., U, nbytes]
+    return out.to(torch.uint8).reshape(*lead, units * nbytes)
+
+
+def unpack_bits(packed: Tensor, bits: int, n: int) -> Tensor:
+    """packed uint8 [..., packed_len(n, bits)] -> uint8 codes [..., n]."""
+    per, nbytes = _unit(bits)
+    if packed.dtype != torch.uint8:
+        raise KvqError(f"packed codes must be uint8, got {packed.dtype}")
+    if packed.dim() == 0 or packed.shape[-1] != packed_len(n, bits):
+        found = "a scalar" if packed.dim() == 0 else packed.shape[-1]
+        raise KvqError(f"{n} {bits}-bit codes pack into {packed_len(n, bits)} bytes, got {found}")
+    if bits == 8:
+        return packed.clone()
+    lead, units = packed.shape[:-1], packed.shape[-1] // nbytes
+    grouped = packed.reshape(*lead, units, nbytes).to(torch.int32)  # [..., U, nbytes]
+    word = (grouped << _shifts(8, nbytes, packed.device)).sum(-1)  # [..., U]
+    codes = (word.unsqueeze(-1) >> _shifts(bits, per, packed.device)) & (2**bits - 1)
+    return codes.to(torch.uint8).reshape(*lead, units * per)[..., :n].contiguous()

@@ -1,0 +1,80 @@
+"""Stored-scale policy shared by every quantizer.
+
+A scale is an effective qparam: the value written to the artifact (in its
+storage dtype) is the one the encoder must use, so callers re-read the stored
+scale with `.float()` before encoding. The policy (see the live-data notes,
+0x02A) is:
+
+* round the ideal fp32 scale UP to the storage dtype, so the largest value of
+  a range maps to at most the top code and never clips;
+* rows with nothing to scale (all zero, constant) store exactly 1;
+* refuse a stored scale that is non-finite (overflow) or below the smallest
+  normal number of its dtype (zero or subnormal: unsafe under flush-to-zero).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from kvq.errors import KvqError
+
+STORAGE_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+def storage_dtype(name: str) -> torch.dtype:
+    """The torch dtype for a scheme's `scale_dtype` name."""
+    if name not in STORAGE_DTYPES:
+        raise KvqError(f"unknown scale dtype {name!r}; known: {', '.join(STORAGE_DTYPES)}")
+    return STORAGE_DTYPES[name]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """'float16' for torch.float16: the name used in messages and manifests."""
+    return str(dtype).removeprefix("torch.")
+
+
+def check_finite(x: Tensor, what: str) -> None:
+    """Raise KvqError if `x` holds a NaN or an infinity."""
+    if not bool(torch.isfinite(x).all()):
+        raise KvqError(f"{what} contains NaN or Inf")
+
+
+def step(x: Tensor, up: bool) -> Tensor:
+    """The next representable value of x's own dtype, towards +inf or -inf."""
+    target = torch.full_like(x, float("inf") if up else float("-inf"))
+    return torch.nextafter(x, target)
+
+
+def store_scale(ideal: Tensor, dtype: torch.dtype, nonzero: Tensor) -> Tensor:
+    """Round positive fp32 scales up to `dtype`; entries where `nonzero` is False become 1.
+
+    ideal:   float scales, any shape.
+    nonzero: bool, broadcastable to `ideal`; False marks rows with nothing to
+             scale (their ideal value is ignored).
+    Returns the stored scales in `dtype`, shape of the broadcast.
+    """
+    if dtype not in STORAGE_DTYPES.values():
+        raise KvqError(f"scale storage dtype must be one of {list(STORAGE_DTYPES)}, got {dtype}")
+    ideal = torch.where(nonzero, ideal.float(), 1.0)
+    nonzero = nonzero.expand_as(ideal)
+    if bool((ideal < 0).any()):
+        raise KvqError("scale must be positive, got a negative ideal scale")
+    stored = ideal.to(dtype)
+    # Casting rounds to nearest; a value that landed below the ideal would make
+    # the range maximum encode past the top code, so step it up one ulp.
+    stored = torch.where(stored.float() < ideal, step(stored, up=True), stored)
+    name = dtype_name(dtype)
+    back = stored.float()
+    if bool((~torch.isfinite(back) & nonzero).any()):
+        raise KvqError(f"scale overflows {name} (or is NaN); use a wider scale dtype")
+    tiny = torch.finfo(dtype).tiny
+    under = (back < tiny) & nonzero
+    if bool(under.any()):
+        smallest = float(ideal[under].min())
+        raise KvqError(
+            f"scale underflows {name}: ideal scale {smallest:.3g} is below the smallest "
+            f"normal {tiny:.3g} (subnormal scales are unsafe under flush-to-zero); "
+            "the data range is too small for this scale dtype"
+        )
+    return stored

@@ -1,0 +1,197 @@
+"""Quantization schemes and cache policies: frozen, validated, versioned data.
+
+A `QuantScheme` says how one tensor family (K or V of a layer) is stored: the
+number format, bit width, the axis its qparams vary along, the group size,
+the qparam storage dtype and the scale lifetime. A `LayerPolicy` pairs a K and
+a V scheme with the RoPE stage of the stored keys and the sink-token exception.
+A `CachePolicy` is the per-layer list the runtime builds its layers from.
+
+Everything here serialises to JSON as {"_type", "_version", "_data"} so that an
+artifact written by one kvq release is either read exactly or refused.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields, replace
+from typing import Any, Literal
+
+from kvq.errors import KvqError
+
+SCHEME_VERSION = 1
+
+Format = Literal["int", "fp8", "nuq", "none"]
+Axis = Literal["token", "channel", "head", "tensor"]
+Lifetime = Literal["static", "dynamic"]
+KeyStage = Literal["pre-rope", "post-rope"]
+ScaleDtype = Literal["float16", "bfloat16", "float32"]
+Fp8Format = Literal["e4m3", "e5m2"]
+
+INT_BITS = (2, 3, 4, 8)
+
+
+@dataclass(frozen=True)
+class QuantScheme:
+    """How one cached tensor family is stored.
+
+    format:     "int" (uniform integer), "fp8", "nuq" (codebook indices) or
+                "none" (kept in full precision).
+    bits:       payload bits per element (16 for "none", 8 for fp8).
+    symmetric:  int only: signed codes and no offset, else unsigned codes with
+                a floating offset (x ~ code * scale + offset).
+    axis:       what one qparam set covers: "token" (one row of one head,
+                optionally split in groups of `group_size` channels),
+                "channel" (one channel of one head across tokens),
+                "head" (one head, all its rows), "tensor" (the whole layer).
+    lifetime:   "static" qparams come from calibration and never change;
+                "dynamic" qparams are computed from each appended row.
+    """
+
+    format: Format
+    bits: int
+    axis: Axis = "token"
+    symmetric: bool = False
+    group_size: int | None = None
+    scale_dtype: ScaleDtype = "float16"
+    lifetime: Lifetime = "dynamic"
+    fp8_format: Fp8Format | None = None
+
+    def __post_init__(self) -> None:
+        if self.format == "none":
+            if self.bits != 16:
+                raise KvqError(f"full-precision scheme must declare 16 bits, got {self.bits}")
+            return
+        if self.format in ("int", "nuq") and self.bits not in INT_BITS:
+            raise KvqError(f"bits must be one of {INT_BITS}, got {self.bits}")
+        if self.format == "fp8":
+            if self.bits != 8 or self.fp8_format not in ("e4m3", "e5m2"):
+                raise KvqError("fp8 scheme needs bits=8 and fp8_format e4m3 or e5m2")
+        elif self.fp8_format is not None:
+            raise KvqError("fp8_format is only meaningful for format='fp8'")
+        if self.group_size is not None and self.group_size <= 0:
+            raise KvqError(f"group_size must be positive, got {self.group_size}")
+        if self.axis == "channel" and self.lifetime != "static":
+            # Online per-channel scales rewrite history (article 0x05A): refuse.
+            raise KvqError("per-channel qparams must be static (calibrated); see KIVI for grouping")
+        if self.axis == "token" and self.lifetime != "dynamic":
+            raise KvqError("per-token qparams are computed at append time (dynamic)")
+
+    @property
+    def stored(self) -> bool:
+        return self.format != "none"
+
+    def describe(self) -> str:
+        if self.format == "none":
+            return "fp16"
+        name = f"{self.format}{self.bits}" if self.format != "fp8" else f"fp8-{self.fp8_format}"
+        group = f"/g{self.group_size}" if self.group_size else ""
+        kind = "sym" if self.symmetric else "asym"
+        return f"{name} {kind} per-{self.axis}{group} ({self.lifetime})"
+
+
+FULL_PRECISION = QuantScheme(format="none", bits=16)
+
+
+@dataclass(frozen=True)
+class LayerPolicy:
+    """The K and V storage of one attention layer."""
+
+    key: QuantScheme
+    value: QuantScheme
+    key_stage: KeyStage = "post-rope"
+    sink_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        if self.sink_tokens < 0:
+            raise KvqError(f"sink_tokens must be >= 0, got {self.sink_tokens}")
+        if self.value.axis == "channel":
+            raise KvqError("per-channel V is not supported: V rows are quantized at append time")
+
+    @property
+    def full_precision(self) -> bool:
+        return not self.key.stored and not self.value.stored
+
+
+@dataclass(frozen=True)
+class CachePolicy:
+    """One `LayerPolicy` per decoder layer, in layer order."""
+
+    name: str
+    layers: tuple[LayerPolicy, ...]
+    version: int = field(default=SCHEME_VERSION)
+
+    def __post_init__(self) -> None:
+        if not self.layers:
+            raise KvqError("a cache policy needs at least one layer")
+        if self.version != SCHEME_VERSION:
+            raise KvqError(f"cache policy version {self.version} is not {SCHEME_VERSION}")
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"_type": "CachePolicy", "_version": self.version, "_data": asdict(self)}
+
+    @classmethod
+    def from_json(cls, obj: dict[str, Any]) -> CachePolicy:
+        if obj.get("_type") != "CachePolicy":
+            raise KvqError(f"expected a CachePolicy, found _type={obj.get('_type')!r}")
+        if obj.get("_version") != SCHEME_VERSION:
+            raise KvqError(
+                f"cache policy _version: expected {SCHEME_VERSION}, found {obj.get('_version')!r}"
+            )
+        data = obj["_data"]
+        layers = tuple(
+            LayerPolicy(
+                key=_scheme(layer["key"]),
+                value=_scheme(layer["value"]),
+                key_stage=layer["key_stage"],
+                sink_tokens=layer["sink_tokens"],
+            )
+            for layer in data["layers"]
+        )
+        return cls(name=data["name"], layers=layers, version=data["version"])
+
+
+def _scheme(d: dict[str, Any]) -> QuantScheme:
+    known = {f.name for f in fields(QuantScheme)}
+    unknown = set(d) - known
+    if unknown:
+        raise KvqError(f"unknown QuantScheme fields {sorted(unknown)}")
+    return QuantScheme(**d)
+
+
+# --- named calibration-free policies ------------------------------------------------
+
+
+def _int_token(bits: int, group: int | None) -> QuantScheme:
+    return QuantScheme(format="int", bits=bits, axis="token", group_size=group)
+
+
+NAMED_POLICIES: dict[str, tuple[QuantScheme, QuantScheme, str]] = {
+    # name: (key scheme, value scheme, description)
+    "fp16": (FULL_PRECISION, FULL_PRECISION, "no quantization (reference)"),
+    "int8": (_int_token(8, None), _int_token(8, None), "K and V INT8 per token, post-RoPE"),
+    "int4": (_int_token(4, 64), _int_token(4, 64), "K and V INT4 per token, groups of 64"),
+    "int2": (_int_token(2, 32), _int_token(2, 32), "K and V INT2 per token, groups of 32"),
+}
+
+
+def named_policy(name: str, num_layers: int, head_dim: int | None = None) -> CachePolicy:
+    """A calibration-free policy applied to every layer.
+
+    Groups larger than the model's head_dim shrink to one group per head.
+    """
+    if name not in NAMED_POLICIES:
+        raise KvqError(f"unknown policy {name!r}; known: {', '.join(sorted(NAMED_POLICIES))}")
+    key, value, _ = NAMED_POLICIES[name]
+    if head_dim is not None:
+        key, value = (_fit_group(s, head_dim) for s in (key, value))
+    layer = LayerPolicy(key=key, value=value, key_stage="post-rope")
+    return CachePolicy(name=name, layers=(layer,) * num_layers)
+
+
+def _fit_group(scheme: QuantScheme, head_dim: int) -> QuantScheme:
+    if scheme.group_size is not None and scheme.group_size >= head_dim:
+        return replace(scheme, group_size=None)
+    return scheme

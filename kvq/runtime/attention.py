@@ -1,0 +1,80 @@
+"""The "kvq" attention implementation registered with transformers.
+
+`QuantizedKVCache.update` returns `LayerView`s instead of K/V tensors; this
+function recognises them and computes attention straight from the packed rows
+through the chunked reference (a Triton backend will plug in here). Given plain
+tensors (any other cache, or none) it defers to transformers' SDPA, so a model
+with kvq attention installed behaves exactly as before with ordinary caches.
+
+The mask is transformers' own SDPA mask, built from the cache's
+`get_mask_sizes`: its columns are the layer's visible rows in order, so
+causality, sliding windows and padding all come from one place.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+from kvq.runtime.reference import online_softmax_attention
+
+NAME = "kvq"
+
+
+def kvq_attention(
+    module: torch.nn.Module,
+    query: Tensor,
+    key,
+    value,
+    attention_mask: Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs,
+) -> tuple[Tensor, None]:
+    """query [B, H_q, Q, D] -> (output [B, Q, H_q, D], None)."""
+    from kvq.runtime.cache import LayerView  # cycle: cache installs this module
+
+    if not isinstance(key, LayerView):
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
+    view: LayerView = key
+    q_len = query.shape[2]
+    scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
+    mask = _bool_mask(attention_mask, query, view.state.visible)
+
+    def chunks():
+        for k, v, start, stop in view.layer.chunks(view.state):
+            yield k, v, None if mask is None else mask[..., start:stop]
+
+    out = online_softmax_attention(query, chunks(), scaling, kwargs.get("softcap"))
+    view.cache.attended(view.layer.layer_idx)
+    assert out.shape[2] == q_len
+    return out.to(query.dtype).transpose(1, 2).contiguous(), None
+
+
+def _bool_mask(mask: Tensor | None, query: Tensor, kv_len: int) -> Tensor | None:
+    """A [B, 1, Q, K] boolean mask, True = attend; None means plain causal."""
+    q_len = query.shape[2]
+    if mask is None:
+        # transformers skips the mask when it is purely causal (bottom-right aligned)
+        q_pos = torch.arange(kv_len - q_len, kv_len, device=query.device)
+        k_pos = torch.arange(kv_len, device=query.device)
+        return (k_pos[None, :] <= q_pos[:, None])[None, None]
+    if mask.dtype != torch.bool:
+        mask = mask == 0  # additive float mask: 0 = attend
+    if mask.shape[-1] != kv_len:
+        raise RuntimeError(f"mask covers {mask.shape[-1]} keys, cache layer holds {kv_len}")
+    return mask
+
+
+def install_attention(model) -> None:
+    """Register the kvq attention (once) and switch `model` to it."""
+    if NAME not in AttentionInterface._global_mapping:
+        AttentionInterface.register(NAME, kvq_attention)
+        ALL_MASK_ATTENTION_FUNCTIONS.register(NAME, sdpa_mask)
+    if model.config._attn_implementation != NAME:
+        model.set_attn_implementation(NAME)

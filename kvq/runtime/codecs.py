@@ -1,0 +1,155 @@
+"""Row codecs: how one cached tensor family turns rows into stored tensors and back.
+
+A codec is built from a `QuantScheme` plus, for static schemes, the calibrated
+state read from the artifact. `encode` takes new rows `[B, H, T, D]` and returns
+a dict of tensors whose third dimension is T (the row axis), ready to be written
+into a `RowStore`; `decode` inverts it for any slice of rows. Static qparams
+live in the codec itself (one copy per layer, counted once in the ledger).
+
+The quantizers are the shared ones in `kvq.quant`: calibration measures error
+with the same functions the runtime encodes with.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from kvq.errors import KvqError
+from kvq.quant import affine, packing
+from kvq.quant.qparams import check_finite, storage_dtype
+from kvq.quant.schemes import QuantScheme
+
+Rows = dict[str, Tensor]  # each tensor [B, H, T, ...]
+
+
+class Codec:
+    """Base: full precision. Stores rows unchanged in the activation dtype."""
+
+    #: tensors of the codec's own (static) state, for the ledger
+    static: dict[str, Tensor]
+
+    def __init__(self, head_dim: int, dtype: torch.dtype):
+        self.head_dim = head_dim
+        self.dtype = dtype
+        self.static = {}
+
+    def encode(self, x: Tensor) -> Rows:
+        """x: [B, H, T, D] -> stored rows."""
+        return {"data": x.to(self.dtype)}
+
+    def decode(self, rows: Rows) -> Tensor:
+        """stored rows (each [B, H, C, ...]) -> [B, H, C, D] float32."""
+        return rows["data"].float()
+
+    @staticmethod
+    def categories() -> dict[str, str]:
+        """Stored tensor name -> ledger category."""
+        return {"data": "full_precision"}
+
+
+class IntTokenCodec(Codec):
+    """Uniform integer codes with qparams per (token, head[, channel group]), computed at append."""
+
+    def __init__(self, scheme: QuantScheme, head_dim: int):
+        super().__init__(head_dim, torch.float32)
+        self.bits = scheme.bits
+        self.symmetric = scheme.symmetric
+        self.group = scheme.group_size or head_dim
+        if head_dim % self.group:
+            raise KvqError(f"group size {self.group} does not divide head_dim {head_dim}")
+        self.scale_dtype = storage_dtype(scheme.scale_dtype)
+
+    def encode(self, x: Tensor) -> Rows:
+        g = affine.to_groups(x.float(), self.group)  # [B, H, T, D/G, G]
+        if self.symmetric:
+            codes, scale = affine.quantize_symmetric(g, self.bits, -1, self.scale_dtype)
+            # signed -> unsigned so that every width packs the same way
+            ucodes = (codes.to(torch.int16) + (1 << (self.bits - 1))).to(torch.uint8)
+            packed = packing.pack_bits(affine.from_groups(ucodes), self.bits)
+            return {"codes": packed, "scale": scale.squeeze(-1)}
+        codes, scale, offset = affine.quantize_affine(g, self.bits, -1, self.scale_dtype)
+        packed = packing.pack_bits(affine.from_groups(codes), self.bits)
+        return {"codes": packed, "scale": scale.squeeze(-1), "offset": offset.squeeze(-1)}
+
+    def decode(self, rows: Rows) -> Tensor:
+        codes = packing.unpack_bits(rows["codes"], self.bits, self.head_dim)
+        g = affine.to_groups(codes, self.group)  # [B, H, C, D/G, G]
+        scale = rows["scale"].unsqueeze(-1)
+        if self.symmetric:
+            signed = g.to(torch.int16) - (1 << (self.bits - 1))
+            return affine.from_groups(affine.symmetric_decode(signed, scale))
+        return affine.from_groups(affine.affine_decode(g, scale, rows["offset"].unsqueeze(-1)))
+
+    @staticmethod
+    def categories() -> dict[str, str]:
+        return {"codes": "codes", "scale": "qparams", "offset": "qparams"}
+
+
+class IntChannelStaticCodec(Codec):
+    """Uniform integer codes with calibrated, fixed qparams per (head, channel).
+
+    Static state means appending a row never reinterprets history (article 0x05A,
+    design 2): scale and offset are read from the artifact once.
+    """
+
+    def __init__(self, scheme: QuantScheme, head_dim: int, scale: Tensor, offset: Tensor | None):
+        super().__init__(head_dim, torch.float32)
+        self.bits = scheme.bits
+        self.symmetric = scheme.symmetric
+        if scale.ndim != 2 or scale.shape[-1] != head_dim:
+            raise KvqError(
+                f"per-channel scale must be [H_kv, {head_dim}], got {tuple(scale.shape)}"
+            )
+        if not self.symmetric and (offset is None or offset.shape != scale.shape):
+            raise KvqError("asymmetric per-channel scheme needs an offset shaped like its scale")
+        self.static = {"scale": scale} if self.symmetric else {"scale": scale, "offset": offset}
+        # [1, H, 1, D] views for broadcasting against rows
+        self._scale = scale[None, :, None, :]
+        self._offset = None if offset is None else offset[None, :, None, :]
+
+    def encode(self, x: Tensor) -> Rows:
+        check_finite(x, "key/value rows")
+        x = x.float()
+        if self.symmetric:
+            codes = affine.symmetric_encode(x, self._scale, self.bits)
+            ucodes = (codes.to(torch.int16) + (1 << (self.bits - 1))).to(torch.uint8)
+        else:
+            ucodes = affine.affine_encode(x, self._scale, self._offset, self.bits)
+        return {"codes": packing.pack_bits(ucodes, self.bits)}
+
+    def decode(self, rows: Rows) -> Tensor:
+        codes = packing.unpack_bits(rows["codes"], self.bits, self.head_dim)
+        if self.symmetric:
+            return affine.symmetric_decode(
+                codes.to(torch.int16) - (1 << (self.bits - 1)), self._scale
+            )
+        return affine.affine_decode(codes, self._scale, self._offset)
+
+    @staticmethod
+    def categories() -> dict[str, str]:
+        return {"codes": "codes"}
+
+
+def make_codec(
+    scheme: QuantScheme,
+    head_dim: int,
+    activation_dtype: torch.dtype,
+    state: dict[str, Tensor],
+    where: str,
+) -> Codec:
+    """Build the codec for `scheme`; `state` holds its static tensors (may be empty).
+
+    `where` names the policy entry (e.g. "layers.3.key") for error messages.
+    """
+    if scheme.format == "none":
+        return Codec(head_dim, activation_dtype)
+    if scheme.format == "int" and scheme.axis == "token":
+        return IntTokenCodec(scheme, head_dim)
+    if scheme.format == "int" and scheme.axis == "channel":
+        if "scale" not in state:
+            raise KvqError(
+                f"{where}: static per-channel scheme but the artifact has no {where}.scale"
+            )
+        return IntChannelStaticCodec(scheme, head_dim, state["scale"], state.get("offset"))
+    raise KvqError(f"{where}: no runtime codec for {scheme.describe()}")

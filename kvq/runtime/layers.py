@@ -1,0 +1,215 @@
+"""One cache layer per policy entry: packed K/V rows, sink rows, positions.
+
+A layer's public state is an immutable `LayerState`. `prepare` computes the
+successor for new rows without touching the public one; the owning cache
+publishes all layers' successors together (see `cache.py`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, replace
+
+import torch
+from torch import Tensor
+from transformers.cache_utils import CacheLayerMixin
+
+from kvq.quant.schemes import LayerPolicy
+from kvq.runtime.codecs import Codec
+from kvq.runtime.state import RowStore
+
+RopeFn = Callable[[Tensor, Tensor], Tensor]  # (x [B, H, T, D], positions [B, T]) -> x rotated
+
+
+@dataclass(frozen=True)
+class LayerState:
+    sink: RowStore  # full-precision rows of the first `sink_tokens` positions
+    main: RowStore  # encoded rows
+    seen: int  # tokens appended so far (including evicted ones)
+    evicted: int  # rows dropped from the front (sliding-window layers)
+
+    @property
+    def visible(self) -> int:
+        return self.sink.length + self.main.length
+
+
+EMPTY = LayerState(RowStore.empty(), RowStore.empty(), 0, 0)
+
+
+class KvqLayer(CacheLayerMixin):
+    """A transformers cache layer whose rows are stored by a K codec and a V codec.
+
+    Keys arrive post-RoPE from the model. For a pre-RoPE policy the rotation is
+    undone at each row's own position before encoding, and re-applied after
+    decoding, so the stored codes are pre-RoPE keys (article 0x03E).
+    """
+
+    is_compileable = False
+    is_croppable = True
+
+    def __init__(
+        self,
+        layer_idx: int,
+        policy: LayerPolicy,
+        key_codec: Codec,
+        value_codec: Codec,
+        activation_dtype: torch.dtype,
+        sliding_window: int | None,
+        rotate: RopeFn,
+        unrotate: RopeFn,
+        chunk_rows: int = 256,
+    ):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.policy = policy
+        self.key_codec, self.value_codec = key_codec, value_codec
+        self.activation_dtype = activation_dtype
+        self.sliding_window = sliding_window
+        self.is_sliding = sliding_window is not None
+        self.rotate, self.unrotate = rotate, unrotate
+        self.chunk_rows = chunk_rows
+        self.state = EMPTY
+        self.is_initialized = True
+
+    # --- append --------------------------------------------------------------------
+
+    def prepare(self, key: Tensor, value: Tensor, positions: Tensor) -> LayerState:
+        """Successor state with new rows appended.
+
+        key, value: [B, H_kv, T, D] (key post-RoPE); positions: [B, T] RoPE positions.
+        """
+        st = self.state
+        t = key.shape[2]
+        n_sink = max(0, min(self.policy.sink_tokens - st.seen, t))
+        if self.policy.key_stage == "pre-rope":
+            key = self.unrotate(key.float(), positions)
+        sink, main = st.sink, st.main
+        if n_sink:
+            sink = sink.prepared(
+                {
+                    "k": key[:, :, :n_sink].to(self.activation_dtype),
+                    "v": value[:, :, :n_sink].to(self.activation_dtype),
+                },
+                positions[:, :n_sink],
+            )
+        if t > n_sink:
+            k_rows = self.key_codec.encode(key[:, :, n_sink:])
+            v_rows = self.value_codec.encode(value[:, :, n_sink:])
+            rows = {f"k.{n}": r for n, r in k_rows.items()} | {
+                f"v.{n}": r for n, r in v_rows.items()
+            }
+            main = main.prepared(rows, positions[:, n_sink:])
+        return LayerState(sink=sink, main=main, seen=st.seen + t, evicted=st.evicted)
+
+    def evict(self, state: LayerState) -> LayerState:
+        """Drop rows a sliding-window layer can never attend to again.
+
+        Keeps at least `window - 1` rows (what the next query needs) and only
+        compacts once twice the window is stored, so eviction copies are rare.
+        """
+        w = self.sliding_window
+        if w is None or state.visible <= 2 * w:
+            return state
+        drop = state.visible - (w - 1)
+        if drop < state.sink.length:
+            return state
+        main = state.main.dropped_front(drop - state.sink.length)
+        return replace(state, sink=RowStore.empty(), main=main, evicted=state.evicted + drop)
+
+    # --- read ----------------------------------------------------------------------
+
+    def chunks(self, state: LayerState) -> Iterator[tuple[Tensor, Tensor, int, int]]:
+        """Decoded (key post-RoPE [B, H, C, D], value [B, H, C, D], start, stop) chunks.
+
+        `start`/`stop` index the visible rows, which are the columns of the mask.
+        """
+        if state.sink.length:
+            r = state.sink.rows()
+            key = r["k"].float()
+            if self.policy.key_stage == "pre-rope":
+                key = self.rotate(key, state.sink.row_positions())
+            yield key, r["v"].float(), 0, state.sink.length
+        offset = state.sink.length
+        for a in range(0, state.main.length, self.chunk_rows):
+            b = min(a + self.chunk_rows, state.main.length)
+            rows = state.main.rows(a, b)
+            key = self.key_codec.decode(_strip(rows, "k."))
+            value = self.value_codec.decode(_strip(rows, "v."))
+            if self.policy.key_stage == "pre-rope":
+                key = self.rotate(key, state.main.row_positions(a, b))
+            yield key, value, offset + a, offset + b
+
+    # --- ledger --------------------------------------------------------------------
+
+    def ledger_bytes(self) -> dict[str, int]:
+        """Measured bytes per ledger category of the committed state."""
+        out = dict.fromkeys(("codes", "qparams", "sparse", "sink", "residual", "full_precision"), 0)
+        out["sink"] += sum(self.state.sink.nbytes().values())
+        cats = {f"k.{n}": c for n, c in self.key_codec.categories().items()}
+        cats |= {f"v.{n}": c for n, c in self.value_codec.categories().items()}
+        for name, nbytes in self.state.main.nbytes().items():
+            out[cats[name]] += nbytes
+        for codec in (self.key_codec, self.value_codec):
+            out["qparams"] += sum(t.nbytes for t in codec.static.values())
+        return out
+
+    def allocated_bytes(self) -> int:
+        return self.state.sink.allocated_bytes() + self.state.main.allocated_bytes()
+
+    # --- CacheLayerMixin -------------------------------------------------------------
+
+    def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
+        return None
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        raise RuntimeError("KvqLayer is updated through QuantizedKVCache.update")
+
+    def get_seq_length(self) -> int:
+        return self.state.seen
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.state.visible + query_length, self.state.evicted
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        self.state = EMPTY
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        st = self.state
+        self.state = replace(
+            st, sink=st.sink.select_batch(beam_idx), main=st.main.select_batch(beam_idx)
+        )
+
+    def crop(self, max_length: int) -> None:
+        """Keep the first `max_length` tokens (negative: drop that many from the end)."""
+        st = self.state
+        keep = st.seen + max_length if max_length < 0 else max_length
+        if keep >= st.seen:
+            return
+        if st.evicted:
+            raise RuntimeError("cannot crop a sliding-window layer that has evicted rows")
+        self.state = LayerState(
+            sink=st.sink.truncated(keep),
+            main=st.main.truncated(max(0, keep - st.sink.length)),
+            seen=keep,
+            evicted=0,
+        )
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        index = torch.arange(self.batch_size()).repeat_interleave(repeats)
+        self.reorder_cache(index)
+
+    def batch_select_indices(self, indices: Tensor) -> None:
+        self.reorder_cache(indices)
+
+    def batch_size(self) -> int:
+        for store in (self.state.main, self.state.sink):
+            if store.positions is not None:
+                return store.positions.shape[0]
+        return 0
+
+
+def _strip(rows: dict[str, Tensor], prefix: str) -> dict[str, Tensor]:
+    return {n[len(prefix) :]: t for n, t in rows.items() if n.startswith(prefix)}

@@ -1,0 +1,107 @@
+"""Row storage with prepare/publish semantics (article 0x05D, 0x0CA).
+
+A `RowStore` is an immutable snapshot: named buffers `[B, H, capacity, ...]`
+and a committed length. Readers only ever look at rows `[:length]`.
+
+`RowStore.prepared(rows)` builds the successor snapshot. When capacity allows
+it writes the new rows *beyond* the committed frontier of the shared buffers,
+which no reader of the predecessor can see; otherwise it copies into larger
+buffers. Either way the predecessor stays valid and unchanged, so an aborted
+transaction is dropped by simply forgetting its successor, and publication is
+a single reference assignment per layer done by the cache once every layer is
+prepared.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+Rows = dict[str, Tensor]
+
+
+@dataclass(frozen=True)
+class RowStore:
+    buffers: dict[str, Tensor]  # name -> [B, H, capacity, ...]
+    length: int  # committed rows
+    positions: Tensor | None  # [B, capacity] int64 RoPE position of each row
+
+    @staticmethod
+    def empty() -> RowStore:
+        return RowStore(buffers={}, length=0, positions=None)
+
+    def rows(self, start: int = 0, stop: int | None = None) -> Rows:
+        """A view of committed rows [start, stop)."""
+        stop = self.length if stop is None else stop
+        return {name: buf[:, :, start:stop] for name, buf in self.buffers.items()}
+
+    def row_positions(self, start: int = 0, stop: int | None = None) -> Tensor:
+        stop = self.length if stop is None else stop
+        assert self.positions is not None
+        return self.positions[:, start:stop]
+
+    def prepared(self, rows: Rows, positions: Tensor) -> RowStore:
+        """Successor with `rows` (each [B, H, T, ...]) appended at positions [B, T]."""
+        t = positions.shape[1]
+        need = self.length + t
+        if self.buffers and need <= self.capacity:
+            buffers, pos = self.buffers, self.positions
+        else:
+            cap = max(need, 2 * self.capacity, 64)
+            buffers = {n: _grow(self.buffers.get(n), r, self.length, cap) for n, r in rows.items()}
+            pos = _grow_pos(self.positions, positions, self.length, cap)
+        for name, r in rows.items():
+            buffers[name][:, :, self.length : need] = r
+        assert pos is not None
+        pos[:, self.length : need] = positions
+        return RowStore(buffers=buffers, length=need, positions=pos)
+
+    def dropped_front(self, count: int) -> RowStore:
+        """Successor without the oldest `count` rows (sliding-window eviction); copies."""
+        if count <= 0:
+            return self
+        assert self.positions is not None
+        bufs = {n: b[:, :, count : self.length].clone() for n, b in self.buffers.items()}
+        return RowStore(bufs, self.length - count, self.positions[:, count : self.length].clone())
+
+    def select_batch(self, index: Tensor) -> RowStore:
+        """Successor with batch rows reordered (beam search): codes, qparams and positions move together."""
+        if not self.buffers:
+            return self
+        assert self.positions is not None
+        bufs = {n: b.index_select(0, index) for n, b in self.buffers.items()}
+        return RowStore(bufs, self.length, self.positions.index_select(0, index))
+
+    def truncated(self, length: int) -> RowStore:
+        """Successor keeping the first `length` rows; later rows become invisible and are overwritten."""
+        return RowStore(self.buffers, min(length, self.length), self.positions)
+
+    @property
+    def capacity(self) -> int:
+        if not self.buffers:
+            return 0
+        return next(iter(self.buffers.values())).shape[2]
+
+    def nbytes(self) -> dict[str, int]:
+        """Bytes of the committed rows of each stored tensor, measured from the tensors."""
+        return {n: b[:, :, : self.length].nbytes for n, b in self.buffers.items()}
+
+    def allocated_bytes(self) -> int:
+        return sum(b.nbytes for b in self.buffers.values())
+
+
+def _grow(old: Tensor | None, like: Tensor, keep: int, cap: int) -> Tensor:
+    shape = (like.shape[0], like.shape[1], cap, *like.shape[3:])
+    new = torch.empty(shape, dtype=like.dtype, device=like.device)
+    if old is not None and keep:
+        new[:, :, :keep] = old[:, :, :keep]
+    return new
+
+
+def _grow_pos(old: Tensor | None, like: Tensor, keep: int, cap: int) -> Tensor:
+    new = torch.empty((like.shape[0], cap), dtype=torch.long, device=like.device)
+    if old is not None and keep:
+        new[:, :keep] = old[:, :keep]
+    return new

@@ -1,0 +1,160 @@
+"""Shared fixtures: a tiny tokenizer, tiny random models per family, the shared data folder.
+
+Everything here is built offline in well under a second per object, so tests never need the
+hub. Other test modules import `make_tiny_model` and `tiny_tokenizer` directly.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import pytest
+import torch
+
+SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+CALIBRATION_TXT = SHARED_DATA / "calibration" / "groups_merged.txt"
+
+# A few KB of real text is enough for a ~512-token byte-level BPE; a fixed fallback keeps
+# the fixtures usable (and deterministic) on a checkout without the shared folder.
+_TRAIN_BYTES = 24_000
+_FALLBACK_TEXT = (
+    "The quick brown fox jumps over the lazy dog. Keys and values are cached per layer; "
+    "queries attend to them. Rotary embeddings rotate pairs of channels by a position angle. "
+) * 200
+TINY_VOCAB = 512
+SPECIALS = ["<pad>", "<eos>", "<bos>"]  # ids 0, 1, 2 as in Gemma
+
+
+@functools.cache
+def tiny_tokenizer():
+    """A byte-level BPE PreTrainedTokenizerFast, vocab 512, ids <pad>=0 <eos>=1 <bos>=2.
+
+    BOS handling is explicit: `add_bos_token=True` installs a post-processor that prepends
+    `<bos>` when `add_special_tokens=True` (the default) and nothing otherwise.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    if CALIBRATION_TXT.is_file():
+        text = CALIBRATION_TXT.read_bytes()[:_TRAIN_BYTES].decode("utf-8", errors="ignore")
+    else:
+        text = _FALLBACK_TEXT
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=TINY_VOCAB,
+        special_tokens=SPECIALS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    lines = text.splitlines(keepends=True)
+    tok.train_from_iterator(lines, trainer=trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<bos>",
+        eos_token="<eos>",
+        pad_token="<pad>",
+        add_bos_token=True,
+        add_eos_token=False,
+    )
+
+
+def _tiny_config(family: str, vocab: int, **overrides):
+    from transformers import Gemma3TextConfig, LlamaConfig, MistralConfig, Qwen2Config
+
+    common = dict(
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=256,
+        pad_token_id=0,
+        eos_token_id=1,
+        bos_token_id=2,
+        tie_word_embeddings=False,
+    )
+    if family == "llama":
+        return LlamaConfig(**{**common, **overrides})
+    if family == "mistral":
+        return MistralConfig(**{**common, "sliding_window": 8, **overrides})
+    if family == "qwen2":
+        # Qwen2 always has q/k/v biases; random init leaves them zero, so randomise them
+        # in make_tiny_model to make sure the adapter does not silently drop them.
+        return Qwen2Config(**{**common, **overrides})
+    if family == "gemma3":
+        gemma = dict(
+            common,
+            num_hidden_layers=4,
+            num_key_value_heads=1,
+            head_dim=32,
+            layer_types=["sliding_attention"] * 3 + ["full_attention"],
+            sliding_window=8,
+            query_pre_attn_scalar=24,  # deliberately != head_dim so the scale is tested
+            rope_parameters={
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+                "full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0},
+            },
+            tie_word_embeddings=True,
+        )
+        return Gemma3TextConfig(**{**gemma, **overrides})
+    raise ValueError(f"unknown tiny family {family!r}")
+
+
+def make_tiny_model(family: str, **overrides):
+    """A randomly initialised fp32 eval-mode model: "llama", "mistral", "qwen2" or "gemma3".
+
+    llama/qwen2/mistral: hidden 64, 2 layers, 4 q heads, 2 kv heads, head_dim 16.
+    gemma3: 4 layers (sliding x3, full), window 8, 4 q heads, 1 kv head, head_dim 32,
+    query_pre_attn_scalar 24, rope theta 1e4 local / 1e6 global.
+    `overrides` go into the config.
+    """
+    from transformers import AutoModelForCausalLM
+
+    config = _tiny_config(family, len(tiny_tokenizer()), **overrides)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    # save_pretrained records the class in config.architectures; set it now so an in-memory
+    # model and its saved copy (tiny_model_dir) have the same config fingerprint.
+    model.config.architectures = [type(model).__name__]
+    with torch.no_grad():
+        # Random init leaves biases and Gemma's (1 + w) norm weights at zero, which would hide
+        # a dropped bias or a wrong norm parametrisation; make them non-trivial.
+        for name, p in model.named_parameters():
+            if name.endswith(".bias") or "norm" in name:
+                p.normal_(0.0, 0.1)
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    """The tiny tokenizer (see `tiny_tokenizer`)."""
+    return tiny_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """family -> directory with a saved tiny model + tokenizer (a local-dir MODEL spec)."""
+    built: dict[str, Path] = {}
+
+    def get(family: str) -> Path:
+        if family not in built:
+            out = tmp_path_factory.mktemp(f"tiny-{family}")
+            make_tiny_model(family).save_pretrained(out)
+            tiny_tokenizer().save_pretrained(out)
+            built[family] = out
+        return built[family]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def shared_data() -> Path:
+    """The shared data folder (`../shared/data` from the repo root)."""
+    if not SHARED_DATA.is_dir():
+        pytest.skip(f"shared data folder {SHARED_DATA} is missing")
+    return SHARED_DATA

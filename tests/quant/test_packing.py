@@ -1,0 +1,58 @@
+"""Bit packing: exact round trip, layout, validation."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvq.errors import KvqError
+from kvq.quant.packing import pack_bits, packed_len, unpack_bits
+
+BITS = (2, 3, 4, 8)
+
+
+@pytest.mark.parametrize("bits", BITS)
+@settings(max_examples=40, deadline=None)
+@given(
+    lead=st.lists(st.integers(0, 3), min_size=0, max_size=3),
+    n=st.integers(0, 37),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_round_trip(bits, lead, n, seed):
+    gen = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 2**bits, (*lead, n), generator=gen, dtype=torch.uint8)
+    packed = pack_bits(codes, bits)
+    assert packed.dtype == torch.uint8
+    assert packed.shape == (*lead, packed_len(n, bits))
+    assert torch.equal(unpack_bits(packed, bits, n), codes)
+
+
+def test_packed_len():
+    assert [packed_len(9, b) for b in BITS] == [3, 6, 5, 9]
+    assert packed_len(0, 3) == 0
+    with pytest.raises(KvqError):
+        packed_len(4, 5)
+
+
+def test_layout_little_endian():
+    assert pack_bits(torch.tensor([1, 2], dtype=torch.uint8), 4).tolist() == [0x21]
+    assert pack_bits(torch.tensor([1, 2, 3], dtype=torch.uint8), 2).tolist() == [0b111001]
+    codes = torch.tensor([1, 2, 3, 4, 5, 6, 7, 0], dtype=torch.uint8)
+    word = sum(c << (3 * i) for i, c in enumerate(codes.tolist()))
+    expected = [word & 0xFF, (word >> 8) & 0xFF, word >> 16]
+    assert pack_bits(codes, 3).tolist() == expected
+
+
+@pytest.mark.parametrize("bits", (2, 3, 4))
+def test_out_of_range_code_rejected(bits):
+    with pytest.raises(KvqError, match="does not fit"):
+        pack_bits(torch.tensor([0, 2**bits], dtype=torch.uint8), bits)
+
+
+def test_bad_inputs_rejected():
+    with pytest.raises(KvqError):
+        pack_bits(torch.tensor([1, 2], dtype=torch.int8), 4)
+    with pytest.raises(KvqError):
+        pack_bits(torch.zeros(4, dtype=torch.uint8), 5)
+    with pytest.raises(KvqError):
+        unpack_bits(torch.zeros(3, dtype=torch.uint8), 4, 8)  # needs 4 bytes

@@ -1,0 +1,221 @@
+"""QuantizedKVCache on tiny random Llama, Qwen2 and Gemma 3 models."""
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from kvq.models.adapters import get_adapter
+from kvq.quant.schemes import CachePolicy, LayerPolicy, QuantScheme, named_policy
+from kvq.runtime.cache import QuantizedKVCache, build_cache
+from kvq.runtime.reference import dense_attention, online_softmax_attention
+from tests.conftest import make_tiny_model
+
+FAMILIES = ["llama", "qwen2", "gemma3"]
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def model(request):
+    return make_tiny_model(request.param)
+
+
+def _cache(model, name="int8", **overrides) -> QuantizedKVCache:
+    ad = get_adapter(model)
+    policy = named_policy(name, ad.info.num_layers, ad.info.head_dim)
+    if overrides:
+        lp = LayerPolicy(**{**policy.layers[0].__dict__, **overrides})
+        policy = CachePolicy(name="custom", layers=(lp,) * ad.info.num_layers)
+    return build_cache(model, policy, {}, ad)
+
+
+def _ids(n=20, b=1, seed=0):
+    return torch.randint(3, 200, (b, n), generator=torch.Generator().manual_seed(seed))
+
+
+@torch.no_grad()
+def test_full_precision_policy_matches_dynamic_cache(model):
+    ids = _ids(24, b=2)
+    want = model(ids, past_key_values=DynamicCache(config=model.config)).logits
+    cache = _cache(model, "fp16")
+    got = model(ids, past_key_values=cache).logits
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    # and token-by-token decode after the prefill, past the sliding window
+    full = torch.cat([ids, _ids(16, b=2, seed=1)], dim=1)
+    ref = model(full).logits
+    for t in range(24, full.shape[1]):
+        step = model(full[:, t : t + 1], past_key_values=cache).logits[:, -1]
+        torch.testing.assert_close(step, ref[:, t], atol=1e-4, rtol=1e-4)
+    assert cache.get_seq_length() == full.shape[1]
+
+
+@torch.no_grad()
+def test_pre_rope_storage_rotates_at_each_rows_position(model):
+    # full-precision pre-RoPE storage is exact up to fp32 rounding of the rotation
+    ids = _ids(20)
+    ref = model(ids).logits
+    cache = _cache(model, "fp16", key_stage="pre-rope")
+    got = model(ids, past_key_values=cache).logits
+    torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
+    nxt = _ids(1, seed=3)
+    step = model(nxt, past_key_values=cache).logits[:, -1]
+    torch.testing.assert_close(
+        step, model(torch.cat([ids, nxt], 1)).logits[:, -1], atol=1e-4, rtol=1e-4
+    )
+
+
+@torch.no_grad()
+def test_cache_stores_packed_codes_not_floats(model):
+    cache = _cache(model, "int4")
+    model(_ids(16), past_key_values=cache)
+    layer = cache.layers[0]
+    stored = layer.state.main.buffers
+    head_dim = get_adapter(model).info.head_dim
+    assert stored["k.codes"].dtype == torch.uint8
+    assert stored["k.codes"].shape[-1] == head_dim // 2  # two 4-bit codes per byte
+    assert not any(t.is_floating_point() and t.shape[-1] == head_dim for t in stored.values())
+    ledger = cache.nbytes()
+    measured = sum(
+        sum(layer.state.main.nbytes().values()) + sum(layer.state.sink.nbytes().values())
+        for layer in cache.layers
+    )
+    assert ledger.total == measured
+    assert ledger.ratio < 0.5
+
+
+@torch.no_grad()
+def test_quantized_attention_equals_reference_over_decoded_rows(model):
+    """The chunked path over packed codes equals dense attention over the same decoded rows."""
+    ad = get_adapter(model)
+    cache = _cache(model, "int4")
+    ids = _ids(12)
+    model(ids, past_key_values=cache)
+    layer = cache.layers[-1]
+    k = torch.cat([k for k, _, _, _ in layer.chunks(layer.state)], dim=2)
+    v = torch.cat([v for _, v, _, _ in layer.chunks(layer.state)], dim=2)
+    q = torch.randn(1, ad.info.num_q_heads, 1, ad.info.head_dim)
+    mask = torch.ones(1, 1, 1, k.shape[2], dtype=torch.bool)
+    want = dense_attention(q, k, v, mask, 0.3)
+    chunks = ((kc, vc, mask[..., a:b]) for kc, vc, a, b in layer.chunks(layer.state))
+    got = online_softmax_attention(q, chunks, 0.3)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+@torch.no_grad()
+def test_int8_logits_close_to_unquantized(model):
+    ids = _ids(24)
+    ref = torch.log_softmax(model(ids).logits, -1)
+    got = torch.log_softmax(model(ids, past_key_values=_cache(model, "int8")).logits, -1)
+    kl = (ref.exp() * (ref - got)).sum(-1).mean()
+    assert kl < 1e-3
+    assert (ref.argmax(-1) == got.argmax(-1)).float().mean() > 0.9
+
+
+@torch.no_grad()
+def test_failed_forward_publishes_nothing(model):
+    """An append is visible in all layers at once or not at all (article 0x05)."""
+    ad = get_adapter(model)
+    cache = _cache(model, "int8")
+    ids = _ids(10)
+    model(ids, past_key_values=cache)
+    before = [layer.state for layer in cache.layers]
+    seen = cache.get_seq_length()
+
+    def boom(*_):
+        raise RuntimeError("injected failure after layer 0 prepared")
+
+    handle = ad.attention(ad.info.num_layers - 1).register_forward_pre_hook(boom)
+    try:
+        with pytest.raises(RuntimeError, match="injected"):
+            model(_ids(3, seed=5), past_key_values=cache)
+    finally:
+        handle.remove()
+    assert cache.get_seq_length() == seen
+    assert all(layer.state is st for layer, st in zip(cache.layers, before, strict=True))
+    # the next forward discards the stale transaction and matches a clean cache
+    nxt = _ids(3, seed=6)
+    got = model(nxt, past_key_values=cache).logits
+    clean = _cache(model, "int8")
+    model(ids, past_key_values=clean)
+    want = model(nxt, past_key_values=clean).logits
+    torch.testing.assert_close(got, want)
+    assert cache.get_seq_length() == seen + 3
+
+
+@torch.no_grad()
+def test_sink_rows_stay_exact():
+    model = make_tiny_model("llama")
+    cache = _cache(model, "int4", sink_tokens=2)
+    ids = _ids(9)
+    model(ids, past_key_values=cache)
+    layer = cache.layers[0]
+    assert layer.state.sink.length == 2 and layer.state.main.length == 7
+    ref = DynamicCache(config=model.config)
+    model(ids, past_key_values=ref)
+    torch.testing.assert_close(layer.state.sink.rows()["k"], ref.layers[0].keys[:, :, :2])
+    assert cache.nbytes().sink > 0
+
+
+@torch.no_grad()
+def test_sliding_window_layers_evict_and_stay_correct():
+    model = make_tiny_model("gemma3")
+    ad = get_adapter(model)
+    window = ad.sliding_window(0)
+    cache = _cache(model, "fp16")
+    full = _ids(4 * window + 3)
+    ref = model(full).logits
+    model(full[:, :4], past_key_values=cache)
+    for t in range(4, full.shape[1]):
+        step = model(full[:, t : t + 1], past_key_values=cache).logits[:, -1]
+        torch.testing.assert_close(step, ref[:, t], atol=1e-4, rtol=1e-4)
+    sliding = [layer for layer in cache.layers if layer.is_sliding]
+    assert sliding and all(layer.state.evicted > 0 for layer in sliding)
+    assert all(layer.state.visible <= 2 * window for layer in sliding)
+    assert not any(layer.state.evicted for layer in cache.layers if not layer.is_sliding)
+
+
+@torch.no_grad()
+def test_generate_with_quantized_cache(model):
+    ids = _ids(8)
+    want = model.generate(ids, max_new_tokens=6, do_sample=False)
+    got = model.generate(
+        ids, past_key_values=_cache(model, "fp16"), max_new_tokens=6, do_sample=False
+    )
+    assert torch.equal(got, want)
+    out = model.generate(
+        ids, past_key_values=_cache(model, "int4"), max_new_tokens=6, do_sample=False
+    )
+    assert out.shape == want.shape
+
+
+@torch.no_grad()
+def test_reorder_and_crop_move_codes_and_positions_together():
+    model = make_tiny_model("llama")
+    cache = _cache(model, "int4")
+    ids = torch.cat([_ids(6, seed=1), _ids(6, seed=2)])
+    model(ids, past_key_values=cache)
+    before = cache.layers[0].state.main.rows()["k.codes"].clone()
+    cache.reorder_cache(torch.tensor([1, 0]))
+    after = cache.layers[0].state.main.rows()["k.codes"]
+    assert torch.equal(after[0], before[1]) and torch.equal(after[1], before[0])
+    cache.crop(4)
+    assert cache.get_seq_length() == 4
+    assert cache.layers[0].state.main.length == 4
+
+
+def test_policy_layer_count_must_match_model():
+    model = make_tiny_model("llama")
+    ad = get_adapter(model)
+    bad = named_policy("int8", ad.info.num_layers + 1)
+    with pytest.raises(Exception, match="layers"):
+        build_cache(model, bad, {}, ad)
+
+
+def test_static_per_channel_scheme_needs_its_tensors():
+    model = make_tiny_model("llama")
+    ad = get_adapter(model)
+    scheme = QuantScheme(format="int", bits=4, axis="channel", lifetime="static")
+    lp = LayerPolicy(
+        key=scheme, value=named_policy("int4", 1, 16).layers[0].value, key_stage="pre-rope"
+    )
+    policy = CachePolicy(name="x", layers=(lp,) * ad.info.num_layers)
+    with pytest.raises(Exception, match=r"layers\.0\.key\.scale"):
+        build_cache(model, policy, {}, ad)
