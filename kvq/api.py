@@ -3,7 +3,7 @@
 model, tokenizer = kvq.load_model("gemma3-270m")
 artifact = kvq.load_artifact("artifacts/int4", model=model)   # validates
 cache = kvq.make_cache(model, artifact=artifact)              # or policy="int8"
-out = model.generate(**inputs, past_key_values=cache)
+out = model.generate(**inputs, cache=cache)
 """
 
 from __future__ import annotations

@@ -49,7 +49,7 @@ def measure_ledger(
 ) -> ByteLedger:
     """Run one window through a real cache and read its ledger from the stored tensors."""
     cache = build_cache(loaded.model, policy, tensors, loaded.adapter)
-    loaded.model(ids.to(loaded.model.device), past_key_values=cache, use_cache=True)
+    loaded.model(ids.to(loaded.model.device), cache=cache, use_cache=True)
     return cache.nbytes()
 
 

@@ -64,8 +64,13 @@ def capture(
 
 @torch.no_grad()
 def run_windows(model, windows: Tensor, on_window: Callable[[int], None] | None = None) -> None:
-    """Forward each calibration window ([N, L] token ids) through `model`, one at a time."""
+    """Forward each calibration window ([N, L] token ids) through `model`, one at a time.
+
+    Only the decoder body runs: the hooks see every K/V, and skipping the LM head
+    (a 262k-wide projection for Gemma 3) saves most of the time.
+    """
+    body = model.get_decoder() if hasattr(model, "get_decoder") else model
     for i in range(windows.shape[0]):
-        model(windows[i : i + 1].to(model.device), use_cache=False)
+        body(input_ids=windows[i : i + 1].to(model.device), use_cache=False)
         if on_window is not None:
             on_window(i)

@@ -6,11 +6,15 @@ import json
 import sys
 from pathlib import Path
 
-import click
 import typer
 from typer.core import TyperGroup
 
 from kvq.errors import KvqError
+
+try:  # typer >= 0.20 vendors click; its exceptions are not click's
+    from typer._click import exceptions as cx
+except ImportError:  # pragma: no cover - older typer on real click
+    from click import exceptions as cx
 
 
 class OneLineErrors(TyperGroup):
@@ -20,15 +24,15 @@ class OneLineErrors(TyperGroup):
         kwargs["standalone_mode"] = False
         try:
             rv = super().main(*args, **kwargs)
-        except click.exceptions.NoArgsIsHelpError as e:
-            click.echo(e.ctx.get_help() if e.ctx else str(e))
+        except cx.NoArgsIsHelpError as e:
+            typer.echo(e.ctx.get_help() if e.ctx else str(e))
             sys.exit(2)
-        except click.UsageError as e:
+        except cx.ClickException as e:
             _fail(e.format_message())
-        except click.exceptions.Exit as e:
+        except typer.Exit as e:
             sys.exit(e.exit_code)
-        except click.Abort:
-            click.echo("aborted", err=True)
+        except (typer.Abort, KeyboardInterrupt):
+            typer.echo("kvq: aborted", err=True)
             sys.exit(130)
         except KvqError as e:
             _fail(str(e))
@@ -37,7 +41,7 @@ class OneLineErrors(TyperGroup):
 
 def _fail(message: str) -> None:
     first = " ".join(message.split())
-    click.echo(f"kvq: error: {first}", err=True)
+    typer.echo(f"kvq: error: {first}", err=True)
     sys.exit(2)
 
 
@@ -95,9 +99,10 @@ def calibrate_channel_scales(
         sink=sink,
         value_group=v_group or None,
     )
-    artifact = calibrate_channel_scales_job(
-        model, dataset, samples, seqlen, seed, options, out, overwrite, data_dir, RichProgress()
-    )
+    with RichProgress() as progress:
+        artifact = calibrate_channel_scales_job(
+            model, dataset, samples, seqlen, seed, options, out, overwrite, data_dir, progress
+        )
     print_calibration_summary(artifact, out)
 
 
@@ -147,19 +152,20 @@ def run_eval(
     from kvq.eval.run import run_eval_job
 
     _positive(windows=windows, seqlen=seqlen)
-    report = run_eval_job(
-        model,
-        artifact,
-        policy,
-        dataset,
-        tasks,
-        windows,
-        seqlen,
-        protocol,
-        seed,
-        data_dir,
-        RichProgress(),
-    )
+    with RichProgress() as progress:
+        report = run_eval_job(
+            model,
+            artifact,
+            policy,
+            dataset,
+            tasks,
+            windows,
+            seqlen,
+            protocol,
+            seed,
+            data_dir,
+            progress,
+        )
     print_eval(report)
     if json_out is not None:
         _write_json(json_out, report)
@@ -199,4 +205,12 @@ def _write_json(path: Path, obj) -> None:
 
 
 def main() -> None:
+    # kvq draws its own progress; keep transformers' bars and deprecation chatter out
+    import warnings
+
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+    warnings.filterwarnings("ignore", category=FutureWarning)
     app()

@@ -12,6 +12,8 @@ STDERR = Console(stderr=True)
 
 
 class RichProgress(Progress):
+    """Use as a context manager so one live display spans the whole command."""
+
     def __init__(self) -> None:
         super().__init__()
         self._bars = RichBars(
@@ -24,9 +26,14 @@ class RichProgress(Progress):
         )
         self._tasks: dict[str, int] = {}
 
+    def __enter__(self) -> RichProgress:
+        self._bars.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._bars.stop()
+
     def _open(self, name: str, total: int | None) -> Stage:
-        if not self._bars.live.is_started:
-            self._bars.start()
         task = self._bars.add_task(name, total=total)
         self._tasks[name] = task
         return Stage(lambda n: self._bars.advance(task, n))
@@ -36,5 +43,3 @@ class RichProgress(Progress):
         t = self._bars.tasks[self._bars.task_ids.index(task)]
         if t.total is None:
             self._bars.update(task, total=1, completed=1)
-        if not self._tasks:
-            self._bars.stop()

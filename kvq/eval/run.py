@@ -13,6 +13,7 @@ from kvq.manifests.ledger import ByteLedger
 from kvq.models.loading import load_model
 from kvq.pipeline import cache_for, load_artifact, load_windows
 from kvq.progress import Progress
+from kvq.quant.schemes import NAMED_POLICIES, named_policy
 
 TASKS = ("ppl", "kld", "bytes")
 
@@ -43,6 +44,8 @@ def run_eval_job(
         raise KvqError(f"--protocol must be one of {', '.join(PROTOCOLS)}, got {protocol!r}")
     if (artifact_path is None) == (policy is None):
         raise KvqError("give exactly one of --artifact or --policy")
+    if policy is not None and policy not in NAMED_POLICIES:
+        named_policy(policy, 1)  # raises the one-line "unknown policy" error
     if artifact_path is not None and not Path(artifact_path).exists():
         raise KvqError(f"artifact {artifact_path} does not exist")
     start = time.perf_counter()
@@ -94,7 +97,7 @@ def generate_text(
     cache = cache_for(loaded, artifact=artifact, policy=policy)
     inputs = loaded.tokenizer(prompt, return_tensors="pt")
     out = loaded.model.generate(
-        **inputs, past_key_values=cache, max_new_tokens=max_new_tokens, do_sample=False
+        **inputs, cache=cache, max_new_tokens=max_new_tokens, do_sample=False
     )
     text = loaded.tokenizer.decode(out[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
     return text, cache.nbytes()

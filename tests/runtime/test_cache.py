@@ -34,15 +34,16 @@ def _ids(n=20, b=1, seed=0):
 @torch.no_grad()
 def test_full_precision_policy_matches_dynamic_cache(model):
     ids = _ids(24, b=2)
-    want = model(ids, past_key_values=DynamicCache(config=model.config)).logits
+    want = model(ids, cache=DynamicCache(config=model.config)).logits
     cache = _cache(model, "fp16")
+    # the pre-5.24 keyword still reaches the cache (transformers maps it to `cache`)
     got = model(ids, past_key_values=cache).logits
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     # and token-by-token decode after the prefill, past the sliding window
     full = torch.cat([ids, _ids(16, b=2, seed=1)], dim=1)
     ref = model(full).logits
     for t in range(24, full.shape[1]):
-        step = model(full[:, t : t + 1], past_key_values=cache).logits[:, -1]
+        step = model(full[:, t : t + 1], cache=cache).logits[:, -1]
         torch.testing.assert_close(step, ref[:, t], atol=1e-4, rtol=1e-4)
     assert cache.get_seq_length() == full.shape[1]
 
@@ -53,10 +54,10 @@ def test_pre_rope_storage_rotates_at_each_rows_position(model):
     ids = _ids(20)
     ref = model(ids).logits
     cache = _cache(model, "fp16", key_stage="pre-rope")
-    got = model(ids, past_key_values=cache).logits
+    got = model(ids, cache=cache).logits
     torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
     nxt = _ids(1, seed=3)
-    step = model(nxt, past_key_values=cache).logits[:, -1]
+    step = model(nxt, cache=cache).logits[:, -1]
     torch.testing.assert_close(
         step, model(torch.cat([ids, nxt], 1)).logits[:, -1], atol=1e-4, rtol=1e-4
     )
@@ -65,7 +66,7 @@ def test_pre_rope_storage_rotates_at_each_rows_position(model):
 @torch.no_grad()
 def test_cache_stores_packed_codes_not_floats(model):
     cache = _cache(model, "int4")
-    model(_ids(16), past_key_values=cache)
+    model(_ids(16), cache=cache)
     layer = cache.layers[0]
     stored = layer.state.main.buffers
     head_dim = get_adapter(model).info.head_dim
@@ -87,7 +88,7 @@ def test_quantized_attention_equals_reference_over_decoded_rows(model):
     ad = get_adapter(model)
     cache = _cache(model, "int4")
     ids = _ids(12)
-    model(ids, past_key_values=cache)
+    model(ids, cache=cache)
     layer = cache.layers[-1]
     k = torch.cat([k for k, _, _, _ in layer.chunks(layer.state)], dim=2)
     v = torch.cat([v for _, v, _, _ in layer.chunks(layer.state)], dim=2)
@@ -103,7 +104,7 @@ def test_quantized_attention_equals_reference_over_decoded_rows(model):
 def test_int8_logits_close_to_unquantized(model):
     ids = _ids(24)
     ref = torch.log_softmax(model(ids).logits, -1)
-    got = torch.log_softmax(model(ids, past_key_values=_cache(model, "int8")).logits, -1)
+    got = torch.log_softmax(model(ids, cache=_cache(model, "int8")).logits, -1)
     kl = (ref.exp() * (ref - got)).sum(-1).mean()
     assert kl < 1e-3
     assert (ref.argmax(-1) == got.argmax(-1)).float().mean() > 0.9
@@ -115,7 +116,7 @@ def test_failed_forward_publishes_nothing(model):
     ad = get_adapter(model)
     cache = _cache(model, "int8")
     ids = _ids(10)
-    model(ids, past_key_values=cache)
+    model(ids, cache=cache)
     before = [layer.state for layer in cache.layers]
     seen = cache.get_seq_length()
 
@@ -125,17 +126,17 @@ def test_failed_forward_publishes_nothing(model):
     handle = ad.attention(ad.info.num_layers - 1).register_forward_pre_hook(boom)
     try:
         with pytest.raises(RuntimeError, match="injected"):
-            model(_ids(3, seed=5), past_key_values=cache)
+            model(_ids(3, seed=5), cache=cache)
     finally:
         handle.remove()
     assert cache.get_seq_length() == seen
     assert all(layer.state is st for layer, st in zip(cache.layers, before, strict=True))
     # the next forward discards the stale transaction and matches a clean cache
     nxt = _ids(3, seed=6)
-    got = model(nxt, past_key_values=cache).logits
+    got = model(nxt, cache=cache).logits
     clean = _cache(model, "int8")
-    model(ids, past_key_values=clean)
-    want = model(nxt, past_key_values=clean).logits
+    model(ids, cache=clean)
+    want = model(nxt, cache=clean).logits
     torch.testing.assert_close(got, want)
     assert cache.get_seq_length() == seen + 3
 
@@ -145,11 +146,11 @@ def test_sink_rows_stay_exact():
     model = make_tiny_model("llama")
     cache = _cache(model, "int4", sink_tokens=2)
     ids = _ids(9)
-    model(ids, past_key_values=cache)
+    model(ids, cache=cache)
     layer = cache.layers[0]
     assert layer.state.sink.length == 2 and layer.state.main.length == 7
     ref = DynamicCache(config=model.config)
-    model(ids, past_key_values=ref)
+    model(ids, cache=ref)
     torch.testing.assert_close(layer.state.sink.rows()["k"], ref.layers[0].keys[:, :, :2])
     assert cache.nbytes().sink > 0
 
@@ -162,9 +163,9 @@ def test_sliding_window_layers_evict_and_stay_correct():
     cache = _cache(model, "fp16")
     full = _ids(4 * window + 3)
     ref = model(full).logits
-    model(full[:, :4], past_key_values=cache)
+    model(full[:, :4], cache=cache)
     for t in range(4, full.shape[1]):
-        step = model(full[:, t : t + 1], past_key_values=cache).logits[:, -1]
+        step = model(full[:, t : t + 1], cache=cache).logits[:, -1]
         torch.testing.assert_close(step, ref[:, t], atol=1e-4, rtol=1e-4)
     sliding = [layer for layer in cache.layers if layer.is_sliding]
     assert sliding and all(layer.state.evicted > 0 for layer in sliding)
@@ -176,13 +177,9 @@ def test_sliding_window_layers_evict_and_stay_correct():
 def test_generate_with_quantized_cache(model):
     ids = _ids(8)
     want = model.generate(ids, max_new_tokens=6, do_sample=False)
-    got = model.generate(
-        ids, past_key_values=_cache(model, "fp16"), max_new_tokens=6, do_sample=False
-    )
+    got = model.generate(ids, cache=_cache(model, "fp16"), max_new_tokens=6, do_sample=False)
     assert torch.equal(got, want)
-    out = model.generate(
-        ids, past_key_values=_cache(model, "int4"), max_new_tokens=6, do_sample=False
-    )
+    out = model.generate(ids, cache=_cache(model, "int4"), max_new_tokens=6, do_sample=False)
     assert out.shape == want.shape
 
 
@@ -191,7 +188,7 @@ def test_reorder_and_crop_move_codes_and_positions_together():
     model = make_tiny_model("llama")
     cache = _cache(model, "int4")
     ids = torch.cat([_ids(6, seed=1), _ids(6, seed=2)])
-    model(ids, past_key_values=cache)
+    model(ids, cache=cache)
     before = cache.layers[0].state.main.rows()["k.codes"].clone()
     cache.reorder_cache(torch.tensor([1, 0]))
     after = cache.layers[0].state.main.rows()["k.codes"]

@@ -1,0 +1,231 @@
+"""The kvq CLI end to end on a tiny local model, through typer's CliRunner."""
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from kvq.cli.app import app
+
+runner = CliRunner()
+
+
+def _run(*args):
+    return runner.invoke(app, [str(a) for a in args])
+
+
+def _one_line_error(result, *needles):
+    assert result.exit_code == 2, result.output
+    # progress bars may precede it; the error itself is exactly one line, the last
+    err = result.stderr.strip().splitlines()[-1]
+    assert [ln for ln in result.stderr.splitlines() if "error" in ln.lower()] == [err]
+    assert err.startswith("kvq: error:"), err
+    assert "Traceback" not in result.output
+    for n in needles:
+        assert n in err, err
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tiny_model_dir):
+    return tiny_model_dir("llama")
+
+
+@pytest.fixture(scope="module")
+def calib_txt(shared_data):
+    return shared_data / "calibration" / "groups_merged.txt"
+
+
+@pytest.fixture(scope="module")
+def artifact(llama_dir, calib_txt, tmp_path_factory):
+    out = tmp_path_factory.mktemp("art") / "int4"
+    result = _run(
+        "calibrate",
+        "channel-scales",
+        "--model",
+        llama_dir,
+        "--dataset",
+        calib_txt,
+        "--samples",
+        2,
+        "--seqlen",
+        32,
+        "--bits",
+        4,
+        "--v-group",
+        8,
+        "--out",
+        out,
+    )
+    assert result.exit_code == 0, result.output + result.stderr
+    return out
+
+
+def test_calibrate_writes_a_valid_artifact(artifact):
+    assert (artifact / "manifest.json").is_file()
+    assert (artifact / "tensors.safetensors").is_file()
+    manifest = json.loads((artifact / "manifest.json").read_text())
+    assert manifest["calibration"]["method"] == "channel-scales"
+    assert manifest["calibration"]["dataset"]["samples"] == 2
+    assert manifest["ledger"]["codes"] > 0
+    assert set(manifest["calibration"]["stage_seconds"]) >= {"capture keys", "fit key ranges"}
+
+
+def test_calibrate_refuses_to_overwrite(artifact, llama_dir, calib_txt):
+    result = _run(
+        "calibrate",
+        "channel-scales",
+        "--model",
+        llama_dir,
+        "--dataset",
+        calib_txt,
+        "--samples",
+        1,
+        "--seqlen",
+        16,
+        "--out",
+        artifact,
+    )
+    _one_line_error(result, "--overwrite")
+
+
+def test_export_manifest_writes_schema(artifact, tmp_path):
+    import jsonschema
+
+    schema_path = tmp_path / "schema.json"
+    result = _run("export", "manifest", artifact, "--schema-out", schema_path)
+    assert result.exit_code == 0, result.output
+    schema = json.loads(schema_path.read_text())
+    jsonschema.validate(json.loads((artifact / "manifest.json").read_text()), schema)
+
+
+def test_inspect_shows_ledger_and_validation(artifact):
+    result = _run("inspect", artifact)
+    assert result.exit_code == 0, result.output
+    assert "validation: OK" in result.output
+    assert "bits per K/V element" in result.output
+
+
+def test_run_eval_json_shape(artifact, llama_dir, shared_data, tmp_path):
+    out = tmp_path / "eval.json"
+    result = _run(
+        "run-eval",
+        "--model",
+        llama_dir,
+        "--artifact",
+        artifact,
+        "--dataset",
+        "wikitext2",
+        "--data-dir",
+        shared_data,
+        "--windows",
+        2,
+        "--seqlen",
+        32,
+        "--json",
+        out,
+    )
+    assert result.exit_code == 0, result.output + result.stderr
+    report = json.loads(out.read_text())
+    for key in ("model", "artifact", "dataset", "protocol", "windows", "seqlen", "seed", "tasks"):
+        assert key in report
+    tasks = report["tasks"]
+    assert set(tasks["ppl"]) >= {"baseline", "quantized", "ratio"}
+    assert set(tasks["kld"]) == {"mean", "top1_agreement"}
+    assert set(tasks["bytes"]) >= {"kv_bytes_per_token", "fp16_bytes_per_token", "ratio"}
+    assert tasks["ppl"]["ratio"] == pytest.approx(
+        tasks["ppl"]["quantized"] / tasks["ppl"]["baseline"]
+    )
+    assert 0 < tasks["bytes"]["ratio"] < 1
+
+
+def test_run_eval_decode_protocol_with_named_policy(llama_dir, shared_data):
+    result = _run(
+        "run-eval",
+        "--model",
+        llama_dir,
+        "--policy",
+        "int8",
+        "--data-dir",
+        shared_data,
+        "--windows",
+        1,
+        "--seqlen",
+        16,
+        "--protocol",
+        "decode",
+        "--tasks",
+        "ppl,kld",
+    )
+    assert result.exit_code == 0, result.output + result.stderr
+    assert "perplexity" in result.output
+
+
+def test_generate(artifact, llama_dir):
+    result = _run(
+        "generate",
+        "--model",
+        llama_dir,
+        "--artifact",
+        artifact,
+        "--prompt",
+        "The cache",
+        "--max-new-tokens",
+        4,
+    )
+    assert result.exit_code == 0, result.output + result.stderr
+
+
+def test_artifact_for_another_model_is_refused(artifact, tiny_model_dir, shared_data):
+    result = _run(
+        "run-eval",
+        "--model",
+        tiny_model_dir("qwen2"),
+        "--artifact",
+        artifact,
+        "--data-dir",
+        shared_data,
+        "--windows",
+        1,
+        "--seqlen",
+        16,
+    )
+    _one_line_error(result, "incompatible artifact", "expected", "found")
+
+
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["--model", "/no/such/model"], "does not exist"),
+        (["--dataset", "/no/such/file.txt"], "does not exist"),
+        (["--bits", "5"], "--bits"),
+        (["--seqlen", "0"], "--seqlen"),
+        (["--samples", "-1"], "--samples"),
+        (["--key-stage", "sideways"], "--key-stage"),
+        (["--bits", "four"], "--bits"),
+    ],
+)
+def test_bad_calibrate_input_is_one_line_exit_2(args, needle, llama_dir, calib_txt, tmp_path):
+    base = {
+        "--model": str(llama_dir),
+        "--dataset": str(calib_txt),
+        "--out": str(tmp_path / "a"),
+        "--samples": "1",
+        "--seqlen": "16",
+    }
+    for flag, value in zip(args[::2], args[1::2], strict=True):
+        base[flag] = value
+    flat = [x for kv in base.items() for x in kv]
+    result = _run("calibrate", "channel-scales", *flat)
+    _one_line_error(result, needle)
+    assert not (tmp_path / "a").exists()
+
+
+def test_missing_required_option_is_one_line(llama_dir):
+    result = _run("calibrate", "channel-scales", "--model", llama_dir)
+    _one_line_error(result, "--dataset")
+
+
+def test_missing_artifact_and_unknown_policy(llama_dir, tmp_path):
+    _one_line_error(_run("inspect", tmp_path / "nothing"), "no such artifact")
+    _one_line_error(_run("run-eval", "--model", llama_dir, "--policy", "int5"), "unknown policy")
+    _one_line_error(_run("run-eval", "--model", llama_dir), "--artifact or --policy")
