@@ -75,7 +75,7 @@ def calibrate_channel_scales(
     bits: int = typer.Option(4, "--bits", help="2, 3, 4 or 8"),
     key_stage: str = typer.Option("pre-rope", "--key-stage", help="pre-rope or post-rope"),
     clip_percentile: float = typer.Option(
-        100.0, "--clip-percentile", help="per-tail key percentile"
+        99.9, "--clip-percentile", help="per-tail key percentile"
     ),
     sink: int = typer.Option(1, "--sink", help="first N positions kept in full precision"),
     v_group: int = typer.Option(

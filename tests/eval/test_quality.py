@@ -1,0 +1,40 @@
+"""run-eval's quality numbers on a tiny model."""
+
+import math
+
+import torch
+
+from kvq.eval.quality import evaluate
+from kvq.models.adapters import get_adapter
+from kvq.progress import Progress
+from kvq.quant.schemes import named_policy
+from kvq.runtime.cache import build_cache
+from tests.conftest import make_tiny_model
+
+
+def _setup(name):
+    model = make_tiny_model("gemma3")
+    ad = get_adapter(model)
+    windows = torch.randint(3, 200, (2, 20), generator=torch.Generator().manual_seed(0))
+    policy = named_policy(name, ad.info.num_layers, ad.info.head_dim)
+    return model, windows, lambda: build_cache(model, policy, {}, ad)
+
+
+def test_full_precision_cache_scores_like_the_baseline():
+    for protocol in ("prefill", "decode"):
+        model, windows, make = _setup("fp16")
+        res = evaluate(model, windows, make, protocol, Progress()).as_json(("ppl", "kld", "bytes"))
+        assert math.isclose(res["ppl"]["ratio"], 1.0, rel_tol=1e-4)
+        assert abs(res["kld"]["mean"]) < 1e-6
+        assert res["kld"]["top1_agreement"] == 1.0
+        expected_tokens = 2 * 19 if protocol == "prefill" else 2 * 9
+        assert res["ppl"]["scored_tokens"] == expected_tokens
+
+
+def test_quantized_cache_moves_the_numbers_and_saves_bytes():
+    model, windows, make = _setup("int2")
+    res = evaluate(model, windows, make, "prefill", Progress()).as_json(("ppl", "kld", "bytes"))
+    assert res["kld"]["mean"] > 1e-4
+    assert res["ppl"]["ratio"] != 1.0
+    assert res["bytes"]["ratio"] < 0.5
+    assert res["bytes"]["kv_bytes_per_token"] < res["bytes"]["fp16_bytes_per_token"]
