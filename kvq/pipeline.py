@@ -8,12 +8,15 @@ only parses, calls and renders.
 from __future__ import annotations
 
 import datetime as dt
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from torch import Tensor
 
 from kvq.calibrators.channel_scales import ChannelScalesOptions, calibrate_channel_scales
+from kvq.calibrators.fisher import fisher_cached
+from kvq.calibrators.kvquant import KVQuantOptions, calibrate_kvquant
 from kvq.data import load_text, sample_windows
 from kvq.data.windows import TokenWindows
 from kvq.errors import KvqError
@@ -53,29 +56,34 @@ def measure_ledger(
     return cache.nbytes()
 
 
-def calibrate_channel_scales_job(
+Fit = Callable[[LoadedModel, TokenWindows, Progress], tuple[CachePolicy, dict[str, Tensor]]]
+
+
+def calibrate_job(
+    method: str,
+    fit: Fit,
+    options: dict,
     model_spec: str,
     dataset: str,
     samples: int,
     seqlen: int,
     seed: int,
-    options: ChannelScalesOptions,
     out: Path,
     overwrite: bool,
     data_dir: str | None,
     progress: Progress,
 ) -> Artifact:
+    """Load, sample, run `fit`, measure the ledger on a real cache, write the artifact atomically."""
     if out.exists() and not overwrite:
         raise KvqError(f"output {out} exists; pass --overwrite to replace it")
     with progress.stage("load model"):
         loaded = load_model(model_spec)
     with progress.stage("sample windows"):
         windows = load_windows(loaded, dataset, samples, seqlen, seed, data_dir)
-    policy, tensors = calibrate_channel_scales(
-        loaded.model, loaded.adapter, windows.ids, options, progress
-    )
+    policy, tensors = fit(loaded, windows, progress)
     with progress.stage("measure ledger"):
-        ledger = measure_ledger(loaded, policy, tensors, windows.ids[:1])
+        static = {n: t for n, t in tensors.items() if n.startswith("layers.")}
+        ledger = measure_ledger(loaded, policy, static, windows.ids[:1])
     dataset_info = DatasetInfo(
         spec=windows.source.spec,
         text_sha256=windows.source.sha256,
@@ -85,10 +93,7 @@ def calibrate_channel_scales_job(
         seed=seed,
     )
     calibration = Calibration(
-        method="channel-scales",
-        dataset=dataset_info,
-        options=options.as_dict(),
-        stage_seconds=dict(progress.seconds),
+        method=method, dataset=dataset_info, options=options, stage_seconds=dict(progress.seconds)
     )
     manifest = Manifest(
         schema_version=SCHEMA_VERSION,
@@ -102,9 +107,41 @@ def calibrate_channel_scales_job(
         tensors={},
         ledger=ledger,
     )
-    artifact = Artifact(manifest=manifest, tensors=tensors)
-    write_artifact(artifact, out, overwrite=overwrite)
+    write_artifact(Artifact(manifest=manifest, tensors=tensors), out, overwrite=overwrite)
     return read_artifact(out)
+
+
+def channel_scales_fit(options: ChannelScalesOptions) -> Fit:
+    def fit(loaded: LoadedModel, windows: TokenWindows, progress: Progress):
+        return calibrate_channel_scales(
+            loaded.model, loaded.adapter, windows.ids, options, progress
+        )
+
+    return fit
+
+
+def kvquant_fit(options: KVQuantOptions) -> Fit:
+    def fit(loaded: LoadedModel, windows: TokenWindows, progress: Progress):
+        fisher = None
+        extra: dict[str, Tensor] = {}
+        if options.fisher:
+            info = fisher_cached(
+                loaded.model,
+                loaded.adapter,
+                windows.ids,
+                windows.fingerprint,
+                loaded.identity.weights_sha256,
+                progress,
+                exclude_first=options.sink,
+            )
+            fisher = (info.key, info.value)
+            extra = info.to_tensors()  # provenance: the sensitivities the codebooks used
+        policy, tensors = calibrate_kvquant(
+            loaded.model, loaded.adapter, windows.ids, options, progress, fisher
+        )
+        return policy, tensors | extra
+
+    return fit
 
 
 def load_artifact(path: str | Path, loaded: LoadedModel | None = None) -> Artifact:
@@ -123,7 +160,8 @@ def cache_for(
         raise KvqError("give exactly one of an artifact or a policy name")
     if artifact is not None:
         check_model_compatible(artifact.manifest, loaded.identity, loaded.adapter.info)
-        return build_cache(loaded.model, artifact.manifest.policy, artifact.tensors, loaded.adapter)
+        static = {n: t for n, t in artifact.tensors.items() if n.startswith("layers.")}
+        return build_cache(loaded.model, artifact.manifest.policy, static, loaded.adapter)
     info = loaded.adapter.info
     named = named_policy(policy, info.num_layers, info.head_dim)
     return build_cache(loaded.model, named, {}, loaded.adapter)

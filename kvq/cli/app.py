@@ -87,9 +87,7 @@ def calibrate_channel_scales(
 ) -> None:
     """Static per-channel K scales (pre-RoPE by default); V per token at append."""
     from kvq.calibrators.channel_scales import ChannelScalesOptions
-    from kvq.cli.progress import RichProgress
-    from kvq.cli.render import print_calibration_summary
-    from kvq.pipeline import calibrate_channel_scales_job
+    from kvq.pipeline import channel_scales_fit
 
     _positive(samples=samples, seqlen=seqlen)
     options = ChannelScalesOptions(
@@ -99,9 +97,81 @@ def calibrate_channel_scales(
         sink=sink,
         value_group=v_group or None,
     )
+    _calibrate(
+        "channel-scales",
+        channel_scales_fit(options),
+        options.as_dict(),
+        model,
+        dataset,
+        samples,
+        seqlen,
+        seed,
+        out,
+        overwrite,
+        data_dir,
+    )
+
+
+@calibrate_app.command("kvquant")
+def calibrate_kvquant(
+    dataset: str = typer.Option(..., "--dataset", help="wikitext2 or a .txt/.jsonl/.parquet path"),
+    out: Path = typer.Option(..., "--out", help="artifact directory to write"),
+    model: str = MODEL,
+    samples: int = typer.Option(16, "--samples", help="calibration windows"),
+    seqlen: int = typer.Option(512, "--seqlen", help="tokens per window"),
+    bits: int = typer.Option(4, "--bits", help="2, 3 or 4"),
+    outliers: float = typer.Option(0.01, "--outliers", help="fraction kept exactly (sparse)"),
+    sink: int = typer.Option(1, "--sink", help="first N positions kept in full precision"),
+    fisher: bool = typer.Option(True, "--fisher/--no-fisher", help="Fisher-weighted k-means"),
+    qnorm: bool = typer.Option(False, "--qnorm/--no-qnorm", help="Q-Norm level correction"),
+    seed: int = typer.Option(0, "--seed"),
+    overwrite: bool = typer.Option(False, "--overwrite", help="replace an existing artifact"),
+    data_dir: str | None = DATA_DIR,
+) -> None:
+    """KVQuant: pre-RoPE per-channel K, per-token V, Fisher-weighted NUQ, sparse outliers, sinks."""
+    from kvq.calibrators.kvquant import KVQuantOptions
+    from kvq.pipeline import kvquant_fit
+
+    _positive(samples=samples, seqlen=seqlen)
+    options = KVQuantOptions(
+        bits=bits, outliers=outliers, sink=sink, fisher=fisher, qnorm=qnorm, seed=seed
+    )
+    _calibrate(
+        "kvquant",
+        kvquant_fit(options),
+        options.as_dict(),
+        model,
+        dataset,
+        samples,
+        seqlen,
+        seed,
+        out,
+        overwrite,
+        data_dir,
+    )
+
+
+def _calibrate(
+    method, fit, options, model, dataset, samples, seqlen, seed, out, overwrite, data_dir
+) -> None:
+    from kvq.cli.progress import RichProgress
+    from kvq.cli.render import print_calibration_summary
+    from kvq.pipeline import calibrate_job
+
     with RichProgress() as progress:
-        artifact = calibrate_channel_scales_job(
-            model, dataset, samples, seqlen, seed, options, out, overwrite, data_dir, progress
+        artifact = calibrate_job(
+            method,
+            fit,
+            options,
+            model,
+            dataset,
+            samples,
+            seqlen,
+            seed,
+            out,
+            overwrite,
+            data_dir,
+            progress,
         )
     print_calibration_summary(artifact, out)
 

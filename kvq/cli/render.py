@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 from rich.console import Console
@@ -12,7 +13,8 @@ from kvq.exporters.artifact import Artifact
 from kvq.manifests.ledger import CATEGORIES, ByteLedger
 from kvq.manifests.schema import manifest_to_json
 
-OUT = Console()
+# rich assumes 80 columns when stdout is not a terminal (make demo | tee): use 120 there
+OUT = Console(width=shutil.get_terminal_size((120, 40)).columns)
 
 
 def _policy_rows(artifact: Artifact) -> Table:

@@ -18,10 +18,7 @@ Codes are uint8 and left unpacked here; see `kvq.quant.packing`.
 
 from __future__ import annotations
 
-import numpy as np
 import torch
-from sklearn.cluster import KMeans
-from threadpoolctl import threadpool_limits
 from torch import Tensor
 
 from kvq.errors import KvqError
@@ -164,11 +161,16 @@ def fit_codebook(
             f"cannot fit a {bits}-bit codebook ({k} levels) to {distinct} distinct "
             "(positively weighted) values; use more calibration data or fewer bits"
         )
+    # Imported here: sklearn takes seconds to import and only calibration needs it,
+    # not the runtime that encodes with a finished codebook.
+    from sklearn.cluster import KMeans
+    from threadpoolctl import threadpool_limits
+
     km = KMeans(n_clusters=k, init="k-means++", n_init=1, random_state=seed)
     with threadpool_limits(limits=1):
         km.fit(x.numpy().reshape(-1, 1), sample_weight=None if w is None else w.numpy())
-    centers = np.sort(km.cluster_centers_.reshape(-1))
-    levels = torch.from_numpy(centers).float().clamp(-1.0, 1.0)
+    centers = torch.from_numpy(km.cluster_centers_).reshape(-1).sort().values
+    levels = centers.float().clamp(-1.0, 1.0)
     return _strictly_increasing(levels)
 
 

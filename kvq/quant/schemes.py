@@ -54,6 +54,8 @@ class QuantScheme:
     scale_dtype: ScaleDtype = "float16"
     lifetime: Lifetime = "dynamic"
     fp8_format: Fp8Format | None = None
+    outlier_fraction: float = 0.0  # nuq: share of values kept exactly as sparse exceptions
+    qnorm: bool = False  # nuq: decode through mean/std-corrected levels (KVQuant Q-Norm)
 
     def __post_init__(self) -> None:
         if self.format == "none":
@@ -67,6 +69,10 @@ class QuantScheme:
                 raise KvqError("fp8 scheme needs bits=8 and fp8_format e4m3 or e5m2")
         elif self.fp8_format is not None:
             raise KvqError("fp8_format is only meaningful for format='fp8'")
+        if not 0.0 <= self.outlier_fraction < 0.5:
+            raise KvqError(f"outlier_fraction must be in [0, 0.5), got {self.outlier_fraction}")
+        if self.format != "nuq" and (self.outlier_fraction or self.qnorm):
+            raise KvqError("sparse outliers and Q-Norm are only defined for format='nuq'")
         if self.group_size is not None and self.group_size <= 0:
             raise KvqError(f"group_size must be positive, got {self.group_size}")
         if self.axis == "channel" and self.lifetime != "static":
@@ -85,7 +91,11 @@ class QuantScheme:
         name = f"{self.format}{self.bits}" if self.format != "fp8" else f"fp8-{self.fp8_format}"
         group = f"/g{self.group_size}" if self.group_size else ""
         kind = "sym" if self.symmetric else "asym"
-        return f"{name} {kind} per-{self.axis}{group} ({self.lifetime})"
+        extra = f" +{self.outlier_fraction:.1%} sparse" if self.outlier_fraction else ""
+        extra += " qnorm" if self.qnorm else ""
+        if self.format == "nuq":
+            kind = "codebook"
+        return f"{name} {kind} per-{self.axis}{group} ({self.lifetime}){extra}"
 
 
 FULL_PRECISION = QuantScheme(format="none", bits=16)

@@ -21,6 +21,8 @@ from kvq.quant.qparams import check_finite, storage_dtype
 from kvq.quant.schemes import QuantScheme
 
 Rows = dict[str, Tensor]  # each tensor [B, H, T, ...]
+Flat = dict[str, Tensor]  # variable-length entries, each [E, ...], ordered by (row, batch, head)
+NO_FLAT: Flat = {}
 
 
 class Codec:
@@ -34,17 +36,17 @@ class Codec:
         self.dtype = dtype
         self.static = {}
 
-    def encode(self, x: Tensor) -> Rows:
-        """x: [B, H, T, D] -> stored rows."""
-        return {"data": x.to(self.dtype)}
+    def encode(self, x: Tensor) -> tuple[Rows, Flat]:
+        """x: [B, H, T, D] -> (stored rows, variable-length entries)."""
+        return {"data": x.to(self.dtype)}, NO_FLAT
 
-    def decode(self, rows: Rows) -> Tensor:
-        """stored rows (each [B, H, C, ...]) -> [B, H, C, D] float32."""
+    def decode(self, rows: Rows, flat: Flat) -> Tensor:
+        """stored rows (each [B, H, C, ...]) and their entries -> [B, H, C, D] float32."""
         return rows["data"].float()
 
     @staticmethod
     def categories() -> dict[str, str]:
-        """Stored tensor name -> ledger category."""
+        """Stored tensor (row or flat entry) name -> ledger category."""
         return {"data": "full_precision"}
 
 
@@ -60,19 +62,20 @@ class IntTokenCodec(Codec):
             raise KvqError(f"group size {self.group} does not divide head_dim {head_dim}")
         self.scale_dtype = storage_dtype(scheme.scale_dtype)
 
-    def encode(self, x: Tensor) -> Rows:
+    def encode(self, x: Tensor) -> tuple[Rows, Flat]:
         g = affine.to_groups(x.float(), self.group)  # [B, H, T, D/G, G]
         if self.symmetric:
             codes, scale = affine.quantize_symmetric(g, self.bits, -1, self.scale_dtype)
             # signed -> unsigned so that every width packs the same way
             ucodes = (codes.to(torch.int16) + (1 << (self.bits - 1))).to(torch.uint8)
             packed = packing.pack_bits(affine.from_groups(ucodes), self.bits)
-            return {"codes": packed, "scale": scale.squeeze(-1)}
+            return {"codes": packed, "scale": scale.squeeze(-1)}, NO_FLAT
         codes, scale, offset = affine.quantize_affine(g, self.bits, -1, self.scale_dtype)
         packed = packing.pack_bits(affine.from_groups(codes), self.bits)
-        return {"codes": packed, "scale": scale.squeeze(-1), "offset": offset.squeeze(-1)}
+        rows = {"codes": packed, "scale": scale.squeeze(-1), "offset": offset.squeeze(-1)}
+        return rows, NO_FLAT
 
-    def decode(self, rows: Rows) -> Tensor:
+    def decode(self, rows: Rows, flat: Flat) -> Tensor:
         codes = packing.unpack_bits(rows["codes"], self.bits, self.head_dim)
         g = affine.to_groups(codes, self.group)  # [B, H, C, D/G, G]
         scale = rows["scale"].unsqueeze(-1)
@@ -108,7 +111,7 @@ class IntChannelStaticCodec(Codec):
         self._scale = scale[None, :, None, :]
         self._offset = None if offset is None else offset[None, :, None, :]
 
-    def encode(self, x: Tensor) -> Rows:
+    def encode(self, x: Tensor) -> tuple[Rows, Flat]:
         check_finite(x, "key/value rows")
         x = x.float()
         if self.symmetric:
@@ -116,9 +119,9 @@ class IntChannelStaticCodec(Codec):
             ucodes = (codes.to(torch.int16) + (1 << (self.bits - 1))).to(torch.uint8)
         else:
             ucodes = affine.affine_encode(x, self._scale, self._offset, self.bits)
-        return {"codes": packing.pack_bits(ucodes, self.bits)}
+        return {"codes": packing.pack_bits(ucodes, self.bits)}, NO_FLAT
 
-    def decode(self, rows: Rows) -> Tensor:
+    def decode(self, rows: Rows, flat: Flat) -> Tensor:
         codes = packing.unpack_bits(rows["codes"], self.bits, self.head_dim)
         if self.symmetric:
             return affine.symmetric_decode(
@@ -152,4 +155,8 @@ def make_codec(
                 f"{where}: static per-channel scheme but the artifact has no {where}.scale"
             )
         return IntChannelStaticCodec(scheme, head_dim, state["scale"], state.get("offset"))
+    if scheme.format == "nuq":
+        from kvq.runtime.nuq_codecs import make_nuq_codec
+
+        return make_nuq_codec(scheme, head_dim, state, where)
     raise KvqError(f"{where}: no runtime codec for {scheme.describe()}")

@@ -8,7 +8,7 @@ publishes all layers' successors together (see `cache.py`).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import Tensor
@@ -16,7 +16,7 @@ from transformers.cache_utils import CacheLayerMixin
 
 from kvq.quant.schemes import LayerPolicy
 from kvq.runtime.codecs import Codec
-from kvq.runtime.state import RowStore
+from kvq.runtime.state import FlatStore, RowStore
 
 RopeFn = Callable[[Tensor, Tensor], Tensor]  # (x [B, H, T, D], positions [B, T]) -> x rotated
 
@@ -27,6 +27,7 @@ class LayerState:
     main: RowStore  # encoded rows
     seen: int  # tokens appended so far (including evicted ones)
     evicted: int  # rows dropped from the front (sliding-window layers)
+    flat: dict[str, FlatStore] = field(default_factory=dict)  # "k"/"v" variable-length entries
 
     @property
     def visible(self) -> int:
@@ -92,14 +93,16 @@ class KvqLayer(CacheLayerMixin):
                 },
                 positions[:, :n_sink],
             )
+        flat = dict(st.flat)
         if t > n_sink:
-            k_rows = self.key_codec.encode(key[:, :, n_sink:])
-            v_rows = self.value_codec.encode(value[:, :, n_sink:])
-            rows = {f"k.{n}": r for n, r in k_rows.items()} | {
-                f"v.{n}": r for n, r in v_rows.items()
-            }
+            rows: dict[str, Tensor] = {}
+            for part, codec, x in (("k", self.key_codec, key), ("v", self.value_codec, value)):
+                part_rows, part_flat = codec.encode(x[:, :, n_sink:])
+                rows |= {f"{part}.{n}": r for n, r in part_rows.items()}
+                if part_flat:
+                    flat[part] = flat.get(part, FlatStore.empty()).prepared(part_flat)
             main = main.prepared(rows, positions[:, n_sink:])
-        return LayerState(sink=sink, main=main, seen=st.seen + t, evicted=st.evicted)
+        return LayerState(sink=sink, main=main, seen=st.seen + t, evicted=st.evicted, flat=flat)
 
     def evict(self, state: LayerState) -> LayerState:
         """Drop rows a sliding-window layer can never attend to again.
@@ -113,8 +116,14 @@ class KvqLayer(CacheLayerMixin):
         drop = state.visible - (w - 1)
         if drop < state.sink.length:
             return state
-        main = state.main.dropped_front(drop - state.sink.length)
-        return replace(state, sink=RowStore.empty(), main=main, evicted=state.evicted + drop)
+        rows = drop - state.sink.length
+        flat = {
+            p: f.dropped_front(int(_row_ptr(state.main, p)[rows])) for p, f in state.flat.items()
+        }
+        main = state.main.dropped_front(rows)
+        return replace(
+            state, sink=RowStore.empty(), main=main, evicted=state.evicted + drop, flat=flat
+        )
 
     # --- read ----------------------------------------------------------------------
 
@@ -130,11 +139,13 @@ class KvqLayer(CacheLayerMixin):
                 key = self.rotate(key, state.sink.row_positions())
             yield key, r["v"].float(), 0, state.sink.length
         offset = state.sink.length
+        ptr = {p: _row_ptr(state.main, p) for p in state.flat}
         for a in range(0, state.main.length, self.chunk_rows):
             b = min(a + self.chunk_rows, state.main.length)
             rows = state.main.rows(a, b)
-            key = self.key_codec.decode(_strip(rows, "k."))
-            value = self.value_codec.decode(_strip(rows, "v."))
+            flat = {p: state.flat[p].entries(int(ptr[p][a]), int(ptr[p][b])) for p in ptr}
+            key = self.key_codec.decode(_strip(rows, "k."), flat.get("k", {}))
+            value = self.value_codec.decode(_strip(rows, "v."), flat.get("v", {}))
             if self.policy.key_stage == "pre-rope":
                 key = self.rotate(key, state.main.row_positions(a, b))
             yield key, value, offset + a, offset + b
@@ -149,12 +160,17 @@ class KvqLayer(CacheLayerMixin):
         cats |= {f"v.{n}": c for n, c in self.value_codec.categories().items()}
         for name, nbytes in self.state.main.nbytes().items():
             out[cats[name]] += nbytes
+        for part, store in self.state.flat.items():
+            for name, nbytes in store.nbytes().items():
+                out[cats[f"{part}.{name}"]] += nbytes
         for codec in (self.key_codec, self.value_codec):
             out["qparams"] += sum(t.nbytes for t in codec.static.values())
         return out
 
     def allocated_bytes(self) -> int:
-        return self.state.sink.allocated_bytes() + self.state.main.allocated_bytes()
+        st = self.state
+        flat = sum(f.allocated_bytes() for f in st.flat.values())
+        return st.sink.allocated_bytes() + st.main.allocated_bytes() + flat
 
     # --- CacheLayerMixin -------------------------------------------------------------
 
@@ -178,8 +194,9 @@ class KvqLayer(CacheLayerMixin):
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         st = self.state
+        flat = {p: f.reordered(_batch_order(st.main, p, beam_idx)) for p, f in st.flat.items()}
         self.state = replace(
-            st, sink=st.sink.select_batch(beam_idx), main=st.main.select_batch(beam_idx)
+            st, sink=st.sink.select_batch(beam_idx), main=st.main.select_batch(beam_idx), flat=flat
         )
 
     def crop(self, max_length: int) -> None:
@@ -190,11 +207,13 @@ class KvqLayer(CacheLayerMixin):
             return
         if st.evicted:
             raise RuntimeError("cannot crop a sliding-window layer that has evicted rows")
+        rows = max(0, keep - st.sink.length)
         self.state = LayerState(
             sink=st.sink.truncated(keep),
-            main=st.main.truncated(max(0, keep - st.sink.length)),
+            main=st.main.truncated(rows),
             seen=keep,
             evicted=0,
+            flat={p: f.truncated(int(_row_ptr(st.main, p)[rows])) for p, f in st.flat.items()},
         )
 
     def batch_repeat_interleave(self, repeats: int) -> None:
@@ -213,3 +232,20 @@ class KvqLayer(CacheLayerMixin):
 
 def _strip(rows: dict[str, Tensor], prefix: str) -> dict[str, Tensor]:
     return {n[len(prefix) :]: t for n, t in rows.items() if n.startswith(prefix)}
+
+
+def _row_ptr(main: RowStore, part: str) -> Tensor:
+    """[rows + 1] start of each committed row's flat entries (prefix sum of the counts)."""
+    count = main.rows()[f"{part}.sparse_count"]  # [B, H, T]
+    per_row = count.long().sum(dim=(0, 1))
+    return torch.cat([per_row.new_zeros(1), per_row.cumsum(0)])
+
+
+def _batch_order(main: RowStore, part: str, index: Tensor) -> Tensor:
+    """Entry order that moves flat entries with their batch rows (reorder / repeat)."""
+    cnt = main.rows()[f"{part}.sparse_count"].long().permute(2, 0, 1)  # [T, B, H]
+    starts = (cnt.flatten().cumsum(0) - cnt.flatten()).view(cnt.shape)
+    lens = cnt[:, index].flatten()
+    src = starts[:, index].flatten()
+    within = torch.arange(int(lens.sum())) - torch.repeat_interleave(lens.cumsum(0) - lens, lens)
+    return torch.repeat_interleave(src, lens) + within

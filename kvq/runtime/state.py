@@ -105,3 +105,66 @@ def _grow_pos(old: Tensor | None, like: Tensor, keep: int, cap: int) -> Tensor:
     if old is not None and keep:
         new[:, :keep] = old[:, :keep]
     return new
+
+
+@dataclass(frozen=True)
+class FlatStore:
+    """Variable-length per-row entries (sparse exceptions), ordered by row.
+
+    Entries of all (batch, head) pairs of row r come before those of row r+1;
+    within a row they are ordered by batch, then head, then channel. The
+    per-(batch, head, row) entry counts live in the matching `RowStore`, so the
+    entries of any row range are one contiguous slice found by a prefix sum.
+    Same snapshot discipline as `RowStore`: successors write beyond the
+    committed frontier or into grown copies.
+    """
+
+    buffers: dict[str, Tensor]  # name -> [capacity]
+    length: int
+
+    @staticmethod
+    def empty() -> FlatStore:
+        return FlatStore(buffers={}, length=0)
+
+    def entries(self, start: int, stop: int) -> dict[str, Tensor]:
+        return {n: b[start:stop] for n, b in self.buffers.items()}
+
+    def prepared(self, entries: dict[str, Tensor]) -> FlatStore:
+        n = next(iter(entries.values())).shape[0] if entries else 0
+        if n == 0:
+            return self
+        need = self.length + n
+        cap = next(iter(self.buffers.values())).shape[0] if self.buffers else 0
+        if self.buffers and need <= cap:
+            buffers = self.buffers
+        else:
+            cap = max(need, 2 * cap, 256)
+            buffers = {}
+            for name, e in entries.items():
+                new = torch.empty((cap, *e.shape[1:]), dtype=e.dtype, device=e.device)
+                if name in self.buffers and self.length:
+                    new[: self.length] = self.buffers[name][: self.length]
+                buffers[name] = new
+        for name, e in entries.items():
+            buffers[name][self.length : need] = e
+        return FlatStore(buffers=buffers, length=need)
+
+    def dropped_front(self, count: int) -> FlatStore:
+        if count <= 0:
+            return self
+        bufs = {n: b[count : self.length].clone() for n, b in self.buffers.items()}
+        return FlatStore(bufs, self.length - count)
+
+    def truncated(self, length: int) -> FlatStore:
+        return FlatStore(self.buffers, min(length, self.length))
+
+    def reordered(self, order: Tensor) -> FlatStore:
+        """Successor with committed entries permuted by `order` (a LongTensor of entry indices)."""
+        bufs = {n: b[: self.length].index_select(0, order) for n, b in self.buffers.items()}
+        return FlatStore(bufs, self.length)
+
+    def nbytes(self) -> dict[str, int]:
+        return {n: b[: self.length].nbytes for n, b in self.buffers.items()}
+
+    def allocated_bytes(self) -> int:
+        return sum(b.nbytes for b in self.buffers.values())

@@ -1,0 +1,192 @@
+"""KVQuant: pre-RoPE per-channel keys, per-token values, Fisher-weighted NUQ codebooks,
+dense-and-sparse outliers and attention-sink tokens (article 0x07–0x07F).
+
+Offline, per layer:
+- keys: per (KV head, channel) outlier thresholds from the declared fraction
+  split over both tails, and a normaliser mapping the inlier range onto the
+  codebook's [-1, 1] domain; fixed for every request (article 0x05A, design 2);
+- values: nothing per channel — each row gets its own normaliser and
+  outliers at append time — except the layer's codebook;
+- one codebook of 2^bits levels for K and one for V: k-means over the
+  normalised calibration inliers, each value weighted by the Fisher
+  sensitivity of its (head, channel) (plain k-means with fisher off).
+Sink positions are excluded from every statistic: the runtime keeps them exact.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from kvq.calibrators.capture import capture, run_windows
+from kvq.errors import KvqError
+from kvq.progress import Progress
+from kvq.quant import nuq, sparse
+from kvq.quant.schemes import CachePolicy, KeyStage, LayerPolicy, QuantScheme
+
+
+@dataclass(frozen=True)
+class KVQuantOptions:
+    bits: int = 4
+    outliers: float = 0.01  # fraction of values kept exactly, split over both tails
+    sink: int = 1
+    fisher: bool = True
+    qnorm: bool = False
+    nonuniform: bool = True  # False: uniform levels on the same normalised grid (ablation)
+    key_stage: KeyStage = "pre-rope"
+    seed: int = 0
+    max_samples: int = 200_000  # per codebook fit
+
+    def __post_init__(self) -> None:
+        if self.bits not in (2, 3, 4):
+            raise KvqError(f"--bits must be 2, 3 or 4 for kvquant, got {self.bits}")
+        if not 0.0 <= self.outliers < 0.5:
+            raise KvqError(f"--outliers must be a fraction in [0, 0.5), got {self.outliers}")
+        if self.sink < 0:
+            raise KvqError(f"--sink must be >= 0, got {self.sink}")
+
+    def as_dict(self) -> dict[str, str | int | float | bool | None]:
+        return {
+            "bits": self.bits,
+            "outliers": self.outliers,
+            "sink": self.sink,
+            "fisher": self.fisher,
+            "qnorm": self.qnorm,
+            "nonuniform": self.nonuniform,
+            "key_stage": self.key_stage,
+            "seed": self.seed,
+        }
+
+
+def capture_kv(
+    model, adapter, windows: Tensor, sink: int, key_stage: str, progress: Progress
+) -> tuple[list[Tensor], list[Tensor]]:
+    """Per layer K and V samples [N*(L - sink), H_kv, D] of the calibration windows."""
+    n_layers = adapter.info.num_layers
+    parts: dict[str, list[list[Tensor]]] = {
+        "key": [[] for _ in range(n_layers)],
+        "value": [[] for _ in range(n_layers)],
+    }
+
+    def consume(layer: int, part: str, x: Tensor) -> None:
+        x = x[:, :, sink:].float()  # [B, H, T', D]: sink rows never shape the statistics
+        parts[part][layer].append(x.permute(0, 2, 1, 3).reshape(-1, x.shape[1], x.shape[3]))
+
+    with (
+        progress.stage("capture K/V", total=windows.shape[0]) as bar,
+        capture(adapter, consume, parts=("key", "value"), key_stage=key_stage),
+    ):
+        run_windows(model, windows, lambda _i: bar.advance())
+    keys = [torch.cat(xs) for xs in parts["key"]]
+    values = [torch.cat(xs) for xs in parts["value"]]
+    return keys, values
+
+
+def _codebook(values: Tensor, weights: Tensor | None, opts: KVQuantOptions) -> Tensor:
+    if not opts.nonuniform:
+        return nuq.uniform_codebook(opts.bits)
+    return nuq.fit_codebook(
+        values, opts.bits, weights, seed=opts.seed, max_samples=opts.max_samples
+    )
+
+
+def _qnorm_levels(values: Tensor, codebook: Tensor) -> Tensor:
+    """Levels whose decoded population has the mean and std of the originals (Q-Norm)."""
+    decoded = nuq.nuq_decode(nuq.nuq_encode(values, codebook), codebook)
+    mu, sd = values.mean(), values.std()
+    mu_d, sd_d = decoded.mean(), decoded.std().clamp_min(1e-12)
+    return ((codebook - mu_d) * (sd / sd_d) + mu).float()
+
+
+def fit_key_layer(
+    samples: Tensor, fisher: Tensor | None, opts: KVQuantOptions
+) -> dict[str, Tensor]:
+    """samples [N, H, D] pre-RoPE keys, fisher [H, D] or None -> the layer's static key tensors."""
+    if opts.outliers:
+        lower, upper = sparse.channel_thresholds(samples, opts.outliers)
+        inlier = ~sparse.threshold_outliers(samples, lower, upper)
+    else:
+        lower, upper = samples.amin(0), samples.amax(0)
+        inlier = torch.ones_like(samples, dtype=torch.bool)
+    scale, center = nuq.normalizer(lower, upper)
+    normed = nuq.normalize(samples, scale, center)
+    values = normed[inlier]
+    weights = fisher.expand_as(samples)[inlier] if fisher is not None else None
+    out = {"codebook": _codebook(values, weights, opts), "scale": scale, "center": center}
+    if opts.outliers:
+        out |= {"lower": lower.contiguous(), "upper": upper.contiguous()}
+    if opts.qnorm:
+        out["qnorm_levels"] = _qnorm_levels(values, out["codebook"])
+    return out
+
+
+def fit_value_layer(
+    samples: Tensor, fisher: Tensor | None, opts: KVQuantOptions
+) -> dict[str, Tensor]:
+    """samples [N, H, D] values, fisher [H, D] or None -> the layer's codebook (rows are online)."""
+    if opts.outliers:
+        idx, _, lo, hi = sparse.row_outliers(samples, opts.outliers)
+        inlier = torch.ones_like(samples, dtype=torch.bool).scatter(-1, idx.long(), False)
+    else:
+        lo, hi = samples.amin(-1), samples.amax(-1)
+        inlier = torch.ones_like(samples, dtype=torch.bool)
+    # the same per-row normaliser the runtime computes at append time
+    scale, center = nuq.normalizer(lo, hi)
+    normed = nuq.normalize(samples, scale[..., None], center[..., None])
+    values = normed[inlier]
+    weights = fisher.expand_as(samples)[inlier] if fisher is not None else None
+    out = {"codebook": _codebook(values, weights, opts)}
+    if opts.qnorm:
+        out["qnorm_levels"] = _qnorm_levels(values, out["codebook"])
+    return out
+
+
+def kvquant_policy(num_layers: int, opts: KVQuantOptions) -> CachePolicy:
+    key = QuantScheme(
+        format="nuq",
+        bits=opts.bits,
+        axis="channel",
+        lifetime="static",
+        outlier_fraction=opts.outliers,
+        qnorm=opts.qnorm,
+    )
+    value = QuantScheme(
+        format="nuq",
+        bits=opts.bits,
+        axis="token",
+        lifetime="dynamic",
+        outlier_fraction=opts.outliers,
+        qnorm=opts.qnorm,
+    )
+    layer = LayerPolicy(key=key, value=value, key_stage=opts.key_stage, sink_tokens=opts.sink)
+    return CachePolicy(name=f"kvquant-nuq{opts.bits}", layers=(layer,) * num_layers)
+
+
+def calibrate_kvquant(
+    model,
+    adapter,
+    windows: Tensor,
+    opts: KVQuantOptions,
+    progress: Progress,
+    fisher: tuple[Tensor, Tensor] | None,
+) -> tuple[CachePolicy, dict[str, Tensor]]:
+    """Windows [N, L] ids and optional Fisher sums ([L, H, D] for K and V) -> policy + tensors."""
+    if windows.shape[1] <= opts.sink + 1:
+        raise KvqError(
+            f"--seqlen {windows.shape[1]} leaves no tokens after {opts.sink} sink tokens"
+        )
+    keys, values = capture_kv(model, adapter, windows, opts.sink, opts.key_stage, progress)
+    tensors: dict[str, Tensor] = {}
+    with progress.stage("fit codebooks", total=adapter.info.num_layers) as bar:
+        for layer in range(adapter.info.num_layers):
+            fk = fisher[0][layer] if fisher is not None else None
+            fv = fisher[1][layer] if fisher is not None else None
+            for name, t in fit_key_layer(keys[layer], fk, opts).items():
+                tensors[f"layers.{layer}.key.{name}"] = t.contiguous()
+            for name, t in fit_value_layer(values[layer], fv, opts).items():
+                tensors[f"layers.{layer}.value.{name}"] = t.contiguous()
+            keys[layer] = values[layer] = torch.empty(0)  # release as we go
+            bar.advance()
+    return kvquant_policy(adapter.info.num_layers, opts), tensors

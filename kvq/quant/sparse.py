@@ -1,0 +1,204 @@
+"""Dense-and-sparse outliers with exact holes (live-data notes, 0x07D).
+
+A few outliers per vector are kept aside exactly (index + full value) so they
+do not stretch the dense range. The semantics are full-value REPLACEMENT:
+
+* the dense range (lo/hi) is computed from the inliers only;
+* the dense code at an outlier coordinate is a hole: whatever it decodes to
+  is discarded, and `merge_exceptions` writes the stored value there;
+* the sparse value is never added to a decoded dense value (a low-bit
+  lookup level is generally nonzero, so "dense + sparse" would be wrong).
+
+Two ways to pick outliers:
+
+* V rows (dynamic): `row_outliers` takes the k_hi largest and k_lo smallest
+  values of each row, a fixed count per row;
+* K channels (static): `channel_thresholds` calibrates per-(head, channel)
+  thresholds, `threshold_outliers` flags values strictly outside them (a
+  variable count per row) and `pack_mask_exceptions` packs those into a fixed
+  capacity, counting what did not fit.
+
+Exception slots are (idx int16, vals) pairs of fixed width k; an unused slot
+has idx == D (the row width), the `SENTINEL` convention: it is not a valid
+coordinate, it fits int16 and it can be scattered into a scratch column.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from kvq.errors import KvqError
+from kvq.quant.qparams import check_finite
+
+INDEX_DTYPE = torch.int16
+MAX_WIDTH = torch.iinfo(INDEX_DTYPE).max  # the sentinel D must fit too
+
+
+def _check_width(d: int) -> None:
+    if d > MAX_WIDTH:
+        raise KvqError(f"vector width {d} exceeds the int16 index limit {MAX_WIDTH}")
+
+
+def tail_counts(width: int, fraction: float) -> tuple[int, int]:
+    """(k_lo, k_hi): outliers per tail for `fraction` of `width` values split over both tails.
+
+    k_lo = k_hi = ceil(fraction * width / 2) when fraction > 0, else (0, 0).
+    The product is rounded to 9 decimals before the ceiling so float noise
+    (0.14 * 100 == 14.000000000000002) does not add a spurious outlier.
+    """
+    if not 0.0 <= fraction < 0.5:
+        raise KvqError(f"outlier fraction must be in [0, 0.5), got {fraction!r}")
+    if width < 1:
+        raise KvqError(f"vector width must be positive, got {width}")
+    if fraction == 0.0:
+        return 0, 0
+    k = math.ceil(round(fraction * width / 2, 9))
+    return k, k
+
+
+def row_outliers(x: Tensor, fraction: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Per-row dynamic outliers (V): the k_hi largest and k_lo smallest of each row.
+
+    x: [..., D]. Returns
+      idx       [..., k] int16, ascending coordinate order, k = k_lo + k_hi;
+      vals      [..., k] x's dtype, the exact values x[..., idx];
+      inlier_lo [...]    x's dtype, min over the remaining D - k coordinates;
+      inlier_hi [...]    x's dtype, max over the remaining coordinates.
+    One stable sort per row selects both tails, so the tails never overlap
+    and ties break deterministically: among equal values the lower coordinate
+    sorts first (into the low tail first, out of the high tail first).
+    Rows with D <= k (no inlier left) raise KvqError.
+    """
+    if x.dim() == 0:
+        raise KvqError("row_outliers needs at least one dimension")
+    check_finite(x, "input")
+    d = x.shape[-1]
+    _check_width(d)
+    k_lo, k_hi = tail_counts(d, fraction)
+    if d <= k_lo + k_hi:
+        raise KvqError(
+            f"row width {d} leaves no inliers after {k_lo + k_hi} outliers (fraction {fraction})"
+        )
+    ordered, order = torch.sort(x, dim=-1, stable=True)  # [..., D] ascending
+    inlier_lo = ordered[..., k_lo]
+    inlier_hi = ordered[..., d - 1 - k_hi]
+    picked = torch.cat([order[..., :k_lo], order[..., d - k_hi :]], dim=-1)  # [..., k]
+    idx, _ = torch.sort(picked, dim=-1)
+    vals = torch.gather(x, -1, idx)
+    return idx.to(INDEX_DTYPE), vals, inlier_lo, inlier_hi
+
+
+def channel_thresholds(samples: Tensor, fraction: float) -> tuple[Tensor, Tensor]:
+    """Static per-(head, channel) outlier thresholds (K) from calibration samples.
+
+    samples: [N, H, D] (sink tokens already excluded by the caller, 0x07E).
+    Returns (lower, upper), each [H, D] in the samples' dtype. With
+    k = tail_counts(N, fraction)[0], lower is the (k+1)-th smallest and upper
+    the (k+1)-th largest sample of each channel, so (without ties) exactly k
+    samples lie strictly below lower and k strictly above upper: about
+    `fraction` of the samples are outliers. fraction 0 gives the min and max.
+    Uses `kthvalue` (torch.quantile refuses large inputs).
+    """
+    if samples.dim() != 3:
+        raise KvqError(f"channel_thresholds expects [N, H, D] samples, got {tuple(samples.shape)}")
+    check_finite(samples, "calibration samples")
+    n = samples.shape[0]
+    k, _ = tail_counts(max(n, 1), fraction)
+    if n <= 2 * k:
+        raise KvqError(f"{n} calibration samples are too few for outlier fraction {fraction}")
+    lower = torch.kthvalue(samples, k + 1, dim=0).values
+    upper = torch.kthvalue(samples, n - k, dim=0).values
+    return lower, upper
+
+
+def threshold_outliers(x: Tensor, lower: Tensor, upper: Tensor) -> Tensor:
+    """bool mask, True where x is strictly outside [lower, upper]; thresholds broadcast against x.
+
+    x: [..., H, D] with lower/upper [H, D], or any broadcastable shapes.
+    """
+    if bool((lower > upper).any()):
+        raise KvqError("outlier lower threshold exceeds the upper threshold")
+    return (x < lower) | (x > upper)
+
+
+def threshold_excess(x: Tensor, lower: Tensor, upper: Tensor) -> Tensor:
+    """How far x lies beyond [lower, upper] (0 inside), fp32, broadcast shape.
+
+    A priority for `pack_mask_exceptions` that ranks outliers by how much they
+    would clip, independent of each channel's typical magnitude.
+    """
+    xf = x.float()
+    return torch.clamp(lower.float() - xf, min=0) + torch.clamp(xf - upper.float(), min=0)
+
+
+def merge_exceptions(dense: Tensor, idx: Tensor, vals: Tensor) -> Tensor:
+    """Dense decoded values with the exception coordinates REPLACED by the sparse values.
+
+    dense: [..., D] decoded dense path; idx: [..., k] int coordinates (D marks
+    an unused slot); vals: [..., k] the full values. Returns [..., D] in the
+    promotion of dense's and vals' dtypes, so a stored value comes back
+    bit-exactly. Duplicate real coordinates in one row raise KvqError (a
+    scatter with duplicates would pick a value in no defined order).
+    """
+    d = dense.shape[-1]
+    if idx.shape != vals.shape or idx.shape[:-1] != dense.shape[:-1]:
+        raise KvqError(
+            f"exception shapes idx {tuple(idx.shape)}, vals {tuple(vals.shape)} do not "
+            f"match dense {tuple(dense.shape)}"
+        )
+    if idx.shape[-1] == 0:
+        return dense.to(torch.promote_types(dense.dtype, vals.dtype))
+    i = idx.long()
+    if bool(((i < 0) | (i > d)).any()):
+        raise KvqError(f"exception index out of range [0, {d}] ({d} marks an unused slot)")
+    srt, _ = torch.sort(i, dim=-1)
+    if bool(((srt[..., 1:] == srt[..., :-1]) & (srt[..., 1:] < d)).any()):
+        raise KvqError("duplicate exception index within one row")
+    out_dtype = torch.promote_types(dense.dtype, vals.dtype)
+    # One scratch column at position D soaks up every unused slot.
+    scratch = dense.new_zeros((*dense.shape[:-1], 1), dtype=out_dtype)
+    wide = torch.cat([dense.to(out_dtype), scratch], dim=-1)  # [..., D + 1]
+    wide.scatter_(-1, i, vals.to(out_dtype))
+    return wide[..., :d]
+
+
+def pack_mask_exceptions(
+    x: Tensor, mask: Tensor, capacity: int, score: Tensor | None = None
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Pack a variable number of flagged outliers per row into `capacity` fixed slots.
+
+    x: [..., D]; mask: [..., D] bool (e.g. `threshold_outliers`); score:
+    optional [..., D] priority, higher kept first (default |x|; pass
+    `threshold_excess` to rank by distance beyond the thresholds). Returns
+      idx      [..., capacity] int16, ascending, D in unused slots;
+      vals     [..., capacity] float32 (exact for fp32/fp16/bf16 x; 0 in unused slots);
+      overflow [...] int64, flagged outliers that did not fit (they stay in
+               the dense path and clip to its end levels).
+    One stable descending sort of the score per row: equal scores keep the
+    lower coordinate, so the choice is deterministic.
+    """
+    if x.dim() == 0 or mask.shape != x.shape:
+        raise KvqError(f"mask shape {tuple(mask.shape)} must equal x shape {tuple(x.shape)}")
+    if capacity < 0:
+        raise KvqError(f"exception capacity must be non-negative, got {capacity}")
+    check_finite(x, "input")
+    d = x.shape[-1]
+    _check_width(d)
+    mask = mask.bool()
+    prio = x.float().abs() if score is None else score.float().expand_as(x)
+    # Unflagged coordinates sort after every flagged one, whatever their priority.
+    prio = torch.where(mask, prio, float("-inf"))
+    take = min(capacity, d)
+    order = torch.sort(prio, dim=-1, descending=True, stable=True).indices[..., :take]
+    used = torch.gather(mask, -1, order)  # [..., take]
+    idx = torch.where(used, order, d)
+    if take < capacity:  # more slots than coordinates: pad with unused slots
+        pad = idx.new_full((*idx.shape[:-1], capacity - take), d)
+        idx = torch.cat([idx, pad], dim=-1)
+    idx, _ = torch.sort(idx, dim=-1)  # sentinels (== D) go last
+    vals = torch.gather(torch.cat([x.float(), x.new_zeros(*x.shape[:-1], 1).float()], -1), -1, idx)
+    overflow = mask.sum(-1) - (idx < d).sum(-1)
+    return idx.to(INDEX_DTYPE), vals, overflow

@@ -1,0 +1,174 @@
+"""KVQuant codecs: codebook indices, normalisation qparams and exact sparse exceptions.
+
+Keys (static, per channel): each (head, channel) has a calibrated normaliser
+(scale, center) and outlier thresholds. A row's values beyond its channel's
+thresholds are stored exactly as variable-length flat entries (channel index +
+value) with a per-row count; their dense codes are holes that decode replaces.
+
+Values (dynamic, per token): each appended row gets its own normaliser from
+its inliers, and its k largest / smallest values are stored exactly in fixed
+slots (the count per row is fixed by the declared fraction).
+
+Codes are indices into the layer's codebook (2^bits levels in [-1, 1]), packed
+with the shared bit packing. Sparse values are stored in fp16, the precision of
+an unquantized fp16 cache.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from kvq.errors import KvqError
+from kvq.quant import nuq, packing, sparse
+from kvq.quant.qparams import check_finite, storage_dtype
+from kvq.quant.schemes import QuantScheme
+from kvq.runtime.codecs import NO_FLAT, Codec, Flat, Rows
+
+SPARSE_DTYPE = torch.float16
+
+
+def _index_dtype(head_dim: int) -> torch.dtype:
+    return torch.uint8 if head_dim <= 256 else torch.int16
+
+
+class _NuqCodec(Codec):
+    def __init__(self, scheme: QuantScheme, head_dim: int, codebook: Tensor, levels: Tensor | None):
+        super().__init__(head_dim, torch.float32)
+        if codebook.numel() != 2**scheme.bits:
+            raise KvqError(
+                f"codebook has {codebook.numel()} levels but the scheme declares {scheme.bits} bits"
+            )
+        self.bits = scheme.bits
+        self.codebook = codebook.float()
+        # Q-Norm: decode through mean/std-corrected levels, encode with the fitted ones
+        self.levels = self.codebook if levels is None else levels.float()
+        self.static = {"codebook": codebook} | ({} if levels is None else {"qnorm_levels": levels})
+        self.fraction = scheme.outlier_fraction
+        self.index_dtype = _index_dtype(head_dim)
+
+    def _codes(self, x_norm: Tensor) -> Tensor:
+        return packing.pack_bits(nuq.nuq_encode(x_norm, self.codebook), self.bits)
+
+    def _lookup(self, packed: Tensor) -> Tensor:
+        return nuq.nuq_decode(packing.unpack_bits(packed, self.bits, self.head_dim), self.levels)
+
+
+class NuqKeyCodec(_NuqCodec):
+    """Static per-channel normaliser and thresholds; variable-length exact exceptions."""
+
+    def __init__(self, scheme: QuantScheme, head_dim: int, state: dict[str, Tensor], where: str):
+        for name in ("codebook", "scale", "center") + (
+            ("lower", "upper") if scheme.outlier_fraction else ()
+        ):
+            if name not in state:
+                raise KvqError(f"{where}: the artifact has no {where}.{name}")
+        super().__init__(scheme, head_dim, state["codebook"], state.get("qnorm_levels"))
+        self.static |= {n: state[n] for n in ("scale", "center", "lower", "upper") if n in state}
+        self._scale = state["scale"][None, :, None, :]  # [1, H, 1, D]
+        self._center = state["center"][None, :, None, :]
+        self._lower = state["lower"][None, :, None, :] if self.fraction else None
+        self._upper = state["upper"][None, :, None, :] if self.fraction else None
+
+    def encode(self, x: Tensor) -> tuple[Rows, Flat]:
+        check_finite(x, "key rows")
+        x = x.float()  # [B, H, T, D]
+        rows: Rows = {}
+        flat: Flat = NO_FLAT
+        if self.fraction:
+            mask = sparse.threshold_outliers(x, self._lower.float(), self._upper.float())
+            count = mask.sum(-1)  # [B, H, T]
+            if count.numel() and int(count.max()) > 255:
+                raise KvqError(
+                    "more than 255 key outliers in one row; raise the calibration fraction"
+                )
+            rows["sparse_count"] = count.to(torch.uint8)
+            # entries in (row, batch, head, channel) order: one contiguous slice per row range
+            m = mask.permute(2, 0, 1, 3)
+            channel = m.nonzero()[:, 3]
+            flat = {
+                "sparse_index": channel.to(self.index_dtype),
+                "sparse_value": x.permute(2, 0, 1, 3)[m].to(SPARSE_DTYPE),
+            }
+            # holes: clip so the dense code is simply the nearest end level
+            x = torch.minimum(torch.maximum(x, self._lower.float()), self._upper.float())
+        rows["codes"] = self._codes(nuq.normalize(x, self._scale, self._center))
+        return rows, flat
+
+    def decode(self, rows: Rows, flat: Flat) -> Tensor:
+        dense = nuq.denormalize(self._lookup(rows["codes"]), self._scale, self._center)
+        if not self.fraction or not flat or flat["sparse_index"].numel() == 0:
+            return dense
+        count = rows["sparse_count"]  # [B, H, C]
+        b, h, c = count.shape
+        # entry -> flat (row, batch, head) slot, in the same order they were written
+        owner = torch.repeat_interleave(
+            torch.arange(c * b * h, device=count.device), count.permute(2, 0, 1).reshape(-1).long()
+        )
+        out = dense.permute(2, 0, 1, 3).reshape(c * b * h, self.head_dim).clone()
+        out[owner, flat["sparse_index"].long()] = flat["sparse_value"].float()  # replace, not add
+        return out.view(c, b, h, self.head_dim).permute(1, 2, 0, 3)
+
+    @staticmethod
+    def categories() -> dict[str, str]:
+        return {
+            "codes": "codes",
+            "sparse_count": "sparse",
+            "sparse_index": "sparse",
+            "sparse_value": "sparse",
+        }
+
+
+class NuqValueCodec(_NuqCodec):
+    """Per-token normaliser from the row's inliers; a fixed number of exact exceptions per row."""
+
+    def __init__(self, scheme: QuantScheme, head_dim: int, state: dict[str, Tensor], where: str):
+        if "codebook" not in state:
+            raise KvqError(f"{where}: the artifact has no {where}.codebook")
+        super().__init__(scheme, head_dim, state["codebook"], state.get("qnorm_levels"))
+        self.scale_dtype = storage_dtype(scheme.scale_dtype)
+
+    def encode(self, x: Tensor) -> tuple[Rows, Flat]:
+        check_finite(x, "value rows")
+        x = x.float()
+        rows: Rows = {}
+        if self.fraction:
+            idx, vals, lo, hi = sparse.row_outliers(x, self.fraction)
+            rows["sparse_index"] = idx.to(self.index_dtype)
+            rows["sparse_value"] = vals.to(SPARSE_DTYPE)
+        else:
+            lo, hi = x.amin(-1), x.amax(-1)
+        scale, center = nuq.normalizer(lo, hi, self.scale_dtype)  # [B, H, T]
+        rows["codes"] = self._codes(nuq.normalize(x, scale[..., None], center[..., None]))
+        rows["scale"], rows["center"] = scale, center
+        return rows, NO_FLAT
+
+    def decode(self, rows: Rows, flat: Flat) -> Tensor:
+        dense = nuq.denormalize(
+            self._lookup(rows["codes"]), rows["scale"][..., None], rows["center"][..., None]
+        )
+        if not self.fraction:
+            return dense
+        return sparse.merge_exceptions(
+            dense, rows["sparse_index"].long(), rows["sparse_value"].float()
+        )
+
+    @staticmethod
+    def categories() -> dict[str, str]:
+        return {
+            "codes": "codes",
+            "scale": "qparams",
+            "center": "qparams",
+            "sparse_index": "sparse",
+            "sparse_value": "sparse",
+        }
+
+
+def make_nuq_codec(
+    scheme: QuantScheme, head_dim: int, state: dict[str, Tensor], where: str
+) -> Codec:
+    if scheme.axis == "channel" and scheme.lifetime == "static":
+        return NuqKeyCodec(scheme, head_dim, state, where)
+    if scheme.axis == "token":
+        return NuqValueCodec(scheme, head_dim, state, where)
+    raise KvqError(f"{where}: no NUQ codec for {scheme.describe()}")
