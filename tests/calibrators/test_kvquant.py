@@ -1,0 +1,82 @@
+"""KVQuant calibration on a tiny model, and the cache built from it."""
+
+import torch
+
+from kvq.calibrators.kvquant import KVQuantOptions, calibrate_kvquant, capture_kv, fit_key_layer
+from kvq.models.adapters import get_adapter
+from kvq.progress import Progress
+from kvq.runtime.cache import build_cache
+from tests.conftest import make_tiny_model
+
+
+def _windows(n=3, t=24, seed=0):
+    return torch.randint(3, 200, (n, t), generator=torch.Generator().manual_seed(seed))
+
+
+def test_codebooks_are_deterministic_and_fisher_changes_them():
+    model = make_tiny_model("gemma3")
+    ad = get_adapter(model)
+    opts = KVQuantOptions(bits=2, outliers=0.02, sink=1)
+    fisher = (torch.rand(4, 1, 32) ** 4, torch.rand(4, 1, 32) ** 4)
+    _, a = calibrate_kvquant(model, ad, _windows(), opts, Progress(), fisher)
+    _, b = calibrate_kvquant(model, ad, _windows(), opts, Progress(), fisher)
+    _, plain = calibrate_kvquant(model, ad, _windows(), opts, Progress(), None)
+    assert a.keys() == b.keys()
+    assert all(torch.equal(a[n], b[n]) for n in a)
+    assert not torch.equal(a["layers.0.key.codebook"], plain["layers.0.key.codebook"])
+
+
+def test_sink_rows_are_excluded_from_statistics():
+    model = make_tiny_model("llama")
+    ad = get_adapter(model)
+    module, _ = ad.key_pre_rope_site(0)
+
+    def spike(_m, _i, out):
+        out = out.clone()
+        out[:, 0] = 1e4  # position 0 is an extreme outlier in layer 0
+        return out
+
+    handle = module.register_forward_hook(spike)
+    try:
+        keys, _ = capture_kv(model, ad, _windows(2, 10), 1, "pre-rope", Progress())
+        keys0, _ = capture_kv(model, ad, _windows(2, 10), 0, "pre-rope", Progress())
+    finally:
+        handle.remove()
+    assert keys[0].shape[0] == 2 * 9 and keys[0].abs().max() < 100
+    assert keys0[0].abs().max() >= 1e4
+
+
+def test_outliers_are_excluded_from_the_dense_range():
+    samples = torch.randn(1000, 1, 8)
+    samples[5, 0, 2] = 1e3
+    opts = KVQuantOptions(bits=3, outliers=0.01, fisher=False)
+    state = fit_key_layer(samples, None, opts)
+    assert state["upper"][0, 2] < 10  # the spike is beyond the threshold, not inside the range
+    assert state["scale"].float().max() < 10
+    assert state["codebook"].min() >= -1 and state["codebook"].max() <= 1
+
+
+def test_calibrated_cache_runs_and_tracks_the_model():
+    model = make_tiny_model("gemma3")
+    ad = get_adapter(model)
+    opts = KVQuantOptions(bits=4, outliers=0.02, sink=1, qnorm=True)
+    policy, tensors = calibrate_kvquant(model, ad, _windows(4, 32), opts, Progress(), None)
+    ids = _windows(1, 20, seed=9)
+    with torch.no_grad():
+        ref = torch.log_softmax(model(ids).logits, -1)
+        cache = build_cache(model, policy, tensors, ad)
+        got = torch.log_softmax(model(ids, cache=cache).logits, -1)
+        step = model(_windows(1, 1, seed=10), cache=cache).logits
+    kl = (ref.exp() * (ref - got)).sum(-1).mean()
+    assert kl < 0.05 and torch.isfinite(step).all()
+    ledger = cache.nbytes()
+    assert ledger.sparse > 0 and ledger.sink > 0 and ledger.codes > 0
+    # reorder moves the variable-length key exceptions with their batch row
+    cache2 = build_cache(model, policy, tensors, ad)
+    with torch.no_grad():
+        model(torch.cat([_windows(1, 12, seed=1), _windows(1, 12, seed=2)]), cache=cache2)
+    layer = cache2.layers[0]
+    before = [torch.cat([k for k, _, _, _ in layer.chunks(layer.state)], 2)]
+    cache2.reorder_cache(torch.tensor([1, 0]))
+    after = torch.cat([k for k, _, _, _ in layer.chunks(layer.state)], 2)
+    assert torch.equal(after[0], before[0][1]) and torch.equal(after[1], before[0][0])
