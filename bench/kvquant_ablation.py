@@ -1,0 +1,139 @@
+"""KVQuant's ablation on our model, every step on the same windows in one run.
+
+    .venv/bin/python bench/kvquant_ablation.py [--bits 3] [--samples 16] [--windows 16]
+                                               [--seqlen 512] [--json FILE]
+
+Steps (each adds one idea to the previous one):
+  1. uniform post-RoPE per-token K (and per-token V)
+  2. per-channel K (static, calibrated, post-RoPE)
+  3. pre-RoPE per-channel K
+  4. + NUQ: k-means codebooks (K and V), plain
+  5. + Fisher-weighted k-means
+  6. + 1% dense-and-sparse outliers
+  7. + attention sink (first token exact)
+Prints perplexity ratio, KLD and top-1 agreement against the unquantized model,
+and bytes per token against fp16, measured from the caches.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from kvq.calibrators.channel_scales import ChannelScalesOptions, calibrate_channel_scales
+from kvq.calibrators.fisher import fisher_cached
+from kvq.calibrators.kvquant import KVQuantOptions, calibrate_kvquant
+from kvq.eval.quality import QualityTotals, _accumulate
+from kvq.models.loading import load_model
+from kvq.pipeline import load_windows
+from kvq.progress import Progress
+from kvq.quant.schemes import CachePolicy, LayerPolicy, QuantScheme
+from kvq.runtime.cache import build_cache
+
+SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
+
+
+def per_token_policy(bits: int, layers: int) -> CachePolicy:
+    scheme = QuantScheme(format="int", bits=bits, axis="token")
+    return CachePolicy("int-per-token", (LayerPolicy(key=scheme, value=scheme),) * layers)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--model", default="gemma3-270m")
+    ap.add_argument("--bits", type=int, default=3)
+    ap.add_argument("--samples", type=int, default=16)
+    ap.add_argument("--windows", type=int, default=16)
+    ap.add_argument("--seqlen", type=int, default=512)
+    ap.add_argument("--calibration", default=str(SHARED / "calibration" / "groups_merged.txt"))
+    ap.add_argument("--data-dir", default=str(SHARED))
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args()
+    torch.set_grad_enabled(False)
+    console = Console(stderr=True)
+
+    loaded = load_model(args.model)
+    model, adapter = loaded.model, loaded.adapter
+    layers = adapter.info.num_layers
+    cal = load_windows(loaded, args.calibration, args.samples, args.seqlen, 0, None)
+    ev = load_windows(loaded, "wikitext2", args.windows, args.seqlen, 0, args.data_dir)
+    console.print(f"baseline logits on {args.windows} × {args.seqlen} windows")
+    base = [model(ev.ids[i : i + 1]).logits[0, :-1].float() for i in range(ev.ids.shape[0])]
+
+    def fisher(sink: int):
+        with torch.enable_grad():
+            info = fisher_cached(model, adapter, cal.ids, cal.fingerprint,
+                                 loaded.identity.weights_sha256, Progress(), exclude_first=sink)
+        return info.key, info.value
+
+    b = args.bits
+    steps = [
+        ("uniform post-RoPE per-token K", lambda: (per_token_policy(b, layers), {})),
+        ("per-channel K (post-RoPE)", lambda: calibrate_channel_scales(
+            model, adapter, cal.ids, ChannelScalesOptions(
+                bits=b, key_stage="post-rope", clip_percentile=100.0, sink=0, value_group=None),
+            Progress())),
+        ("pre-RoPE per-channel K", lambda: calibrate_channel_scales(
+            model, adapter, cal.ids, ChannelScalesOptions(
+                bits=b, key_stage="pre-rope", clip_percentile=100.0, sink=0, value_group=None),
+            Progress())),
+        ("+ NUQ", lambda: calibrate_kvquant(
+            model, adapter, cal.ids, KVQuantOptions(bits=b, outliers=0.0, sink=0, fisher=False),
+            Progress(), None)),
+        ("+ Fisher weighting", lambda: calibrate_kvquant(
+            model, adapter, cal.ids, KVQuantOptions(bits=b, outliers=0.0, sink=0),
+            Progress(), fisher(0))),
+        ("+ 1% sparse", lambda: calibrate_kvquant(
+            model, adapter, cal.ids, KVQuantOptions(bits=b, outliers=0.01, sink=0),
+            Progress(), fisher(0))),
+        ("+ sink (1 token)", lambda: calibrate_kvquant(
+            model, adapter, cal.ids, KVQuantOptions(bits=b, outliers=0.01, sink=1),
+            Progress(), fisher(1))),
+    ]
+    results = []
+    for name, calibrate in steps:
+        start = time.perf_counter()
+        policy, tensors = calibrate()
+        static = {n: t for n, t in tensors.items() if n.startswith("layers.")}
+        totals, ledger = QualityTotals(), None
+        for i in range(ev.ids.shape[0]):
+            cache = build_cache(model, policy, static, adapter)
+            quant = model(ev.ids[i : i + 1], cache=cache).logits[0, :-1].float()
+            _accumulate(totals, base[i], quant, ev.ids[i, 1:])
+            ledger = cache.nbytes()
+        row = {
+            "step": name,
+            "bits": b,
+            "ppl_baseline": totals.ppl_base(),
+            "ppl": totals.ppl_quant(),
+            "ratio": totals.ppl_quant() / totals.ppl_base(),
+            "kld": totals.kl / totals.tokens,
+            "top1": totals.top1_agree / totals.tokens,
+            "bytes_ratio": ledger.ratio,
+            "seconds": round(time.perf_counter() - start, 1),
+        }
+        results.append(row)
+        console.print(f"{name:<32} ratio {row['ratio']:.4f}  kld {row['kld']:.4f}  "
+                      f"bytes {row['bytes_ratio']:.3f}  ({row['seconds']} s)")
+
+    table = Table(title=f"KVQuant ablation · {args.model} · {b}-bit · WikiText-2 "
+                        f"{args.windows}×{args.seqlen} · prefill")
+    for col in ("step", "perplexity", "ratio", "KLD", "top-1", "bytes/fp16"):
+        table.add_column(col, justify="left" if col == "step" else "right")
+    for r in results:
+        table.add_row(r["step"], f"{r['ppl']:.3f}", f"{r['ratio']:.4f}", f"{r['kld']:.4f}",
+                      f"{r['top1']:.3f}", f"{r['bytes_ratio']:.3f}")
+    Console().print(table)
+    Console().print(f"baseline perplexity {results[0]['ppl_baseline']:.3f}")
+    if args.json:
+        args.json.write_text(json.dumps({"results": results}, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
