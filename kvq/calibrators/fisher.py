@@ -106,8 +106,8 @@ def _grad_hooks(adapter, key_sum: Tensor, value_sum: Tensor, exclude_first: int)
         def on_grad(grad: Tensor) -> None:
             # contiguous(): to_heads may .view() and a gradient can have odd strides.
             g = to_heads(grad.contiguous()).float()  # [B, H_kv, T, D]
-            g = g[:, :, exclude_first:]  # sink positions stay fp16 at runtime
-            acc[layer] += g.square().sum(dim=(0, 2)).to(acc.device)
+            g = g[:, :, exclude_first:]  # sinks stay full precision at runtime: not fitted
+            acc[layer] += g.square().sum(dim=(0, 2))
 
         def forward_hook(_module, _inputs, output: Tensor) -> None:
             if output.requires_grad:
@@ -137,9 +137,12 @@ def window_loss(model, ids: Tensor) -> Tensor:
     every parameter is frozen.
     """
     embeds = model.get_input_embeddings()(ids).detach().requires_grad_(True)  # [B, T, hidden]
-    logits = model(inputs_embeds=embeds, use_cache=False).logits  # [B, T, V]
-    vocab = logits.shape[-1]
-    return F.cross_entropy(logits[:, :-1].reshape(-1, vocab).float(), ids[:, 1:].reshape(-1))
+    # Logits only for the T-1 positions that predict a token: slicing [B, T, V] logits
+    # afterwards would cost a vocab-wide zero fill and copy in backward (262k wide on Gemma 3).
+    predicting = torch.arange(ids.shape[1] - 1, device=ids.device)
+    out = model(inputs_embeds=embeds, use_cache=False, logits_to_keep=predicting)
+    logits = out.logits  # [B, T-1, V]
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), ids[:, 1:].reshape(-1))
 
 
 def collect_fisher(
@@ -227,6 +230,7 @@ def _write_atomic(path: Path, tensors: dict[str, Tensor], metadata: dict[str, st
     os.close(fd)
     try:
         save_file(tensors, tmp, metadata=metadata)
+        os.chmod(tmp, 0o644)  # mkstemp makes 0600; a cache file is as readable as any other
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
