@@ -67,34 +67,65 @@ def main() -> None:
         for protocol in args.protocols.split(","):
             t0 = time.perf_counter()
             with torch.no_grad():
-                res = evaluate(loaded.model, ev.ids,
-                               lambda: build_cache(loaded.model, policy, static, loaded.adapter),
-                               protocol, Progress())
+                res = evaluate(
+                    loaded.model,
+                    ev.ids,
+                    lambda p=policy, s=static: build_cache(loaded.model, p, s, loaded.adapter),
+                    protocol,
+                    Progress(),
+                )
             out = res.as_json(("ppl", "kld", "bytes"))
             led = res.ledger
             row = {
-                "config": name, "protocol": protocol,
-                "ppl_baseline": out["ppl"]["baseline"], "ppl": out["ppl"]["quantized"],
-                "ratio": out["ppl"]["ratio"], "kld": out["kld"]["mean"],
-                "top1": out["kld"]["top1_agreement"], "bytes_ratio": led.ratio,
+                "config": name,
+                "protocol": protocol,
+                "ppl_baseline": out["ppl"]["baseline"],
+                "ppl": out["ppl"]["quantized"],
+                "ratio": out["ppl"]["ratio"],
+                "kld": out["kld"]["mean"],
+                "top1": out["kld"]["top1_agreement"],
+                "bytes_ratio": led.ratio,
                 "bits_per_element": 8 * led.bytes_per_token / elements,
-                "calibration_s": round(cal_s, 1), "calibration_stages": progress.seconds,
+                "calibration_s": round(cal_s, 1),
+                "calibration_stages": progress.seconds,
                 "eval_s": round(time.perf_counter() - t0, 1),
             }
             results.append(row)
-            console.print(f"{name:<6} {protocol:<8} ratio {row['ratio']:.4f} kld {row['kld']:.5f} "
-                          f"top1 {row['top1']:.4f} bytes {row['bytes_ratio']:.4f} "
-                          f"bits/elem {row['bits_per_element']:.3f}")
-    table = Table(title=f"{args.model} · WikiText-2 {args.windows}×{args.seqlen} · "
-                        f"calibrated on {args.samples}×{args.seqlen}")
-    for col in ("config", "protocol", "ppl", "ratio", "KLD", "top-1", "bytes/fp16", "bits/elem",
-                "calib s", "eval s"):
+            console.print(
+                f"{name:<6} {protocol:<8} ratio {row['ratio']:.4f} kld {row['kld']:.5f} "
+                f"top1 {row['top1']:.4f} bytes {row['bytes_ratio']:.4f} "
+                f"bits/elem {row['bits_per_element']:.3f}"
+            )
+    table = Table(
+        title=f"{args.model} · WikiText-2 {args.windows}×{args.seqlen} · "
+        f"calibrated on {args.samples}×{args.seqlen}"
+    )
+    for col in (
+        "config",
+        "protocol",
+        "ppl",
+        "ratio",
+        "KLD",
+        "top-1",
+        "bytes/fp16",
+        "bits/elem",
+        "calib s",
+        "eval s",
+    ):
         table.add_column(col, justify="left" if col in ("config", "protocol") else "right")
     for r in results:
-        table.add_row(r["config"], r["protocol"], f"{r['ppl']:.3f}", f"{r['ratio']:.4f}",
-                      f"{r['kld']:.5f}", f"{r['top1']:.4f}", f"{r['bytes_ratio']:.4f}",
-                      f"{r['bits_per_element']:.3f}", f"{r['calibration_s']:.0f}",
-                      f"{r['eval_s']:.0f}")
+        table.add_row(
+            r["config"],
+            r["protocol"],
+            f"{r['ppl']:.3f}",
+            f"{r['ratio']:.4f}",
+            f"{r['kld']:.5f}",
+            f"{r['top1']:.4f}",
+            f"{r['bytes_ratio']:.4f}",
+            f"{r['bits_per_element']:.3f}",
+            f"{r['calibration_s']:.0f}",
+            f"{r['eval_s']:.0f}",
+        )
     Console().print(table)
     if results:
         Console().print(f"baseline perplexity {results[0]['ppl_baseline']:.4f}")

@@ -68,33 +68,88 @@ def main() -> None:
 
     def fisher(sink: int):
         with torch.enable_grad():
-            info = fisher_cached(model, adapter, cal.ids, cal.fingerprint,
-                                 loaded.identity.weights_sha256, Progress(), exclude_first=sink)
+            info = fisher_cached(
+                model,
+                adapter,
+                cal.ids,
+                cal.fingerprint,
+                loaded.identity.weights_sha256,
+                Progress(),
+                exclude_first=sink,
+            )
         return info.key, info.value
 
     b = args.bits
     steps = [
         ("uniform post-RoPE per-token K", lambda: (per_token_policy(b, layers), {})),
-        ("per-channel K (post-RoPE)", lambda: calibrate_channel_scales(
-            model, adapter, cal.ids, ChannelScalesOptions(
-                bits=b, key_stage="post-rope", clip_percentile=100.0, sink=0, value_group=None),
-            Progress())),
-        ("pre-RoPE per-channel K", lambda: calibrate_channel_scales(
-            model, adapter, cal.ids, ChannelScalesOptions(
-                bits=b, key_stage="pre-rope", clip_percentile=100.0, sink=0, value_group=None),
-            Progress())),
-        ("+ NUQ", lambda: calibrate_kvquant(
-            model, adapter, cal.ids, KVQuantOptions(bits=b, outliers=0.0, sink=0, fisher=False),
-            Progress(), None)),
-        ("+ Fisher weighting", lambda: calibrate_kvquant(
-            model, adapter, cal.ids, KVQuantOptions(bits=b, outliers=0.0, sink=0),
-            Progress(), fisher(0))),
-        ("+ 1% sparse", lambda: calibrate_kvquant(
-            model, adapter, cal.ids, KVQuantOptions(bits=b, outliers=0.01, sink=0),
-            Progress(), fisher(0))),
-        ("+ sink (1 token)", lambda: calibrate_kvquant(
-            model, adapter, cal.ids, KVQuantOptions(bits=b, outliers=0.01, sink=1),
-            Progress(), fisher(1))),
+        (
+            "per-channel K (post-RoPE)",
+            lambda: calibrate_channel_scales(
+                model,
+                adapter,
+                cal.ids,
+                ChannelScalesOptions(
+                    bits=b, key_stage="post-rope", clip_percentile=100.0, sink=0, value_group=None
+                ),
+                Progress(),
+            ),
+        ),
+        (
+            "pre-RoPE per-channel K",
+            lambda: calibrate_channel_scales(
+                model,
+                adapter,
+                cal.ids,
+                ChannelScalesOptions(
+                    bits=b, key_stage="pre-rope", clip_percentile=100.0, sink=0, value_group=None
+                ),
+                Progress(),
+            ),
+        ),
+        (
+            "+ NUQ",
+            lambda: calibrate_kvquant(
+                model,
+                adapter,
+                cal.ids,
+                KVQuantOptions(bits=b, outliers=0.0, sink=0, fisher=False),
+                Progress(),
+                None,
+            ),
+        ),
+        (
+            "+ Fisher weighting",
+            lambda: calibrate_kvquant(
+                model,
+                adapter,
+                cal.ids,
+                KVQuantOptions(bits=b, outliers=0.0, sink=0),
+                Progress(),
+                fisher(0),
+            ),
+        ),
+        (
+            "+ 1% sparse",
+            lambda: calibrate_kvquant(
+                model,
+                adapter,
+                cal.ids,
+                KVQuantOptions(bits=b, outliers=0.01, sink=0),
+                Progress(),
+                fisher(0),
+            ),
+        ),
+        (
+            "+ sink (1 token)",
+            lambda: calibrate_kvquant(
+                model,
+                adapter,
+                cal.ids,
+                KVQuantOptions(bits=b, outliers=0.01, sink=1),
+                Progress(),
+                fisher(1),
+            ),
+        ),
     ]
     results = []
     for name, calibrate in steps:
@@ -119,16 +174,26 @@ def main() -> None:
             "seconds": round(time.perf_counter() - start, 1),
         }
         results.append(row)
-        console.print(f"{name:<32} ratio {row['ratio']:.4f}  kld {row['kld']:.4f}  "
-                      f"bytes {row['bytes_ratio']:.3f}  ({row['seconds']} s)")
+        console.print(
+            f"{name:<32} ratio {row['ratio']:.4f}  kld {row['kld']:.4f}  "
+            f"bytes {row['bytes_ratio']:.3f}  ({row['seconds']} s)"
+        )
 
-    table = Table(title=f"KVQuant ablation · {args.model} · {b}-bit · WikiText-2 "
-                        f"{args.windows}×{args.seqlen} · prefill")
+    table = Table(
+        title=f"KVQuant ablation · {args.model} · {b}-bit · WikiText-2 "
+        f"{args.windows}×{args.seqlen} · prefill"
+    )
     for col in ("step", "perplexity", "ratio", "KLD", "top-1", "bytes/fp16"):
         table.add_column(col, justify="left" if col == "step" else "right")
     for r in results:
-        table.add_row(r["step"], f"{r['ppl']:.3f}", f"{r['ratio']:.4f}", f"{r['kld']:.4f}",
-                      f"{r['top1']:.3f}", f"{r['bytes_ratio']:.3f}")
+        table.add_row(
+            r["step"],
+            f"{r['ppl']:.3f}",
+            f"{r['ratio']:.4f}",
+            f"{r['kld']:.4f}",
+            f"{r['top1']:.3f}",
+            f"{r['bytes_ratio']:.3f}",
+        )
     Console().print(table)
     Console().print(f"baseline perplexity {results[0]['ppl_baseline']:.3f}")
     if args.json:
