@@ -38,9 +38,14 @@ def _policy_rows(artifact: Artifact) -> Table:
 
 
 def _ranges(idx: list[int]) -> str:
-    if len(idx) > 4 and idx == list(range(idx[0], idx[-1] + 1)):
-        return f"{idx[0]}-{idx[-1]}"
-    return ",".join(map(str, idx))
+    """[0, 1, 2, 4, 6, 7] -> "0-2,4,6-7"."""
+    runs: list[list[int]] = []
+    for i in idx:
+        if runs and i == runs[-1][-1] + 1:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    return ",".join(f"{r[0]}-{r[-1]}" if len(r) > 1 else str(r[0]) for r in runs)
 
 
 def ledger_table(ledger: ByteLedger, title: str = "byte ledger (measured)") -> Table:
