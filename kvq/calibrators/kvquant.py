@@ -100,6 +100,18 @@ def _qnorm_levels(values: Tensor, codebook: Tensor) -> Tensor:
     return ((codebook - mu_d) * (sd / sd_d) + mu).float()
 
 
+def _levels(
+    normed: Tensor, inlier: Tensor, fisher: Tensor | None, opts: KVQuantOptions
+) -> dict[str, Tensor]:
+    """Codebook (and Q-Norm levels) over normalised inliers [N, H, D], Fisher [H, D] weighted."""
+    values = normed[inlier]
+    weights = fisher.expand_as(normed)[inlier] if fisher is not None else None
+    out = {"codebook": _codebook(values, weights, opts)}
+    if opts.qnorm:
+        out["qnorm_levels"] = _qnorm_levels(values, out["codebook"])
+    return out
+
+
 def fit_key_layer(
     samples: Tensor, fisher: Tensor | None, opts: KVQuantOptions
 ) -> dict[str, Tensor]:
@@ -111,14 +123,10 @@ def fit_key_layer(
         lower, upper = samples.amin(0), samples.amax(0)
         inlier = torch.ones_like(samples, dtype=torch.bool)
     scale, center = nuq.normalizer(lower, upper)
-    normed = nuq.normalize(samples, scale, center)
-    values = normed[inlier]
-    weights = fisher.expand_as(samples)[inlier] if fisher is not None else None
-    out = {"codebook": _codebook(values, weights, opts), "scale": scale, "center": center}
+    out = _levels(nuq.normalize(samples, scale, center), inlier, fisher, opts)
+    out |= {"scale": scale, "center": center}
     if opts.outliers:
         out |= {"lower": lower.contiguous(), "upper": upper.contiguous()}
-    if opts.qnorm:
-        out["qnorm_levels"] = _qnorm_levels(values, out["codebook"])
     return out
 
 
@@ -134,13 +142,9 @@ def fit_value_layer(
         inlier = torch.ones_like(samples, dtype=torch.bool)
     # the same per-row normaliser the runtime computes at append time
     scale, center = nuq.normalizer(lo, hi)
-    normed = nuq.normalize(samples, scale[..., None], center[..., None])
-    values = normed[inlier]
-    weights = fisher.expand_as(samples)[inlier] if fisher is not None else None
-    out = {"codebook": _codebook(values, weights, opts)}
-    if opts.qnorm:
-        out["qnorm_levels"] = _qnorm_levels(values, out["codebook"])
-    return out
+    return _levels(
+        nuq.normalize(samples, scale[..., None], center[..., None]), inlier, fisher, opts
+    )
 
 
 def kvquant_policy(num_layers: int, opts: KVQuantOptions) -> CachePolicy:
