@@ -64,25 +64,33 @@ DATA_DIR = typer.Option(
     None, "--data-dir", help="folder holding wikitext-2-raw/ (else $KVQ_DATA_DIR)"
 )
 
+# options every calibration pass shares
+CAL_DATASET = typer.Option(..., "--dataset", help="wikitext2 or a .txt/.jsonl/.parquet path")
+OUT = typer.Option(..., "--out", help="artifact directory to write")
+SAMPLES = typer.Option(16, "--samples", help="calibration windows")
+SEQLEN = typer.Option(512, "--seqlen", help="tokens per window")
+SINK = typer.Option(1, "--sink", help="first N positions kept in full precision")
+OVERWRITE = typer.Option(False, "--overwrite", help="replace an existing artifact")
+
 
 @calibrate_app.command("channel-scales")
 def calibrate_channel_scales(
-    dataset: str = typer.Option(..., "--dataset", help="wikitext2 or a .txt/.jsonl/.parquet path"),
-    out: Path = typer.Option(..., "--out", help="artifact directory to write"),
+    dataset: str = CAL_DATASET,
+    out: Path = OUT,
     model: str = MODEL,
-    samples: int = typer.Option(16, "--samples", help="calibration windows"),
-    seqlen: int = typer.Option(512, "--seqlen", help="tokens per window"),
+    samples: int = SAMPLES,
+    seqlen: int = SEQLEN,
     bits: int = typer.Option(4, "--bits", help="2, 3, 4 or 8"),
     key_stage: str = typer.Option("pre-rope", "--key-stage", help="pre-rope or post-rope"),
     clip_percentile: float = typer.Option(
         99.9, "--clip-percentile", help="per-tail key percentile"
     ),
-    sink: int = typer.Option(1, "--sink", help="first N positions kept in full precision"),
+    sink: int = SINK,
     v_group: int = typer.Option(
         32, "--v-group", help="V channels per qparam group (0: whole head)"
     ),
     seed: int = typer.Option(0, "--seed"),
-    overwrite: bool = typer.Option(False, "--overwrite", help="replace an existing artifact"),
+    overwrite: bool = OVERWRITE,
     data_dir: str | None = DATA_DIR,
 ) -> None:
     """Static per-channel K scales (pre-RoPE by default); V per token at append."""
@@ -114,18 +122,18 @@ def calibrate_channel_scales(
 
 @calibrate_app.command("kvquant")
 def calibrate_kvquant(
-    dataset: str = typer.Option(..., "--dataset", help="wikitext2 or a .txt/.jsonl/.parquet path"),
-    out: Path = typer.Option(..., "--out", help="artifact directory to write"),
+    dataset: str = CAL_DATASET,
+    out: Path = OUT,
     model: str = MODEL,
-    samples: int = typer.Option(16, "--samples", help="calibration windows"),
-    seqlen: int = typer.Option(512, "--seqlen", help="tokens per window"),
+    samples: int = SAMPLES,
+    seqlen: int = SEQLEN,
     bits: int = typer.Option(4, "--bits", help="2, 3 or 4"),
     outliers: float = typer.Option(0.01, "--outliers", help="fraction kept exactly (sparse)"),
-    sink: int = typer.Option(1, "--sink", help="first N positions kept in full precision"),
+    sink: int = SINK,
     fisher: bool = typer.Option(True, "--fisher/--no-fisher", help="Fisher-weighted k-means"),
     qnorm: bool = typer.Option(False, "--qnorm/--no-qnorm", help="Q-Norm level correction"),
     seed: int = typer.Option(0, "--seed"),
-    overwrite: bool = typer.Option(False, "--overwrite", help="replace an existing artifact"),
+    overwrite: bool = OVERWRITE,
     data_dir: str | None = DATA_DIR,
 ) -> None:
     """KVQuant: pre-RoPE per-channel K, per-token V, Fisher-weighted NUQ, sparse outliers, sinks."""
