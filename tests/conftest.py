@@ -7,7 +7,13 @@ hub. Other test modules import `make_tiny_model` and `tiny_tokenizer` directly.
 from __future__ import annotations
 
 import functools
+import os
 from pathlib import Path
+
+# Triton kernels are tested through its CPU interpreter unless a GPU is present; the
+# variable must be set before triton is first imported anywhere in the session.
+if not os.environ.get("KVQ_TEST_CUDA"):
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest
 import torch

@@ -1,0 +1,29 @@
+import pytest
+
+from kvq.errors import KvqError
+from kvq.runtime.kernels.backend import resolve_backend
+
+
+def test_auto_is_reference_on_cpu(monkeypatch):
+    monkeypatch.delenv("KVQ_BACKEND", raising=False)
+    assert resolve_backend(None, "cpu") == "reference"
+    assert resolve_backend("auto", "cpu") == "reference"
+
+
+def test_env_selects_backend(monkeypatch):
+    monkeypatch.setenv("KVQ_BACKEND", "reference")
+    assert resolve_backend(None, "cpu") == "reference"
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv("KVQ_BACKEND", "triton")
+    assert resolve_backend(None, "cpu") == "triton"
+
+
+def test_triton_on_cpu_needs_interpreter(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(KvqError, match="CUDA"):
+        resolve_backend("triton", "cpu")
+
+
+def test_unknown_backend_is_refused():
+    with pytest.raises(KvqError, match="unknown backend 'cuda'"):
+        resolve_backend("cuda", "cpu")
