@@ -19,6 +19,7 @@ from kvq.errors import KvqError
 from kvq.quant import affine, packing
 from kvq.quant.qparams import check_finite, storage_dtype
 from kvq.quant.schemes import QuantScheme
+from kvq.runtime.packed import PackedRows, decode_packed
 
 Rows = dict[str, Tensor]  # each tensor [B, H, T, ...]
 Flat = dict[str, Tensor]  # variable-length entries, each [E, ...], ordered by (row, batch, head)
@@ -42,7 +43,11 @@ class Codec:
 
     def decode(self, rows: Rows, flat: Flat) -> Tensor:
         """stored rows (each [B, H, C, ...]) and their entries -> [B, H, C, D] float32."""
-        return rows["data"].float()
+        return decode_packed(self.packed(rows, flat))
+
+    def packed(self, rows: Rows, flat: Flat) -> PackedRows:
+        """The stored rows described for the shared decoders (reference and kernels)."""
+        return PackedRows("full", self.head_dim, rows["data"])
 
     @staticmethod
     def categories() -> dict[str, str]:
@@ -75,14 +80,20 @@ class IntTokenCodec(Codec):
         rows = {"codes": packed, "scale": scale.squeeze(-1), "offset": offset.squeeze(-1)}
         return rows, NO_FLAT
 
-    def decode(self, rows: Rows, flat: Flat) -> Tensor:
-        codes = packing.unpack_bits(rows["codes"], self.bits, self.head_dim)
-        g = affine.to_groups(codes, self.group)  # [B, H, C, D/G, G]
-        scale = rows["scale"].unsqueeze(-1)
+    def packed(self, rows: Rows, flat: Flat) -> PackedRows:
         if self.symmetric:
-            signed = g.to(torch.int16) - (1 << (self.bits - 1))
-            return affine.from_groups(affine.symmetric_decode(signed, scale))
-        return affine.from_groups(affine.affine_decode(g, scale, rows["offset"].unsqueeze(-1)))
+            zero = float(1 << (self.bits - 1))  # codes were offset to unsigned at encode
+            return PackedRows(
+                "affine", self.head_dim, rows["codes"], self.bits, zero, rows["scale"]
+            )
+        return PackedRows(
+            "affine",
+            self.head_dim,
+            rows["codes"],
+            self.bits,
+            scale=rows["scale"],
+            offset=rows["offset"],
+        )
 
     @staticmethod
     def categories() -> dict[str, str]:
@@ -121,13 +132,10 @@ class IntChannelStaticCodec(Codec):
             ucodes = affine.affine_encode(x, self._scale, self._offset, self.bits)
         return {"codes": packing.pack_bits(ucodes, self.bits)}, NO_FLAT
 
-    def decode(self, rows: Rows, flat: Flat) -> Tensor:
-        codes = packing.unpack_bits(rows["codes"], self.bits, self.head_dim)
-        if self.symmetric:
-            return affine.symmetric_decode(
-                codes.to(torch.int16) - (1 << (self.bits - 1)), self._scale
-            )
-        return affine.affine_decode(codes, self._scale, self._offset)
+    def packed(self, rows: Rows, flat: Flat) -> PackedRows:
+        scale, offset = self.static["scale"], self.static.get("offset")
+        zero = float(1 << (self.bits - 1)) if self.symmetric else 0.0
+        return PackedRows("affine", self.head_dim, rows["codes"], self.bits, zero, scale, offset)
 
     @staticmethod
     def categories() -> dict[str, str]:

@@ -24,6 +24,7 @@ from kvq.quant import nuq, packing, sparse
 from kvq.quant.qparams import check_finite, storage_dtype
 from kvq.quant.schemes import QuantScheme
 from kvq.runtime.codecs import NO_FLAT, Codec, Flat, Rows
+from kvq.runtime.packed import PackedRows
 
 SPARSE_DTYPE = torch.float16
 
@@ -109,6 +110,25 @@ class NuqKeyCodec(_NuqCodec):
         out[owner, flat["sparse_index"].long()] = flat["sparse_value"].float()  # replace, not add
         return out.view(c, b, h, self.head_dim).permute(1, 2, 0, 3)
 
+    def packed(self, rows: Rows, flat: Flat) -> PackedRows:
+        sparse_rows = {}
+        if self.fraction:
+            sparse_rows = dict(
+                sparse_count=rows["sparse_count"],
+                sparse_index=flat.get("sparse_index", rows["sparse_count"].new_zeros(0)),
+                sparse_value=flat.get("sparse_value", self.levels.new_zeros(0)),
+            )
+        return PackedRows(
+            "lookup",
+            self.head_dim,
+            rows["codes"],
+            self.bits,
+            scale=self.static["scale"],
+            offset=self.static["center"],
+            table=self.levels,
+            **sparse_rows,
+        )
+
     @staticmethod
     def categories() -> dict[str, str]:
         return {
@@ -151,6 +171,21 @@ class NuqValueCodec(_NuqCodec):
             return dense
         return sparse.merge_exceptions(
             dense, rows["sparse_index"].long(), rows["sparse_value"].float()
+        )
+
+    def packed(self, rows: Rows, flat: Flat) -> PackedRows:
+        slots = {}
+        if self.fraction:
+            slots = dict(slot_index=rows["sparse_index"], slot_value=rows["sparse_value"])
+        return PackedRows(
+            "lookup",
+            self.head_dim,
+            rows["codes"],
+            self.bits,
+            scale=rows["scale"][..., None],
+            offset=rows["center"][..., None],
+            table=self.levels,
+            **slots,
         )
 
     @staticmethod

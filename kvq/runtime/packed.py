@@ -1,0 +1,148 @@
+"""`PackedRows`: stored K or V rows described in the terms every decoder shares.
+
+A codec stores rows as named tensors; `Codec.packed` describes them as one of
+three kinds whose decode is a single formula, so the pure-torch reference and
+the Triton kernels read the same structure:
+
+    full:    x = data                                  (sink rows, unquantized layers)
+    affine:  x = (code - zero - zero_point) * scale + offset
+    lookup:  x = table[code] * scale + offset           (NUQ codebook, or the 256 fp8 values)
+
+followed by exact exceptions that REPLACE decoded coordinates (article 0x07C):
+fixed per-row slots (values) or variable-length flat entries (keys).
+
+Qparams come in three layouts, told apart by rank: `[B, H, T, G]` per row
+(G groups of D // G channels), `[H, D]` per channel (static) and `[H]` per head
+(static). `decode_packed` is the one pure-torch decoder; it uses the shared
+quantizers of `kvq.quant`, so it is bit-exact with what calibration measures.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+from kvq.errors import KvqError
+from kvq.quant import packing, sparse
+
+Kind = Literal["full", "affine", "lookup"]
+
+
+@dataclass(frozen=True)
+class PackedRows:
+    kind: Kind
+    head_dim: int
+    data: Tensor  # [B, H, T, packed_len(D, bits)] uint8 codes, or [B, H, T, D] float ("full")
+    bits: int = 16
+    zero: float = 0.0  # affine: constant subtracted from codes (2^(bits-1) for symmetric)
+    scale: Tensor | None = None  # [B, H, T, G] | [H, D] | [H]
+    offset: Tensor | None = None  # same layout as scale; added after scaling
+    zero_point: Tensor | None = None  # affine: floating zero-point (QServe), scale layout
+    table: Tensor | None = None  # lookup: [2^bits] float32 reconstruction levels
+    slot_index: Tensor | None = None  # [B, H, T, S] channel of each exception; D = unused slot
+    slot_value: Tensor | None = None  # [B, H, T, S]
+    sparse_count: Tensor | None = None  # [B, H, T] flat entries per (batch, head, row)
+    sparse_index: Tensor | None = None  # [E] channel, entries ordered by (row, batch, head)
+    sparse_value: Tensor | None = None  # [E]
+    pre_rope: bool = False  # keys stored before rotation: rotate at each row's position
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("full", "affine", "lookup"):
+            raise KvqError(f"unknown packed kind {self.kind!r}")
+        if self.kind != "full" and self.scale is None:
+            raise KvqError(f"{self.kind} rows need a scale")
+        if self.kind == "lookup" and (self.table is None or self.table.numel() != 2**self.bits):
+            raise KvqError(f"lookup rows need a table of {2**self.bits} levels")
+
+    @property
+    def rows(self) -> int:
+        return self.data.shape[2]
+
+    @property
+    def qaxis(self) -> Literal["none", "row", "channel", "head"]:
+        if self.scale is None:
+            return "none"
+        return {4: "row", 2: "channel", 1: "head"}[self.scale.dim()]
+
+    def narrow(self, start: int, stop: int) -> PackedRows:
+        """Rows [start, stop) (views; flat entries sliced by the prefix sum of counts)."""
+
+        def cut(t: Tensor | None) -> Tensor | None:
+            return None if t is None else t[:, :, start:stop]
+
+        per_row = self.qaxis == "row"
+        out = replace(
+            self,
+            data=cut(self.data),
+            scale=cut(self.scale) if per_row else self.scale,
+            offset=cut(self.offset) if per_row else self.offset,
+            zero_point=cut(self.zero_point) if per_row else self.zero_point,
+            slot_index=cut(self.slot_index),
+            slot_value=cut(self.slot_value),
+            sparse_count=cut(self.sparse_count),
+        )
+        if self.sparse_count is None:
+            return out
+        ptr = row_pointers(self.sparse_count)
+        a, b = int(ptr[start]), int(ptr[stop])
+        return replace(
+            out, sparse_index=self.sparse_index[a:b], sparse_value=self.sparse_value[a:b]
+        )
+
+
+def row_pointers(count: Tensor) -> Tensor:
+    """[T + 1] first flat entry of each row (all batches and heads), from counts [B, H, T]."""
+    per_row = count.long().sum(dim=(0, 1))
+    return torch.cat([per_row.new_zeros(1), per_row.cumsum(0)])
+
+
+def entry_pointers(count: Tensor) -> Tensor:
+    """[B, H, T] int32 first flat entry of each (batch, head, row): entries go row, batch, head."""
+    c = count.long().permute(2, 0, 1).reshape(-1)  # (row, batch, head) order
+    start = (c.cumsum(0) - c).view(count.shape[2], count.shape[0], count.shape[1])
+    return start.permute(1, 2, 0).to(torch.int32).contiguous()
+
+
+def _qparam(t: Tensor, like: Tensor) -> Tensor:
+    """A qparam tensor broadcast to codes [B, H, T, D] (float32)."""
+    t = t.float()
+    if t.dim() == 4:  # [B, H, T, G] -> each group covers D // G channels
+        return t.repeat_interleave(like.shape[-1] // t.shape[-1], dim=-1)
+    if t.dim() == 2:  # [H, D]
+        return t[None, :, None, :]
+    return t[None, :, None, None]  # [H]
+
+
+def decode_packed(p: PackedRows) -> Tensor:
+    """Packed rows -> [B, H, T, D] float32 (exceptions merged, keys NOT rotated)."""
+    if p.kind == "full":
+        return p.data.float()
+    codes = packing.unpack_bits(p.data, p.bits, p.head_dim)  # [B, H, T, D] uint8
+    if p.kind == "affine":
+        x = codes.float() - p.zero
+        if p.zero_point is not None:
+            x = x - _qparam(p.zero_point, x)
+    else:
+        x = p.table.float()[codes.long()]
+    x = x * _qparam(p.scale, x)
+    if p.offset is not None:
+        x = x + _qparam(p.offset, x)
+    if p.slot_index is not None:
+        x = sparse.merge_exceptions(x, p.slot_index.long(), p.slot_value.float())
+    if p.sparse_count is not None and p.sparse_index.numel():
+        x = _merge_flat(x, p.sparse_count, p.sparse_index, p.sparse_value)
+    return x
+
+
+def _merge_flat(x: Tensor, count: Tensor, index: Tensor, value: Tensor) -> Tensor:
+    """Replace the coordinates named by flat entries (row, batch, head order) with their values."""
+    b, h, t, d = x.shape
+    owner = torch.repeat_interleave(
+        torch.arange(t * b * h, device=x.device), count.permute(2, 0, 1).reshape(-1).long()
+    )
+    out = x.permute(2, 0, 1, 3).reshape(t * b * h, d).clone()
+    out[owner, index.long()] = value.float()  # replace, not add
+    return out.view(t, b, h, d).permute(1, 2, 0, 3)
