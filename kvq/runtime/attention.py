@@ -2,9 +2,10 @@
 
 `QuantizedKVCache.update` returns `LayerView`s instead of K/V tensors; this
 function recognises them and computes attention straight from the packed rows
-through the chunked reference (a Triton backend will plug in here). Given plain
-tensors (any other cache, or none) it defers to transformers' SDPA, so a model
-with kvq attention installed behaves exactly as before with ordinary caches.
+with `decode_attention` on the cache's backend (Triton kernel or the chunked
+pure-torch reference). Given plain tensors (any other cache, or none) it
+defers to transformers' SDPA, so a model with kvq attention installed behaves
+exactly as before with ordinary caches.
 
 The mask is transformers' own SDPA mask, built from the cache's
 `get_mask_sizes`: its columns are the layer's visible rows in order, so
@@ -19,7 +20,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
-from kvq.runtime.reference import online_softmax_attention
+from kvq.runtime.kernels.decode_attention import decode_attention
 
 NAME = "kvq"
 
@@ -45,12 +46,15 @@ def kvq_attention(
     q_len = query.shape[2]
     scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
     mask = _bool_mask(attention_mask, query, view.state.visible)
-
-    def chunks():
-        for k, v, start, stop in view.layer.chunks(view.state):
-            yield k, v, None if mask is None else mask[..., start:stop]
-
-    out = online_softmax_attention(query, chunks(), scaling, kwargs.get("softcap"))
+    out = decode_attention(
+        query,
+        view.layer.segments(view.state),
+        scaling=scaling,
+        rope=view.layer.rope(view.state),
+        mask=mask,
+        softcap=kwargs.get("softcap"),
+        backend=view.cache.backend,
+    )
     view.cache.attended(view.layer.layer_idx)
     assert out.shape[2] == q_len
     return out.to(query.dtype).transpose(1, 2).contiguous(), None

@@ -22,6 +22,7 @@ from kvq.manifests.ledger import ByteLedger
 from kvq.quant.schemes import CachePolicy
 from kvq.runtime.attention import install_attention
 from kvq.runtime.codecs import make_codec
+from kvq.runtime.kernels.backend import check_choice
 from kvq.runtime.layers import KvqLayer, LayerState
 
 
@@ -58,9 +59,10 @@ class QuantizedKVCache(Cache):
     rather than directly: that also installs the kvq attention function.
     """
 
-    def __init__(self, layers: list[KvqLayer], policy: CachePolicy):
+    def __init__(self, layers: list[KvqLayer], policy: CachePolicy, backend: str | None = None):
         super().__init__(layers=layers)
         self.policy = policy
+        self.backend = None if backend is None else check_choice(backend)  # None: KVQ_BACKEND
         self._txn: _Transaction | None = None
         self.publications = 0  # number of published appends, for tests and telemetry
 
@@ -139,11 +141,14 @@ def _heads(layer: KvqLayer) -> int:
     return 0
 
 
-def build_cache(model, policy: CachePolicy, static: dict[str, Tensor], adapter) -> QuantizedKVCache:
+def build_cache(
+    model, policy: CachePolicy, static: dict[str, Tensor], adapter, backend: str | None = None
+) -> QuantizedKVCache:
     """A fresh cache for `model` following `policy`.
 
     static: artifact tensors named "layers.{i}.{key|value}.{name}" (static qparams).
     adapter: the model's `ArchitectureAdapter` (RoPE, head layout, windows).
+    backend: "auto" | "triton" | "reference" for attention; None reads KVQ_BACKEND.
     """
     info = adapter.info
     if policy.num_layers != info.num_layers:
@@ -165,11 +170,29 @@ def build_cache(model, policy: CachePolicy, static: dict[str, Tensor], adapter) 
                 value_codec=codecs[1],
                 activation_dtype=dtype,
                 sliding_window=adapter.sliding_window(i),
-                rotate=_rope_fn(adapter, i, inverse=False),
                 unrotate=_rope_fn(adapter, i, inverse=True),
+                rope_table=_rope_table(adapter, i, info.head_dim, lp.key_stage == "pre-rope"),
             )
         )
-    return QuantizedKVCache(layers, policy)
+    return QuantizedKVCache(layers, policy, backend)
+
+
+def _rope_table(adapter, layer_idx: int, head_dim: int, needed: bool):
+    """n -> cos, sin [n, D/2]: rotate-half pairs share their angle, so half the table suffices."""
+
+    def table(n: int):
+        cos, sin = adapter.rope_cos_sin(layer_idx, torch.arange(n))
+        if cos.shape[-1] != head_dim:
+            raise KvqError(
+                f"layer {layer_idx}: pre-RoPE keys need RoPE over the whole head "
+                f"({cos.shape[-1]} of {head_dim} channels rotate)"
+            )
+        half = head_dim // 2
+        return cos[:, :half].contiguous(), sin[:, :half].contiguous()
+
+    if needed:
+        table(1)  # refuse a partial-rotary model when the cache is built, not mid-forward
+    return table
 
 
 def _rope_fn(adapter, layer_idx: int, inverse: bool):

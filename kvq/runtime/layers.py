@@ -7,7 +7,7 @@ publishes all layers' successors together (see `cache.py`).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -16,9 +16,12 @@ from transformers.cache_utils import CacheLayerMixin
 
 from kvq.quant.schemes import LayerPolicy
 from kvq.runtime.codecs import Codec
+from kvq.runtime.kernels.decode_attention import Rope, Segment, rotate
+from kvq.runtime.packed import PackedRows, decode_packed
 from kvq.runtime.state import FlatStore, RowStore
 
 RopeFn = Callable[[Tensor, Tensor], Tensor]  # (x [B, H, T, D], positions [B, T]) -> x rotated
+RopeTable = Callable[[int], Rope]  # n -> cos, sin [n, D/2] for positions 0..n-1
 
 
 @dataclass(frozen=True)
@@ -56,9 +59,8 @@ class KvqLayer(CacheLayerMixin):
         value_codec: Codec,
         activation_dtype: torch.dtype,
         sliding_window: int | None,
-        rotate: RopeFn,
         unrotate: RopeFn,
-        chunk_rows: int = 256,
+        rope_table: RopeTable,
     ):
         super().__init__()
         self.layer_idx = layer_idx
@@ -67,8 +69,8 @@ class KvqLayer(CacheLayerMixin):
         self.activation_dtype = activation_dtype
         self.sliding_window = sliding_window
         self.is_sliding = sliding_window is not None
-        self.rotate, self.unrotate = rotate, unrotate
-        self.chunk_rows = chunk_rows
+        self.unrotate, self.rope_table = unrotate, rope_table
+        self._rope: Rope | None = None
         self.state = EMPTY
         self.is_initialized = True
 
@@ -127,28 +129,46 @@ class KvqLayer(CacheLayerMixin):
 
     # --- read ----------------------------------------------------------------------
 
-    def chunks(self, state: LayerState) -> Iterator[tuple[Tensor, Tensor, int, int]]:
-        """Decoded (key post-RoPE [B, H, C, D], value [B, H, C, D], start, stop) chunks.
+    def segments(self, state: LayerState) -> list[Segment]:
+        """The visible rows as attention segments: sink rows first, then encoded rows.
 
-        `start`/`stop` index the visible rows, which are the columns of the mask.
+        Their order is the order of the mask columns.
         """
+        pre = self.policy.key_stage == "pre-rope"
+        out = []
         if state.sink.length:
             r = state.sink.rows()
-            key = r["k"].float()
-            if self.policy.key_stage == "pre-rope":
-                key = self.rotate(key, state.sink.row_positions())
-            yield key, r["v"].float(), 0, state.sink.length
-        offset = state.sink.length
-        ptr = {p: _row_ptr(state.main, p) for p in state.flat}
-        for a in range(0, state.main.length, self.chunk_rows):
-            b = min(a + self.chunk_rows, state.main.length)
-            rows = state.main.rows(a, b)
-            flat = {p: state.flat[p].entries(int(ptr[p][a]), int(ptr[p][b])) for p in ptr}
-            key = self.key_codec.decode(_strip(rows, "k."), flat.get("k", {}))
-            value = self.value_codec.decode(_strip(rows, "v."), flat.get("v", {}))
-            if self.policy.key_stage == "pre-rope":
-                key = self.rotate(key, state.main.row_positions(a, b))
-            yield key, value, offset + a, offset + b
+            key = PackedRows("full", self.key_codec.head_dim, r["k"], pre_rope=pre)
+            value = PackedRows("full", self.value_codec.head_dim, r["v"])
+            out.append(Segment(key, value, state.sink.row_positions()))
+        if state.main.length:
+            rows = state.main.rows()
+            flat = {p: f.entries(0, f.length) for p, f in state.flat.items()}
+            key = self.key_codec.packed(_strip(rows, "k."), flat.get("k", {}))
+            if pre:
+                key = replace(key, pre_rope=True)
+            value = self.value_codec.packed(_strip(rows, "v."), flat.get("v", {}))
+            out.append(Segment(key, value, state.main.row_positions()))
+        return out
+
+    def rope(self, state: LayerState) -> Rope | None:
+        """cos/sin tables covering every stored position (pre-RoPE keys only); grown on demand."""
+        if self.policy.key_stage != "pre-rope" or not state.visible:
+            return None
+        top = max(int(s.row_positions().max()) for s in (state.sink, state.main) if s.length)
+        if self._rope is None or self._rope[0].shape[0] <= top:
+            self._rope = self.rope_table(max(1024, 1 << top.bit_length()))
+        return self._rope
+
+    def decoded(self, state: LayerState) -> tuple[Tensor, Tensor]:
+        """All visible rows decoded: key post-RoPE, value; each [B, H, visible, D] float32."""
+        rope = self.rope(state)
+        keys, values = [], []
+        for seg in self.segments(state):
+            k = decode_packed(seg.key)
+            keys.append(rotate(k, seg.positions, rope) if seg.key.pre_rope else k)
+            values.append(decode_packed(seg.value))
+        return torch.cat(keys, dim=2), torch.cat(values, dim=2)
 
     # --- ledger --------------------------------------------------------------------
 

@@ -1,0 +1,310 @@
+"""Triton kernel for `decode_attention_triton` (imported lazily: it imports triton).
+
+One program = one (batch, KV head) pair and one split of a segment's rows. It
+walks its rows in tiles of BLOCK_T, decodes K (in two halves, so a pre-RoPE
+key can be rotated with its partner channel in registers) and V, and keeps the
+online-softmax state for its R padded query rows (the G query heads of the KV
+head times the Q query positions). Scores are in base 2 (the launcher folds
+log2(e) into the softmax scale). Partial (max, denominator, numerator) go to
+memory for the reduction pass.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _codes(ptr, rows, chans, ok, stride_t, BITS: tl.constexpr):
+    """int32 codes [BT, BC] of `chans` in packed rows (code c sits at bit c * BITS)."""
+    bit = chans * BITS
+    addr = ptr + rows[:, None] * stride_t + (bit // 8)[None, :]
+    word = tl.load(addr, mask=ok, other=0).to(tl.int32)
+    if BITS == 8:
+        return word
+    shift = (bit % 8)[None, :]
+    if BITS == 3:  # a 3-bit code may straddle two bytes
+        spill = ok & (shift > 5)
+        word = word | (tl.load(addr + 1, mask=spill, other=0).to(tl.int32) << 8)
+    return (word >> shift) & ((1 << BITS) - 1)
+
+
+@triton.jit
+def _decode_tile(
+    data,
+    scale,
+    offset,
+    zp,
+    table,
+    slot_i,
+    slot_v,
+    count,
+    eptr,
+    e_idx,
+    e_val,
+    d_t,
+    q_t,
+    s_t,
+    c_t,
+    p_t,
+    zero,
+    rows,
+    row_ok,
+    chans,
+    chan_ok,
+    KIND: tl.constexpr,
+    BITS: tl.constexpr,
+    QAXIS: tl.constexpr,
+    GROUP: tl.constexpr,
+    HAS_OFF: tl.constexpr,
+    HAS_ZP: tl.constexpr,
+    SLOTS: tl.constexpr,
+    FLAT: tl.constexpr,
+):
+    """Decoded float32 [BT, BC] for rows x chans; pointers already point at (batch, head)."""
+    ok = row_ok[:, None] & chan_ok[None, :]
+    if KIND == 0:
+        x = tl.load(data + rows[:, None] * d_t + chans[None, :], mask=ok, other=0.0)
+        x = x.to(tl.float32)
+    else:
+        c = _codes(data, rows, chans, ok, d_t, BITS)
+        if KIND == 1:  # noqa: SIM108 (constexpr branches, not a runtime choice)
+            x = c.to(tl.float32) - zero
+        else:
+            x = tl.load(table + c, mask=ok, other=0.0)
+        if QAXIS == 1:  # per row, groups of GROUP channels
+            q_off = rows[:, None] * q_t + (chans // GROUP)[None, :]
+        elif QAXIS == 2:  # per channel (static)
+            q_off = tl.zeros_like(rows)[:, None] + chans[None, :]
+        else:  # one per head (static)
+            q_off = tl.zeros_like(rows)[:, None] + tl.zeros_like(chans)[None, :]
+        q_ok = ok
+        if HAS_ZP:
+            x = x - tl.load(zp + q_off, mask=q_ok, other=0.0).to(tl.float32)
+        x = x * tl.load(scale + q_off, mask=q_ok, other=1.0).to(tl.float32)
+        if HAS_OFF:
+            x = x + tl.load(offset + q_off, mask=q_ok, other=0.0).to(tl.float32)
+    for s in tl.static_range(SLOTS):
+        idx = tl.load(slot_i + rows * s_t + s, mask=row_ok, other=-1).to(tl.int32)
+        val = tl.load(slot_v + rows * s_t + s, mask=row_ok, other=0.0).to(tl.float32)
+        x = tl.where(chans[None, :] == idx[:, None], val[:, None], x)
+    if FLAT:
+        cnt = tl.load(count + rows * c_t, mask=row_ok, other=0).to(tl.int32)
+        first = tl.load(eptr + rows * p_t, mask=row_ok, other=0)
+        for j in range(0, tl.max(cnt, axis=0)):
+            has = j < cnt
+            idx = tl.load(e_idx + first + j, mask=has, other=-1).to(tl.int32)
+            val = tl.load(e_val + first + j, mask=has, other=0.0).to(tl.float32)
+            hit = (chans[None, :] == idx[:, None]) & has[:, None]
+            x = tl.where(hit, val[:, None], x)
+    return x
+
+
+@triton.jit
+def decode_attention_kernel(
+    q,
+    sq_b,
+    sq_h,
+    sq_q,
+    # key family: tensors, then strides
+    k_data,
+    k_scale,
+    k_off,
+    k_zp,
+    k_table,
+    k_slot_i,
+    k_slot_v,
+    k_count,
+    k_eptr,
+    k_eidx,
+    k_eval,
+    kd_b,
+    kd_h,
+    kd_t,
+    kq_b,
+    kq_h,
+    kq_t,
+    ks_b,
+    ks_h,
+    ks_t,
+    kc_b,
+    kc_h,
+    kc_t,
+    kp_b,
+    kp_h,
+    kp_t,
+    # value family
+    v_data,
+    v_scale,
+    v_off,
+    v_zp,
+    v_table,
+    v_slot_i,
+    v_slot_v,
+    v_count,
+    v_eptr,
+    v_eidx,
+    v_eval,
+    vd_b,
+    vd_h,
+    vd_t,
+    vq_b,
+    vq_h,
+    vq_t,
+    vs_b,
+    vs_h,
+    vs_t,
+    vc_b,
+    vc_h,
+    vc_t,
+    vp_b,
+    vp_h,
+    vp_t,
+    # rope, mask, outputs, sizes
+    pos,
+    pos_b,
+    cos,
+    sin,
+    mask,
+    m_b,
+    m_q,
+    m_out,
+    l_out,
+    acc_out,
+    T,
+    HKV,
+    col_base,
+    total,
+    rows_per_split,
+    k_zero,
+    v_zero,
+    scaling,
+    softcap,
+    Q: tl.constexpr,
+    G: tl.constexpr,
+    R: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    PRE_ROPE: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+    K_KIND: tl.constexpr,
+    K_BITS: tl.constexpr,
+    K_QAXIS: tl.constexpr,
+    K_GROUP: tl.constexpr,
+    K_HAS_OFF: tl.constexpr,
+    K_HAS_ZP: tl.constexpr,
+    K_SLOTS: tl.constexpr,
+    K_FLAT: tl.constexpr,
+    V_KIND: tl.constexpr,
+    V_BITS: tl.constexpr,
+    V_QAXIS: tl.constexpr,
+    V_GROUP: tl.constexpr,
+    V_HAS_OFF: tl.constexpr,
+    V_HAS_ZP: tl.constexpr,
+    V_SLOTS: tl.constexpr,
+    V_FLAT: tl.constexpr,
+):
+    bh = tl.program_id(0)
+    split = tl.program_id(1)
+    n_splits = tl.num_programs(1)
+    b = bh // HKV
+    h = bh % HKV
+    HALF: tl.constexpr = D // 2
+
+    # query rows r = g * Q + qi  ->  head h * G + g, position qi
+    r = tl.arange(0, R)
+    r_ok = r < G * Q
+    g = r // Q
+    qi = r % Q
+    j = tl.arange(0, BLOCK_HALF)
+    j_ok = j < HALF
+    q_base = q + b * sq_b + (h * G + g) * sq_h + qi * sq_q
+    q_ok = r_ok[:, None] & j_ok[None, :]
+    LOG2E: tl.constexpr = 1.4426950408889634  # scores are kept in base 2 (exp2)
+    if softcap > 0:  # noqa: SIM108 (cap natural-unit logits first, convert to base 2 after)
+        q_scale = scaling
+    else:
+        q_scale = scaling * LOG2E
+    q1 = tl.load(q_base[:, None] + j[None, :], mask=q_ok, other=0.0) * q_scale
+    q2 = tl.load(q_base[:, None] + HALF + j[None, :], mask=q_ok, other=0.0) * q_scale
+
+    # each family's pointers at this (batch, head)
+    kd = k_data + b * kd_b + h * kd_h
+    ksc = k_scale + b * kq_b + h * kq_h
+    kof = k_off + b * kq_b + h * kq_h
+    kzp = k_zp + b * kq_b + h * kq_h
+    ksi = k_slot_i + b * ks_b + h * ks_h
+    ksv = k_slot_v + b * ks_b + h * ks_h
+    kcn = k_count + b * kc_b + h * kc_h
+    kep = k_eptr + b * kp_b + h * kp_h
+    vd = v_data + b * vd_b + h * vd_h
+    vsc = v_scale + b * vq_b + h * vq_h
+    vof = v_off + b * vq_b + h * vq_h
+    vzp = v_zp + b * vq_b + h * vq_h
+    vsi = v_slot_i + b * vs_b + h * vs_h
+    vsv = v_slot_v + b * vs_b + h * vs_h
+    vcn = v_count + b * vc_b + h * vc_h
+    vep = v_eptr + b * vp_b + h * vp_h
+
+    dcol = tl.arange(0, BLOCK_D)
+    d_ok = dcol < D
+    m_i = tl.full([R], float("-inf"), tl.float32)
+    l_i = tl.zeros([R], tl.float32)
+    acc = tl.zeros([R, BLOCK_D], tl.float32)
+
+    start = split * rows_per_split
+    stop = tl.minimum(start + rows_per_split, T)
+    for t0 in range(start, stop, BLOCK_T):
+        t = t0 + tl.arange(0, BLOCK_T)
+        t_ok = t < stop
+        k1 = _decode_tile(
+            kd, ksc, kof, kzp, k_table, ksi, ksv, kcn, kep, k_eidx, k_eval,
+            kd_t, kq_t, ks_t, kc_t, kp_t, k_zero, t, t_ok, j, j_ok,
+            K_KIND, K_BITS, K_QAXIS, K_GROUP, K_HAS_OFF, K_HAS_ZP, K_SLOTS, K_FLAT,
+        )  # fmt: skip
+        k2 = _decode_tile(
+            kd, ksc, kof, kzp, k_table, ksi, ksv, kcn, kep, k_eidx, k_eval,
+            kd_t, kq_t, ks_t, kc_t, kp_t, k_zero, t, t_ok, HALF + j, j_ok,
+            K_KIND, K_BITS, K_QAXIS, K_GROUP, K_HAS_OFF, K_HAS_ZP, K_SLOTS, K_FLAT,
+        )  # fmt: skip
+        if PRE_ROPE:
+            p_t = tl.load(pos + b * pos_b + t, mask=t_ok, other=0)
+            rope_off = p_t[:, None] * HALF + j[None, :]
+            rope_ok = t_ok[:, None] & j_ok[None, :]
+            c = tl.load(cos + rope_off, mask=rope_ok, other=1.0)
+            s = tl.load(sin + rope_off, mask=rope_ok, other=0.0)
+            k1, k2 = k1 * c - k2 * s, k2 * c + k1 * s
+        scores = tl.dot(q1, tl.trans(k1), input_precision="ieee")
+        scores += tl.dot(q2, tl.trans(k2), input_precision="ieee")  # [R, BLOCK_T]
+        if softcap > 0:  # softcap * tanh(s / softcap), tanh(x) = 2 * sigmoid(2x) - 1
+            scores = softcap * (2.0 * tl.sigmoid(2.0 * scores / softcap) - 1.0) * LOG2E
+
+        col = col_base + t
+        allowed = r_ok[:, None] & t_ok[None, :]
+        if HAS_MASK:
+            mv = tl.load(mask + b * m_b + qi[:, None] * m_q + col[None, :], mask=allowed, other=0)
+            allowed = allowed & (mv != 0)
+        else:
+            allowed = allowed & (col[None, :] <= (total - Q + qi)[:, None])
+        scores = tl.where(allowed, scores, float("-inf"))
+
+        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(scores - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = _decode_tile(
+            vd, vsc, vof, vzp, v_table, vsi, vsv, vcn, vep, v_eidx, v_eval,
+            vd_t, vq_t, vs_t, vc_t, vp_t, v_zero, t, t_ok, dcol, d_ok,
+            V_KIND, V_BITS, V_QAXIS, V_GROUP, V_HAS_OFF, V_HAS_ZP, V_SLOTS, V_FLAT,
+        )  # fmt: skip
+        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+        m_i = m_new
+
+    out = (bh * n_splits + split) * R + r
+    tl.store(m_out + out, m_i)
+    tl.store(l_out + out, l_i)
+    tl.store(acc_out + out[:, None] * D + dcol[None, :], acc, mask=d_ok[None, :])

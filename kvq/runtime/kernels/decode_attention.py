@@ -1,0 +1,368 @@
+"""Decode attention straight from packed K/V (article 0x03, 0x06C, 0x09D).
+
+The cached rows of one layer arrive as `Segment`s — e.g. the full-precision
+sink rows, then the quantized rows — and ALL of them share one softmax. Both
+backends have the same signature:
+
+* `decode_attention_reference`: pure torch. Decodes a chunk of rows at a time
+  with `decode_packed` (the shared decoder) and folds it into an online softmax,
+  so the cache is never materialised in fp32.
+* `decode_attention_triton`: flash-decoding. Programs split each segment's rows
+  (grid: batch x KV head x split); each program unpacks codes in registers
+  (any of 2/3/4/8 bits), looks up codebooks, applies scale / zero-point /
+  offset, replaces exceptions (value slots, variable-length key entries),
+  rotates pre-RoPE keys at their own positions, and keeps a running max,
+  denominator and accumulator. A reduction then merges the partial states of
+  all splits of all segments with the log-sum-exp rule: one softmax, never a
+  sum of two.
+
+Queries are post-RoPE `[B, H_q, Q, D]`; the G = H_q / H_kv query heads sharing
+a KV head (GQA/MQA) and the Q query positions are processed together. The mask
+columns are the visible rows in segment order (transformers' own mask, so
+sliding windows and padding come from one place); without a mask, the Q
+queries are the last Q rows (causal, bottom-right aligned).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from kvq.errors import KvqError
+from kvq.runtime.kernels.backend import ENV, resolve_backend
+from kvq.runtime.packed import PackedRows, decode_packed, entry_pointers
+from kvq.runtime.reference import online_softmax_attention
+
+Rope = tuple[Tensor, Tensor]  # cos, sin tables [P, D/2] float32, indexed by RoPE position
+
+
+@dataclass(frozen=True)
+class Segment:
+    key: PackedRows
+    value: PackedRows
+    positions: Tensor | None = None  # [B, T] RoPE position of each row (pre-RoPE keys)
+
+    @property
+    def rows(self) -> int:
+        return self.key.rows
+
+
+def rotate(x: Tensor, positions: Tensor, rope: Rope) -> Tensor:
+    """Rotate-half RoPE of x [B, H, T, D] at positions [B, T] with half-width tables."""
+    cos, sin = (t[positions][:, None] for t in rope)  # [B, 1, T, D/2]
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+def _check(query: Tensor, segments: list[Segment], rope: Rope | None, mask: Tensor | None) -> int:
+    if query.dim() != 4:
+        raise KvqError(f"query must be [B, H_q, Q, D], got {tuple(query.shape)}")
+    if not segments:
+        raise KvqError("attention over no segments")
+    total = sum(s.rows for s in segments)
+    for s in segments:
+        if s.key.pre_rope and (rope is None or s.positions is None):
+            raise KvqError("pre-RoPE keys need RoPE tables and row positions")
+    if mask is not None and mask.shape[-1] != total:
+        raise KvqError(f"mask covers {mask.shape[-1]} keys, the segments hold {total}")
+    return total
+
+
+# --- reference ----------------------------------------------------------------------------
+
+
+def decode_attention_reference(
+    query: Tensor,
+    segments: list[Segment],
+    *,
+    scaling: float,
+    rope: Rope | None = None,
+    mask: Tensor | None = None,
+    softcap: float | None = None,
+    chunk_rows: int = 1024,
+) -> Tensor:
+    """query [B, H_q, Q, D]; mask [B, 1, Q, K] bool (True = attend) or None -> [B, H_q, Q, D] fp32.
+
+    softcap: logits become softcap * tanh(logits / softcap) before the softmax (Gemma 2).
+    """
+    total = _check(query, segments, rope, mask)
+    q_len = query.shape[2]
+    if mask is None:
+        mask = _causal(q_len, total, query.device)
+
+    def chunks():
+        col = 0
+        for seg in segments:
+            for a in range(0, seg.rows, chunk_rows):
+                b = min(a + chunk_rows, seg.rows)
+                key = decode_packed(seg.key.narrow(a, b))
+                if seg.key.pre_rope:
+                    key = rotate(key, seg.positions[:, a:b], rope)
+                value = decode_packed(seg.value.narrow(a, b))
+                yield key, value, mask[..., col + a : col + b]
+            col += seg.rows
+
+    return online_softmax_attention(query, chunks(), scaling, softcap)
+
+
+def _causal(q_len: int, total: int, device) -> Tensor:
+    q_pos = torch.arange(total - q_len, total, device=device)
+    return (torch.arange(total, device=device)[None, :] <= q_pos[:, None])[None, None]
+
+
+# --- triton -------------------------------------------------------------------------------
+
+_KIND = {"full": 0, "affine": 1, "lookup": 2}
+_QAXIS = {"none": 0, "row": 1, "channel": 2, "head": 3}
+MAX_QUERY_ROWS = 64  # G * Q rows per program; longer query blocks (prefill) use the reference
+
+
+def triton_unsupported(query: Tensor, segments: list[Segment], mask: Tensor | None) -> str | None:
+    """Why the Triton kernel cannot take this call (None when it can)."""
+    b, hq, q_len, d = query.shape
+    hkv = segments[0].key.data.shape[1]
+    if hq % hkv:
+        return "query heads are not a multiple of KV heads"
+    if (hq // hkv) * q_len > MAX_QUERY_ROWS:
+        return f"{(hq // hkv) * q_len} query rows per KV head exceed {MAX_QUERY_ROWS}"
+    if d % 2 or d > 512:
+        return f"head_dim {d} unsupported"
+    if mask is not None and (mask.dim() != 4 or mask.shape[1] != 1):
+        return "per-head masks are unsupported"
+    for seg in segments:
+        for p in (seg.key, seg.value):
+            if p.kind != "full" and p.data.stride(-1) != 1:
+                return "packed rows must be contiguous along the last dimension"
+    return None
+
+
+def decode_attention_triton(
+    query: Tensor,
+    segments: list[Segment],
+    *,
+    scaling: float,
+    rope: Rope | None = None,
+    mask: Tensor | None = None,
+    softcap: float | None = None,
+    chunk_rows: int = 1024,
+) -> Tensor:
+    """Same contract as `decode_attention_reference`; `chunk_rows` is unused here."""
+    import triton
+
+    total = _check(query, segments, rope, mask)
+    reason = triton_unsupported(query, segments, mask)
+    if reason:
+        raise KvqError(f"triton decode attention: {reason}")
+    b, hq, q_len, d = query.shape
+    hkv = segments[0].key.data.shape[1]
+    group = hq // hkv
+    rows_pad = max(16, triton.next_power_of_2(group * q_len))
+    q = query.float().contiguous()
+    mask_u8 = None
+    if mask is not None:
+        mask_u8 = mask.expand(b, 1, q_len, total)[:, 0].to(torch.uint8).contiguous()  # [B, Q, K]
+    partials = []
+    col = 0
+    for seg in segments:
+        if seg.rows:
+            partials.append(
+                _segment_partials(
+                    q, seg, rope, mask_u8, col, total, scaling, softcap, rows_pad, group
+                )
+            )
+        col += seg.rows
+    m = torch.cat([p[0] for p in partials], dim=2)  # [B, H_kv, S, R]
+    lse = torch.cat([p[1] for p in partials], dim=2)
+    acc = torch.cat([p[2] for p in partials], dim=2)  # [B, H_kv, S, R, D]
+    out = combine_partials(m, lse, acc)  # [B, H_kv, R, D]
+    out = out[:, :, : group * q_len].reshape(b, hkv, group, q_len, d)
+    return out.reshape(b, hq, q_len, d)
+
+
+def combine_partials(m: Tensor, denom: Tensor, acc: Tensor) -> Tensor:
+    """The reduction pass: merge per-split (max, denominator, numerator) into one softmax.
+
+    m, denom: [B, H, S, R] (max in log2 units); acc: [B, H, S, R, D] -> [B, H, R, D].
+    """
+    top = m.amax(dim=2, keepdim=True)
+    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
+    w = torch.exp2(m - top)  # a split that saw no keys has m = -inf -> weight 0
+    num = (acc * w[..., None]).sum(dim=2)
+    den = (denom * w).sum(dim=2)
+    return num / den.clamp_min(torch.finfo(torch.float32).tiny)[..., None]
+
+
+def _splits(rows: int, programs: int, block: int, device: torch.device) -> int:
+    """How many programs share one segment's rows: enough to fill the GPU, >= 1 tile each."""
+    tiles = max(1, math.ceil(rows / block))
+    if device.type != "cuda":
+        return min(tiles, 4)
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return max(1, min(tiles, math.ceil(2 * sms / max(1, programs))))
+
+
+def _family_args(p: PackedRows, dummy: Tensor):
+    """Pointers, strides and constexprs describing one PackedRows for the kernel."""
+    qaxis = p.qaxis
+    scale = p.scale if p.scale is not None else dummy
+    if qaxis == "row":
+        q_strides = scale.stride()[:3]
+        group = p.head_dim // scale.shape[-1]
+    elif qaxis == "channel":
+        q_strides = (0, scale.stride(0), 0)
+        group = 1
+    else:
+        q_strides = (0, scale.stride(0) if scale.dim() else 0, 0)
+        group = 1
+    for name in ("offset", "zero_point"):
+        t = getattr(p, name)
+        if t is not None and t.stride() != scale.stride():
+            raise KvqError(f"{name} must share the scale's layout")
+    slots = p.slot_index if p.slot_index is not None else None
+    if p.sparse_count is not None:
+        count = p.sparse_count
+        ptr = entry_pointers(count)
+        c_strides = count.stride()
+        p_strides = ptr.stride()
+        e_idx, e_val = p.sparse_index, p.sparse_value
+        if e_idx.numel() == 0:
+            e_idx, e_val = dummy, dummy
+    else:
+        count = ptr = e_idx = e_val = dummy
+        c_strides = p_strides = (0, 0, 0)
+    tensors = (
+        p.data,
+        scale,
+        p.offset if p.offset is not None else dummy,
+        p.zero_point if p.zero_point is not None else dummy,
+        p.table.float().contiguous() if p.table is not None else dummy,
+        slots if slots is not None else dummy,
+        p.slot_value if slots is not None else dummy,
+        count,
+        ptr,
+        e_idx,
+        e_val,
+    )
+    strides = (
+        *p.data.stride()[:3],
+        *q_strides,
+        *(slots.stride()[:3] if slots is not None else (0, 0, 0)),
+        *c_strides[:3],
+        *p_strides[:3],
+    )
+    consts = dict(
+        KIND=_KIND[p.kind],
+        BITS=p.bits if p.kind != "full" else 16,
+        QAXIS=_QAXIS[qaxis],
+        GROUP=group,
+        HAS_OFF=p.offset is not None,
+        HAS_ZP=p.zero_point is not None,
+        SLOTS=0 if slots is None else slots.shape[-1],
+        FLAT=p.sparse_count is not None and p.sparse_index.numel() > 0,
+    )
+    return tensors, strides, consts
+
+
+def _segment_partials(q, seg, rope, mask_u8, col, total, scaling, softcap, rows_pad, group):
+    from kvq.runtime.kernels import _decode_attention_triton as kern
+
+    b, hq, q_len, d = q.shape
+    hkv = seg.key.data.shape[1]
+    block = 32 if d > 128 else 64
+    splits = _splits(seg.rows, b * hkv, block, q.device)
+    rows_per_split = math.ceil(math.ceil(seg.rows / splits) / block) * block
+    splits = math.ceil(seg.rows / rows_per_split)
+    dev = q.device
+    m = torch.empty((b, hkv, splits, rows_pad), device=dev)
+    den = torch.empty_like(m)
+    acc = torch.empty((b, hkv, splits, rows_pad, d), device=dev)
+    dummy = torch.zeros(1, device=dev)
+    k_t, k_s, k_c = _family_args(seg.key, dummy)
+    v_t, v_s, v_c = _family_args(seg.value, dummy)
+    pre_rope = seg.key.pre_rope
+    if pre_rope:
+        cos, sin = (t.float().contiguous() for t in rope)
+        pos = seg.positions.to(torch.int64)
+        pos_stride = pos.stride(0)
+    else:
+        cos = sin = pos = dummy
+        pos_stride = 0
+    msk = mask_u8 if mask_u8 is not None else dummy
+    m_strides = mask_u8.stride()[:2] if mask_u8 is not None else (0, 0)
+    kern.decode_attention_kernel[(b * hkv, splits)](
+        q,
+        *q.stride()[:3],
+        *k_t,
+        *k_s,
+        *v_t,
+        *v_s,
+        pos,
+        pos_stride,
+        cos,
+        sin,
+        msk,
+        *m_strides,
+        m,
+        den,
+        acc,
+        seg.rows,
+        hkv,
+        col,
+        total,
+        rows_per_split,
+        float(seg.key.zero),
+        float(seg.value.zero),
+        float(scaling),
+        float(softcap or 0.0),
+        Q=q_len,
+        G=group,
+        R=rows_pad,
+        D=d,
+        BLOCK_D=triton_next_pow2(d),
+        BLOCK_HALF=triton_next_pow2(d // 2),
+        BLOCK_T=block,
+        PRE_ROPE=pre_rope,
+        HAS_MASK=mask_u8 is not None,
+        **{f"K_{k}": v for k, v in k_c.items()},
+        **{f"V_{k}": v for k, v in v_c.items()},
+    )
+    return m, den, acc
+
+
+def triton_next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+# --- dispatch -----------------------------------------------------------------------------
+
+
+def decode_attention(
+    query: Tensor,
+    segments: list[Segment],
+    *,
+    scaling: float,
+    rope: Rope | None = None,
+    mask: Tensor | None = None,
+    softcap: float | None = None,
+    backend: str | None = None,
+) -> Tensor:
+    """Attention of `query` over packed segments on the chosen backend (see module doc).
+
+    With backend auto, calls the kernel cannot take (long query blocks, per-head
+    masks) run on the reference; an explicit "triton" refuses them instead.
+    """
+    chosen = resolve_backend(backend, query.device)
+    if chosen == "triton":
+        explicit = (backend or os.environ.get(ENV) or "auto") == "triton"
+        if explicit or triton_unsupported(query, segments, mask) is None:
+            return decode_attention_triton(
+                query, segments, scaling=scaling, rope=rope, mask=mask, softcap=softcap
+            )
+    return decode_attention_reference(
+        query, segments, scaling=scaling, rope=rope, mask=mask, softcap=softcap
+    )

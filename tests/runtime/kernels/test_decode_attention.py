@@ -1,0 +1,210 @@
+"""Decode attention: the Triton kernel (interpreted on CPU) against the pure-torch reference.
+
+The reference itself is checked against dense softmax attention over the decoded rows, so
+the chain is: packed rows -> decode_packed (bit-exact with the codecs) -> reference ==
+dense oracle -> kernel == reference within fp32 tolerance (ATOL below).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvq.quant import fp8, nuq, sparse
+from kvq.quant.schemes import QuantScheme
+from kvq.runtime.codecs import make_codec
+from kvq.runtime.kernels.decode_attention import (
+    Segment,
+    decode_attention,
+    decode_attention_reference,
+    decode_attention_triton,
+    rotate,
+)
+from kvq.runtime.packed import PackedRows, decode_packed
+from kvq.runtime.reference import dense_attention
+
+ATOL = 2e-5  # fp32 accumulation-order differences between the kernel and the reference
+
+
+def _data(b, hkv, t, d, seed):
+    g = torch.Generator().manual_seed(seed)
+    k = torch.randn(b, hkv, t, d, generator=g)
+    v = torch.randn(b, hkv, t, d, generator=g)
+    k[..., 3] *= 6.0  # an outlier channel, as real keys have
+    v[:, :, 5, 7] = 12.0  # an outlier value
+    return k, v
+
+
+def _nuq_key_state(k, bits, fraction):
+    samples = k.permute(0, 2, 1, 3).reshape(-1, k.shape[1], k.shape[3])  # [N, H, D]
+    lower, upper = sparse.channel_thresholds(samples, fraction)
+    scale, center = nuq.normalizer(lower, upper)
+    levels = nuq.uniform_codebook(bits)
+    return {"codebook": levels, "scale": scale, "center": center, "lower": lower, "upper": upper}
+
+
+def _channel_state(k, bits):
+    lo = k.amin(dim=(0, 2))
+    hi = k.amax(dim=(0, 2))  # [H, D]
+    from kvq.quant import affine
+
+    scale, offset = affine.affine_qparams(lo, hi, bits)
+    return {"scale": scale, "offset": offset}
+
+
+def _codec_segment(kind, k, v, pre_rope=False):
+    d = k.shape[-1]
+    if kind == "int4-g16":
+        ks, vs, kst = QuantScheme("int", 4, group_size=16), QuantScheme("int", 4), {}
+    elif kind == "int8-sym":
+        ks, vs, kst = QuantScheme("int", 8, symmetric=True), QuantScheme("int", 8), {}
+    elif kind == "int2-int3":
+        ks, vs, kst = QuantScheme("int", 2, group_size=32), QuantScheme("int", 3), {}
+    elif kind == "int4-channel":
+        ks = QuantScheme("int", 4, axis="channel", lifetime="static")
+        vs, kst = QuantScheme("int", 4, group_size=32), _channel_state(k, 4)
+    elif kind in ("nuq4", "nuq3"):
+        bits = int(kind[-1])
+        ks = QuantScheme("nuq", bits, axis="channel", lifetime="static", outlier_fraction=0.02)
+        vs = QuantScheme("nuq", bits, outlier_fraction=0.02)
+        kst = _nuq_key_state(k, bits, 0.02)
+    else:
+        raise AssertionError(kind)
+    kc = make_codec(ks, d, torch.float32, kst, "layers.0.key")
+    vst = {"codebook": nuq.uniform_codebook(vs.bits)} if vs.format == "nuq" else {}
+    vc = make_codec(vs, d, torch.float32, vst, "layers.0.value")
+    kr, kf = kc.encode(k)
+    vr, vf = vc.encode(v)
+    kp = kc.packed(kr, kf)
+    if pre_rope:
+        kp = PackedRows(**{**kp.__dict__, "pre_rope": True})
+    return kp, vc.packed(vr, vf)
+
+
+def _rope(d, positions=4096, theta=10000.0):
+    inv = 1.0 / theta ** (torch.arange(0, d, 2).float() / d)
+    ang = torch.arange(positions).float()[:, None] * inv[None, :]
+    return ang.cos(), ang.sin()
+
+
+def _oracle(query, segments, scaling, rope, mask):
+    keys, values = [], []
+    for seg in segments:
+        k = decode_packed(seg.key)
+        if seg.key.pre_rope:
+            k = rotate(k, seg.positions, rope)
+        keys.append(k)
+        values.append(decode_packed(seg.value))
+    k, v = torch.cat(keys, 2), torch.cat(values, 2)
+    if mask is None:
+        total, q_len = k.shape[2], query.shape[2]
+        mask = torch.ones(q_len, total, dtype=torch.bool).tril(total - q_len)[None, None]
+    return dense_attention(query, k, v, mask, scaling)
+
+
+def _check(query, segments, rope=None, mask=None):
+    scaling = query.shape[-1] ** -0.5
+    ref = decode_attention_reference(
+        query, segments, scaling=scaling, rope=rope, mask=mask, chunk_rows=16
+    )
+    torch.testing.assert_close(ref, _oracle(query, segments, scaling, rope, mask))
+    out = decode_attention_triton(query, segments, scaling=scaling, rope=rope, mask=mask)
+    assert out.shape == query.shape
+    assert (out - ref).abs().max().item() < ATOL
+    return out
+
+
+@pytest.mark.parametrize("kind", ["int4-g16", "int8-sym", "int2-int3", "int4-channel", "nuq4"])
+def test_kernel_matches_reference_per_representation(kind):
+    k, v = _data(2, 2, 45, 64, seed=1)
+    kp, vp = _codec_segment(kind, k, v)
+    q = torch.randn(2, 4, 1, 64)  # GQA: 2 query heads per KV head
+    _check(q, [Segment(kp, vp)])
+
+
+def test_nuq_sparse_exceptions_are_exercised():
+    k, v = _data(1, 1, 40, 64, seed=2)
+    kp, vp = _codec_segment("nuq3", k, v)
+    assert kp.sparse_index.numel() > 0 and vp.slot_index is not None
+    _check(torch.randn(1, 2, 1, 64), [Segment(kp, vp)])
+
+
+def test_pre_rope_keys_with_fp_sink_segment_share_one_softmax():
+    """MQA, head_dim 256 (Gemma 3): sink rows exact, pre-RoPE keys rotated at their positions."""
+    b, d = 1, 256
+    k, v = _data(b, 1, 37, d, seed=3)
+    rope = _rope(d)
+    positions = torch.arange(37)[None]
+    sink = Segment(
+        PackedRows("full", d, k[:, :, :1].clone(), pre_rope=True),
+        PackedRows("full", d, v[:, :, :1].clone()),
+        positions[:, :1],
+    )
+    kp, vp = _codec_segment("int4-channel", k[:, :, 1:], v[:, :, 1:], pre_rope=True)
+    main = Segment(kp, vp, positions[:, 1:])
+    q = torch.randn(b, 4, 1, d) * 3  # sharp attention makes rotation errors visible
+    out = _check(q, [sink, main], rope=rope)
+    # the sink matters: dropping it changes the result
+    alone = decode_attention_reference(q, [main], scaling=d**-0.5, rope=rope)
+    assert (out - alone).abs().max() > 1e-3
+
+
+def test_two_queries_causal_and_explicit_sliding_mask_with_padding():
+    k, v = _data(2, 1, 50, 64, seed=4)
+    kp, vp = _codec_segment("int4-g16", k, v)
+    q = torch.randn(2, 3, 2, 64)  # MQA, Q = 2 (speculative decode)
+    seg = [Segment(kp, vp)]
+    _check(q, seg)  # implicit causal
+    mask = torch.ones(2, 1, 2, 50, dtype=torch.bool)
+    mask[..., :20] = False  # sliding window
+    mask[1, :, :, 20:25] = False  # left padding in batch 1
+    mask[:, :, 0, -1] = False  # causal between the two queries
+    _check(q, seg, mask=mask)
+
+
+def test_fp8_per_head_and_qserve_floating_offset():
+    b, h, t, d = 1, 2, 33, 64
+    k, v = _data(b, h, t, d, seed=5)
+    table = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    table = torch.nan_to_num(table, nan=0.0)
+    scale = fp8.fp8_scale(k.abs().amax(dim=(0, 2, 3)), "e4m3")  # [H]
+    codes = fp8.fp8_encode(k, scale[None, :, None, None], "e4m3").view(torch.uint8)
+    kp = PackedRows("lookup", d, codes, 8, scale=scale, table=table)
+    assert torch.equal(
+        decode_packed(kp),
+        fp8.fp8_decode(codes.view(torch.float8_e4m3fn), scale[None, :, None, None]),
+    )
+    lo, hi = v.amin(-1, keepdim=True), v.amax(-1, keepdim=True)
+    s = ((hi - lo) / 15).half()
+    zp = (-lo / s.float()).half()  # floating offset, not rounded, not clamped
+    vcodes = torch.round(v / s.float() + zp.float()).clamp(0, 15).to(torch.uint8)
+    from kvq.quant import packing
+
+    vp = PackedRows("affine", d, packing.pack_bits(vcodes, 4), 4, scale=s, zero_point=zp)
+    _check(torch.randn(b, 4, 1, d), [Segment(kp, vp)])
+
+
+def test_dispatch_falls_back_for_long_query_blocks(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    k, v = _data(1, 1, 20, 32, seed=6)
+    kp, vp = _codec_segment("int4-g16", k, v)
+    q = torch.randn(1, 4, 20, 32)  # 80 query rows per KV head: prefill-sized
+    ref = decode_attention_reference(q, [Segment(kp, vp)], scaling=0.2)
+    out = decode_attention(q, [Segment(kp, vp)], scaling=0.2, backend="auto")
+    assert torch.equal(out, ref)
+    from kvq.errors import KvqError
+
+    with pytest.raises(KvqError, match="query rows"):
+        decode_attention(q, [Segment(kp, vp)], scaling=0.2, backend="triton")
+
+
+def test_softcap_matches_reference():
+    k, v = _data(1, 1, 30, 64, seed=7)
+    kp, vp = _codec_segment("int8-sym", k, v)
+    q = torch.randn(1, 2, 1, 64) * 4
+    seg = [Segment(kp, vp)]
+    ref = decode_attention_reference(q, seg, scaling=0.125, softcap=5.0)
+    out = decode_attention_triton(q, seg, scaling=0.125, softcap=5.0)
+    assert (out - ref).abs().max().item() < ATOL
+    plain = decode_attention_reference(q, seg, scaling=0.125)
+    assert (plain - ref).abs().max().item() > 1e-3
