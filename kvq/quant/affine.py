@@ -165,3 +165,71 @@ def from_groups(x: Tensor) -> Tensor:
     if x.dim() < 2:
         raise KvqError("from_groups needs at least two dimensions")
     return x.flatten(-2)
+
+
+# --- QServe per-(token, head) INT4 with a floating offset (live-data notes, 0x09C) ----
+#
+# The pinned QServe cache ABI is NOT the asymmetric convention above: the offset
+# is added BEFORE rounding and is expressed in code units, and it is neither
+# rounded to an integer nor clamped to the code range (a positive-only range
+# [1, 2] has offset about -15):
+#
+#     scale  = (max - min) / 15           stored fp16, rounded UP (stored-scale policy)
+#     offset = fp16(-min / scale)         the STORED scale; rounded to nearest
+#     code   = clip(round(x / scale + offset), 0, 15)    (ties to even)
+#     x_hat  = (code - offset) * scale
+#
+# Constant heads (max == min, all-zero included) are our own extension, not
+# QServe's: scale 1 and offset fp16(-min), i.e. the same formulas with the
+# stored-scale sentinel, so such a head decodes to within fp16 rounding of its
+# value (exactly when |value| < 2048). An offset that overflows fp16 (a range
+# far from zero relative to its width) and a scale that underflows are refused.
+
+QSERVE_BITS = 4
+QSERVE_DTYPE = torch.float16
+
+
+def qserve_qparams(lo: Tensor, hi: Tensor) -> tuple[Tensor, Tensor]:
+    """(scale, offset), both fp16, of the QServe floating-offset INT4 ABI for [lo, hi].
+
+    lo, hi: broadcastable [...] range minima and maxima (one per token and head).
+    The scale is (hi - lo) / 15 rounded up to fp16 (1 for a constant range);
+    the offset is -lo / stored_scale rounded to nearest fp16, not clamped.
+    """
+    top = levels(QSERVE_BITS)
+    check_finite(lo, "range minimum")
+    check_finite(hi, "range maximum")
+    lo, hi = torch.broadcast_tensors(lo.float(), hi.float())
+    if bool((lo > hi).any()):
+        raise KvqError("range minimum exceeds range maximum")
+    scale = store_scale((hi - lo) / top, QSERVE_DTYPE, hi > lo)
+    offset = ((0.0 - lo) / scale.float()).to(QSERVE_DTYPE)  # 0 - lo: +0, not -0, for lo = 0
+    if not bool(torch.isfinite(offset.float()).all()):
+        raise KvqError(
+            "QServe offset -min/scale overflows float16: the range is too far from zero "
+            "for its width"
+        )
+    return scale, offset
+
+
+def qserve_encode(x: Tensor, scale: Tensor, offset: Tensor) -> Tensor:
+    """uint8 codes clip(round(x / scale + offset), 0, 15) (ties to even); qparams broadcast."""
+    codes = torch.round(x.float() / scale.float() + offset.float())
+    return codes.clamp_(0, levels(QSERVE_BITS)).to(torch.uint8)
+
+
+def qserve_decode(codes: Tensor, scale: Tensor, offset: Tensor, dtype=torch.float32) -> Tensor:
+    """x_hat = (codes - offset) * scale, returned in `dtype`."""
+    return ((codes.float() - offset.float()) * scale.float()).to(dtype)
+
+
+def quantize_qserve(x: Tensor, dim: Dims = -1) -> tuple[Tensor, Tensor, Tensor]:
+    """QServe INT4 with one (scale, offset) per slice reduced over `dim` (the head dim).
+
+    x: [...]. Returns (codes uint8 shaped like x, scale fp16, offset fp16), the
+    qparams shaped like x with the `dim` axes kept as size 1.
+    """
+    check_finite(x, "input")
+    xf = x.float()
+    scale, offset = qserve_qparams(xf.amin(dim=dim, keepdim=True), xf.amax(dim=dim, keepdim=True))
+    return qserve_encode(xf, scale, offset), scale, offset

@@ -1,0 +1,1069 @@
+"""Append kernels: quantize new rows and write codes + qparams in place (0x02A, 0x05, 0x09C).
+
+Every representation has three functions with the same arguments:
+
+* `<name>_reference(...)`: pure torch, built from the shared quantizers in
+  `kvq.quant` (the same calls the codecs in `kvq.runtime.codecs` /
+  `kvq.runtime.nuq_codecs` make), then written into the buffers;
+* `<name>_triton(...)`: one Triton launch, one program per (batch, head, row),
+  which reads the row, derives its qparams, rounds them to their storage dtype,
+  encodes, packs and stores;
+* `<name>(..., backend=None)`: dispatch through `resolve_backend`.
+
+Inputs are new rows `x [B, H, T, D]` (fp32, fp16 or bf16, any strides); the
+destination buffers are `[B, H, capacity, ...]` (`RowStore` layout) and rows
+`[start, start + T)` are written, nothing else. Both paths validate shapes and
+dtypes before writing. The reference also validates qparams before writing; the
+Triton launcher can only check the qparams it wrote, so when it raises
+`KvqError` (non-finite input, scale underflow or overflow, offset overflow) the
+rows `[start, start + T)` may hold partial output. Those rows lie beyond the
+committed frontier of a `RowStore`, so no reader sees them.
+
+Bit exactness of the Triton path against the reference (and so the codecs):
+
+* divisions use `tl.math.div_rn` (IEEE round-to-nearest; a plain `/` is an
+  approximate division on NVIDIA GPUs);
+* rounding to integers is round-half-to-even through floor:
+  f = floor(v), d = v - f (exact), up when d > 0.5 or d == 0.5 and f is odd.
+  The shorter floor(v + 0.5) form is wrong for 0.49999997 (v + 0.5 rounds to 1),
+  and libdevice `rint` is not available in the interpreter;
+* storage rounding: fp16 by the cast (round to nearest even on GPU and in the
+  interpreter); bf16 by integer rounding of the fp32 bits (the interpreter's
+  bf16 cast truncates); "round up" / "round down" step the stored value one
+  ulp through its integer bit pattern, as `qparams.step` does;
+* fp8 bit patterns are computed from the fp32 bits with round-to-nearest-even
+  (normal and subnormal targets) after the same clamp as `fp8.fp8_encode`, so
+  they do not depend on a backend's float8 conversion;
+* outlier selection reproduces `sparse.row_outliers` (one stable ascending
+  sort): k rounds of "smallest value, lowest coordinate first" for the low
+  tail and "largest value, highest coordinate first" for the high tail; the
+  slots are filled in ascending coordinate order.
+
+One known, harmless divergence: when a row's minimum (or maximum) is a zero
+present with both signs, `torch.amin` does not define which zero it returns,
+so a stored offset or center can differ in the sign of zero only (its value,
+the codes and the decoded values are the same).
+
+Triton is imported lazily (see `kvq.runtime.kernels`): the kernel bodies below
+are plain functions over the module global `tl`, which `_jit()` binds and
+decorates on the first Triton call.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from kvq.errors import KvqError
+from kvq.quant import affine, fp8, nuq, packing, sparse
+from kvq.quant.qparams import check_finite, dtype_name
+from kvq.runtime.kernels.backend import resolve_backend
+
+#: sparse exception values are fp16, as in `kvq.runtime.nuq_codecs.SPARSE_DTYPE`
+SPARSE_DTYPE = torch.float16
+INPUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# storage dtype -> kernel code: 0 fp32, 1 fp16, 2 bf16
+_STORAGE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+
+tl: Any = None  # triton.language, bound by _jit()
+
+
+def key_index_dtype(head_dim: int) -> torch.dtype:
+    """Dtype of sparse channel indices: uint8 up to 256 channels, else int16 (as the codecs)."""
+    return torch.uint8 if head_dim <= 256 else torch.int16
+
+
+# ======================================================================================
+# validation shared by both paths
+# ======================================================================================
+
+
+def _check_x(x: Tensor) -> tuple[int, int, int, int]:
+    if x.dim() != 4:
+        raise KvqError(f"new rows must be [B, H, T, D], got shape {tuple(x.shape)}")
+    if x.dtype not in INPUT_DTYPES:
+        raise KvqError(f"new rows must be float32, float16 or bfloat16, got {x.dtype}")
+    return tuple(x.shape)  # type: ignore[return-value]
+
+
+def _check_start(x: Tensor, start: int, capacity: int) -> None:
+    t = x.shape[2]
+    if isinstance(start, bool) or not isinstance(start, int) or start < 0:
+        raise KvqError(f"start row must be a non-negative int, got {start!r}")
+    if start + t > capacity:
+        raise KvqError(f"rows [{start}, {start + t}) do not fit a buffer of {capacity} rows")
+
+
+def _check_dest(
+    name: str, buf: Tensor | None, x: Tensor, start: int, tail: tuple[int, ...], dtypes
+) -> None:
+    """buf must be [B, H, capacity, *tail] of one of `dtypes` on x's device."""
+    if buf is None:
+        raise KvqError(f"{name} buffer is required")
+    b, h = x.shape[:2]
+    if buf.dim() != 3 + len(tail) or tuple(buf.shape[:2]) != (b, h) or tuple(buf.shape[3:]) != tail:
+        want = ", ".join(str(v) for v in (b, h, "capacity", *tail))
+        raise KvqError(f"{name} buffer must be [{want}], got {tuple(buf.shape)}")
+    if buf.dtype not in dtypes:
+        raise KvqError(f"{name} buffer must be {' or '.join(map(str, dtypes))}, got {buf.dtype}")
+    if buf.device != x.device:
+        raise KvqError(f"{name} buffer is on {buf.device}, new rows on {x.device}")
+    _check_start(x, start, buf.shape[2])
+
+
+def _check_static(name: str, t: Tensor | None, x: Tensor, shape: tuple[int, ...]) -> Tensor:
+    if t is None:
+        raise KvqError(f"static {name} is required")
+    if tuple(t.shape) != shape:
+        raise KvqError(f"static {name} must have shape {list(shape)}, got {tuple(t.shape)}")
+    if not t.is_floating_point():
+        raise KvqError(f"static {name} must be a float tensor, got {t.dtype}")
+    return t.to(x.device)
+
+
+def _group(d: int, group_size: int | None) -> int:
+    g = d if group_size is None else group_size
+    if isinstance(g, bool) or not isinstance(g, int) or g <= 0 or d % g:
+        raise KvqError(f"group size {group_size} does not divide head_dim {d}")
+    return g
+
+
+def _check_codebook(codebook: Tensor, bits: int, device: torch.device) -> Tensor:
+    if codebook.dim() != 1 or codebook.numel() != 2**bits:
+        raise KvqError(
+            f"codebook has {codebook.numel()} levels but {bits} bits need {2**bits} (1-D)"
+        )
+    return nuq._check_codebook(codebook).to(device)
+
+
+def _rows(x: Tensor, start: int) -> slice:
+    return slice(start, start + x.shape[2])
+
+
+# ======================================================================================
+# pure-torch references
+# ======================================================================================
+
+
+def _check_int_token(x, codes_out, scale_out, offset_out, start, bits, group_size, symmetric):
+    _, _, _, d = _check_x(x)
+    affine.qmax_signed(bits)  # validates bits
+    g = _group(d, group_size)
+    _check_dest("codes", codes_out, x, start, (packing.packed_len(d, bits),), (torch.uint8,))
+    _check_dest("scale", scale_out, x, start, (d // g,), tuple(_STORAGE))
+    if not symmetric:
+        _check_dest("offset", offset_out, x, start, (d // g,), (scale_out.dtype,))
+    return g
+
+
+def append_int_token_reference(
+    x: Tensor,
+    codes_out: Tensor,
+    scale_out: Tensor,
+    offset_out: Tensor | None,
+    start: int,
+    bits: int,
+    group_size: int | None = None,
+    symmetric: bool = False,
+) -> None:
+    """Dynamic per-(token, head[, group]) integer codes, exactly `IntTokenCodec.encode`.
+
+    x [B, H, T, D]; codes_out [B, H, cap, packed_len(D, bits)] uint8;
+    scale_out [B, H, cap, D // G] (fp16/bf16/fp32: its dtype is the scale
+    dtype); offset_out like scale_out, or None when symmetric. group_size None
+    means one group of D. Symmetric codes are stored offset by 2^(bits-1).
+    """
+    g = _check_int_token(x, codes_out, scale_out, offset_out, start, bits, group_size, symmetric)
+    grouped = affine.to_groups(x.float(), g)  # [B, H, T, D/G, G]
+    rows = _rows(x, start)
+    if symmetric:
+        codes, scale = affine.quantize_symmetric(grouped, bits, -1, scale_out.dtype)
+        ucodes = (codes.to(torch.int16) + (1 << (bits - 1))).to(torch.uint8)
+    else:
+        ucodes, scale, offset = affine.quantize_affine(grouped, bits, -1, scale_out.dtype)
+        offset_out[:, :, rows] = offset.squeeze(-1)
+    codes_out[:, :, rows] = packing.pack_bits(affine.from_groups(ucodes), bits)
+    scale_out[:, :, rows] = scale.squeeze(-1)
+
+
+def _check_int_qserve(x, codes_out, scale_out, offset_out, start):
+    _, _, _, d = _check_x(x)
+    bits = affine.QSERVE_BITS
+    _check_dest("codes", codes_out, x, start, (packing.packed_len(d, bits),), (torch.uint8,))
+    _check_dest("scale", scale_out, x, start, (), (affine.QSERVE_DTYPE,))
+    _check_dest("offset", offset_out, x, start, (), (affine.QSERVE_DTYPE,))
+
+
+def append_int_qserve_reference(
+    x: Tensor, codes_out: Tensor, scale_out: Tensor, offset_out: Tensor, start: int
+) -> None:
+    """QServe floating-offset INT4 per (token, head), `affine.quantize_qserve` (0x09C).
+
+    x [B, H, T, D]; codes_out [B, H, cap, packed_len(D, 4)] uint8;
+    scale_out, offset_out [B, H, cap] fp16. See `kvq.quant.affine` for the ABI,
+    its rounding policy (scale rounded up, offset from the stored scale) and
+    the constant-head policy (scale 1, offset fp16(-value)).
+    """
+    _check_int_qserve(x, codes_out, scale_out, offset_out, start)
+    codes, scale, offset = affine.quantize_qserve(x, -1)
+    rows = _rows(x, start)
+    codes_out[:, :, rows] = packing.pack_bits(codes, affine.QSERVE_BITS)
+    scale_out[:, :, rows] = scale.squeeze(-1)
+    offset_out[:, :, rows] = offset.squeeze(-1)
+
+
+def _check_int_channel(x, codes_out, start, scale, offset, bits, symmetric):
+    _, h, _, d = _check_x(x)
+    affine.qmax_signed(bits)
+    _check_dest("codes", codes_out, x, start, (packing.packed_len(d, bits),), (torch.uint8,))
+    scale = _check_static("scale", scale, x, (h, d))
+    if not symmetric:
+        offset = _check_static("offset", offset, x, (h, d))
+    return scale, offset
+
+
+def append_int_channel_reference(
+    x: Tensor,
+    codes_out: Tensor,
+    start: int,
+    scale: Tensor,
+    offset: Tensor | None,
+    bits: int,
+    symmetric: bool = False,
+) -> None:
+    """Static per-(head, channel) integer codes, exactly `IntChannelStaticCodec.encode`.
+
+    x [B, H, T, D]; codes_out [B, H, cap, packed_len(D, bits)] uint8;
+    scale, offset [H, D] calibrated qparams (offset None when symmetric).
+    """
+    scale, offset = _check_int_channel(x, codes_out, start, scale, offset, bits, symmetric)
+    check_finite(x, "key/value rows")
+    xf = x.float()
+    s = scale[None, :, None, :]
+    if symmetric:
+        codes = affine.symmetric_encode(xf, s, bits)
+        ucodes = (codes.to(torch.int16) + (1 << (bits - 1))).to(torch.uint8)
+    else:
+        ucodes = affine.affine_encode(xf, s, offset[None, :, None, :], bits)
+    codes_out[:, :, _rows(x, start)] = packing.pack_bits(ucodes, bits)
+
+
+def _check_fp8(x, codes_out, start, scale, fmt):
+    _, h, _, d = _check_x(x)
+    fp8.fp8_max(fmt)  # validates fmt
+    _check_dest("codes", codes_out, x, start, (d,), (torch.uint8,))
+    return _check_static("scale", scale, x, (h,))
+
+
+def append_fp8_reference(
+    x: Tensor, codes_out: Tensor, start: int, scale: Tensor, fmt: str = "e4m3"
+) -> None:
+    """Static per-head fp8 codes stored as their bit patterns: `fp8.fp8_encode(...).view(uint8)`.
+
+    x [B, H, T, D]; codes_out [B, H, cap, D] uint8; scale [H]; fmt "e4m3" or
+    "e5m2". Values beyond the format's range saturate to +-max.
+    """
+    scale = _check_fp8(x, codes_out, start, scale, fmt)
+    codes = fp8.fp8_encode(x, scale[None, :, None, None], fmt)
+    codes_out[:, :, _rows(x, start)] = codes.view(torch.uint8)
+
+
+def _check_nuq_value(
+    x, codes_out, scale_out, center_out, index_out, value_out, start, codebook, bits, fraction
+):
+    _, _, _, d = _check_x(x)
+    cb = _check_codebook(codebook, bits, x.device)
+    _check_dest("codes", codes_out, x, start, (packing.packed_len(d, bits),), (torch.uint8,))
+    _check_dest("scale", scale_out, x, start, (), tuple(_STORAGE))
+    _check_dest("center", center_out, x, start, (), (scale_out.dtype,))
+    k_lo, k_hi = sparse.tail_counts(d, fraction)
+    if d <= k_lo + k_hi:
+        raise KvqError(
+            f"row width {d} leaves no inliers after {k_lo + k_hi} outliers (fraction {fraction})"
+        )
+    if k_lo + k_hi:
+        _check_dest(
+            "sparse index", index_out, x, start, (k_lo + k_hi,), (key_index_dtype(d), torch.int16)
+        )
+        _check_dest("sparse value", value_out, x, start, (k_lo + k_hi,), (SPARSE_DTYPE,))
+    return cb, k_lo
+
+
+def append_nuq_value_reference(
+    x: Tensor,
+    codes_out: Tensor,
+    scale_out: Tensor,
+    center_out: Tensor,
+    index_out: Tensor | None,
+    value_out: Tensor | None,
+    start: int,
+    codebook: Tensor,
+    bits: int,
+    fraction: float,
+) -> None:
+    """KVQuant value rows, exactly `NuqValueCodec.encode`.
+
+    x [B, H, T, D]; codes_out [B, H, cap, packed_len(D, bits)] uint8;
+    scale_out, center_out [B, H, cap] (their dtype is the scale dtype);
+    index_out [B, H, cap, S] uint8 (int16 also accepted), value_out
+    [B, H, cap, S] fp16, S = k_lo + k_hi of `sparse.tail_counts(D, fraction)`
+    (both may be None when fraction is 0); codebook [2^bits].
+    """
+    cb, _ = _check_nuq_value(
+        x, codes_out, scale_out, center_out, index_out, value_out, start, codebook, bits, fraction
+    )
+    check_finite(x, "value rows")
+    xf = x.float()
+    rows = _rows(x, start)
+    if fraction:
+        idx, vals, lo, hi = sparse.row_outliers(xf, fraction)
+    else:
+        lo, hi = xf.amin(-1), xf.amax(-1)
+    scale, center = nuq.normalizer(lo, hi, scale_out.dtype)  # [B, H, T]
+    codes = nuq.nuq_encode(nuq.normalize(xf, scale[..., None], center[..., None]), cb)
+    if fraction:
+        index_out[:, :, rows] = idx.to(index_out.dtype)
+        value_out[:, :, rows] = vals.to(SPARSE_DTYPE)
+    codes_out[:, :, rows] = packing.pack_bits(codes, bits)
+    scale_out[:, :, rows] = scale
+    center_out[:, :, rows] = center
+
+
+def _check_nuq_key(x, codes_out, count_out, start, codebook, bits, scale, center, lower, upper):
+    _, h, _, d = _check_x(x)
+    cb = _check_codebook(codebook, bits, x.device)
+    _check_dest("codes", codes_out, x, start, (packing.packed_len(d, bits),), (torch.uint8,))
+    statics = [_check_static(n, t, x, (h, d)) for n, t in (("scale", scale), ("center", center))]
+    if (lower is None) != (upper is None):
+        raise KvqError("outlier thresholds need both lower and upper (or neither)")
+    if lower is not None:
+        statics += [_check_static(n, t, x, (h, d)) for n, t in (("lower", lower), ("upper", upper))]
+        _check_dest("sparse count", count_out, x, start, (), (torch.uint8,))
+    else:
+        statics += [None, None]
+    return cb, *statics
+
+
+def _key_entries(x: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
+    """Flat (channel index, fp16 value) entries in (row, batch, head, channel) order."""
+    count = mask.sum(-1)
+    if count.numel() and int(count.max()) > 255:
+        raise KvqError("more than 255 key outliers in one row; raise the calibration fraction")
+    m = mask.permute(2, 0, 1, 3)
+    channel = m.nonzero()[:, 3]
+    value = x.float().permute(2, 0, 1, 3)[m].to(SPARSE_DTYPE)
+    return channel.to(key_index_dtype(x.shape[-1])), value
+
+
+def _no_entries(x: Tensor) -> tuple[Tensor, Tensor]:
+    return (
+        torch.empty(0, dtype=key_index_dtype(x.shape[-1]), device=x.device),
+        torch.empty(0, dtype=SPARSE_DTYPE, device=x.device),
+    )
+
+
+def append_nuq_key_reference(
+    x: Tensor,
+    codes_out: Tensor,
+    count_out: Tensor | None,
+    start: int,
+    codebook: Tensor,
+    bits: int,
+    scale: Tensor,
+    center: Tensor,
+    lower: Tensor | None,
+    upper: Tensor | None,
+) -> tuple[Tensor, Tensor]:
+    """KVQuant key rows, exactly `NuqKeyCodec.encode`.
+
+    x [B, H, T, D]; codes_out [B, H, cap, packed_len(D, bits)] uint8;
+    count_out [B, H, cap] uint8 (outliers per row); codebook [2^bits];
+    scale, center, lower, upper [H, D] calibrated (lower = upper = None: no
+    outliers, count_out is then ignored). Values strictly outside
+    [lower, upper] are outliers: their dense codes encode the clipped value
+    (holes) and they are returned as flat entries (channel index uint8, or
+    int16 beyond 256 channels; value fp16) in (row, batch, head, channel) order.
+    """
+    cb, scale, center, lower, upper = _check_nuq_key(
+        x, codes_out, count_out, start, codebook, bits, scale, center, lower, upper
+    )
+    check_finite(x, "key rows")
+    xf = x.float()
+    rows = _rows(x, start)
+    entries = _no_entries(x)
+    if lower is not None:
+        lw, up = lower.float()[None, :, None, :], upper.float()[None, :, None, :]
+        mask = sparse.threshold_outliers(xf, lw, up)
+        entries = _key_entries(xf, mask)
+        count_out[:, :, rows] = mask.sum(-1).to(torch.uint8)
+        xf = torch.minimum(torch.maximum(xf, lw), up)
+    xn = nuq.normalize(xf, scale[None, :, None, :], center[None, :, None, :])
+    codes_out[:, :, rows] = packing.pack_bits(nuq.nuq_encode(xn, cb), bits)
+    return entries
+
+
+# ======================================================================================
+# Triton kernels (bodies over the global `tl`; decorated by _jit())
+# ======================================================================================
+
+
+def _rint(v):
+    # round half to even, exact for every fp32 (v - floor(v) is exact)
+    f = tl.floor(v)
+    d = v - f
+    odd = (f - 2.0 * tl.floor(f * 0.5)) != 0.0
+    return tl.where((d > 0.5) | ((d == 0.5) & odd), f + 1.0, f)
+
+
+def _near(v, DT: tl.constexpr):
+    # fp32 -> storage dtype, round to nearest even
+    if DT == 1:
+        out = v.to(tl.float16)
+    elif DT == 2:
+        b = v.to(tl.uint32, bitcast=True)
+        b = (b + 0x7FFF + ((b >> 16) & 1)) >> 16
+        out = b.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    else:
+        out = v
+    return out
+
+
+def _step(s, UP: tl.constexpr, DT: tl.constexpr):
+    # next representable value of s's own dtype towards +inf (UP) or -inf
+    if DT == 0:
+        bits = s.to(tl.int32, bitcast=True)
+        if UP:
+            nb = tl.where(s > 0, bits + 1, tl.where(s < 0, bits - 1, 1))
+        else:
+            nb = tl.where(s > 0, bits - 1, tl.where(s < 0, bits + 1, -2147483647))
+        out = nb.to(tl.int32).to(tl.float32, bitcast=True)
+    else:
+        bits = s.to(tl.int16, bitcast=True).to(tl.int32)
+        if UP:
+            nb = tl.where(s > 0, bits + 1, tl.where(s < 0, bits - 1, 1))
+        else:
+            nb = tl.where(s > 0, bits - 1, tl.where(s < 0, bits + 1, -32767))
+        out = nb.to(tl.int16).to(s.dtype, bitcast=True)
+    return out
+
+
+def _round_up(v, DT: tl.constexpr):
+    # the stored-scale policy for a positive fp32 scale (qparams.store_scale)
+    s = _near(v, DT)
+    return tl.where(s.to(tl.float32) < v, _step(s, True, DT), s)
+
+
+def _units(R: tl.constexpr, n_units):
+    # the R units (rows, or row groups) of this program and which of them exist
+    u = tl.program_id(0) * R + tl.arange(0, R)
+    return u, u < n_units
+
+
+def _pack_store(codes, row_ptr, so, valid, L: tl.constexpr, BL: tl.constexpr,
+                BITS: tl.constexpr, PER: tl.constexpr):  # fmt: skip
+    # codes: int32 [R, BL], codes of L channels per unit (0 beyond L); row_ptr: [R] the
+    # first output byte of each unit. Units of PER codes pack little-endian (code i of a
+    # unit at bit i * BITS); 3-bit units are 24-bit words written as 3 bytes.
+    R: tl.constexpr = codes.shape[0]
+    units = tl.reshape(codes, [R, BL // PER, PER])
+    shifts = tl.arange(0, PER) * BITS
+    word = tl.sum(units << shifts[None, None, :], axis=2)  # [R, BL // PER]
+    q = tl.arange(0, BL // PER)[None, :]
+    ok = valid[:, None] & (q * PER < L)
+    if BITS == 3:
+        base = row_ptr[:, None] + q * 3 * so
+        tl.store(base, (word & 0xFF).to(tl.uint8), mask=ok)
+        tl.store(base + so, ((word >> 8) & 0xFF).to(tl.uint8), mask=ok)
+        tl.store(base + 2 * so, ((word >> 16) & 0xFF).to(tl.uint8), mask=ok)
+    else:
+        tl.store(row_ptr[:, None] + q * so, word.to(tl.uint8), mask=ok)
+
+
+def _int_token_kernel(x_ptr, codes_ptr, scale_ptr, offset_ptr, start, H, T, n_units,
+                      sxb, sxh, sxt, sxd, scb, sch, sct, scd,
+                      ssb, ssh, sst, ssd, sob, soh, sot, sod,
+                      NG: tl.constexpr, G: tl.constexpr, BL: tl.constexpr, R: tl.constexpr,
+                      BITS: tl.constexpr, PER: tl.constexpr, GBYTES: tl.constexpr,
+                      SYM: tl.constexpr, DT: tl.constexpr):  # fmt: skip
+    # one unit = one group of G channels of one (batch, head, row)
+    u, valid = _units(R, n_units)
+    g = u % NG
+    t = (u // NG) % T
+    h = (u // (NG * T)) % H
+    b = u // (NG * T * H)
+    j = tl.arange(0, BL)[None, :]
+    m = valid[:, None] & (j < G)
+    src = x_ptr + b * sxb + h * sxh + t * sxt + g * G * sxd
+    x = tl.load(src[:, None] + j * sxd, mask=m, other=0.0).to(tl.float32)
+    if SYM:
+        amax = tl.max(tl.where(m, tl.abs(x), 0.0), axis=1)
+        ideal = tl.math.div_rn(amax, tl.full([R], (1 << (BITS - 1)) - 1, tl.float32))
+        s = _round_up(tl.where(amax > 0, ideal, 1.0), DT)
+        q = _rint(tl.math.div_rn(x, s.to(tl.float32)[:, None]))
+        top = (1 << (BITS - 1)) - 1
+        q = tl.minimum(tl.maximum(q, -top), top) + (1 << (BITS - 1))
+    else:
+        lo = tl.where(valid, tl.min(tl.where(m, x, float("inf")), axis=1), 0.0)
+        hi = tl.where(valid, tl.max(tl.where(m, x, float("-inf")), axis=1), 0.0)
+        # affine.affine_qparams: offset = lo rounded down (nearest for constant groups)
+        near = _near(lo, DT)
+        down = tl.where(near.to(tl.float32) > lo, _step(near, False, DT), near)
+        varying = hi > lo
+        off = tl.where(varying, down, near)
+        of = off.to(tl.float32)
+        ideal = tl.math.div_rn(hi - of, tl.full([R], (1 << BITS) - 1, tl.float32))
+        s = _round_up(tl.where(varying, ideal, 1.0), DT)
+        tl.store(offset_ptr + b * sob + h * soh + (start + t) * sot + g * sod, off, mask=valid)
+        q = _rint(tl.math.div_rn(x - of[:, None], s.to(tl.float32)[:, None]))
+        q = tl.minimum(tl.maximum(q, 0.0), (1 << BITS) - 1)
+    tl.store(scale_ptr + b * ssb + h * ssh + (start + t) * sst + g * ssd, s, mask=valid)
+    codes = tl.where(m, q.to(tl.int32), 0)
+    crow = codes_ptr + b * scb + h * sch + (start + t) * sct + g * GBYTES * scd
+    _pack_store(codes, crow, scd, valid, G, BL, BITS, PER)
+
+
+def _row_units(R: tl.constexpr, n_units, H, T):
+    # one unit = one (batch, head, row)
+    u, valid = _units(R, n_units)
+    return u, valid, u // (T * H), (u // T) % H, u % T
+
+
+def _int_qserve_kernel(x_ptr, codes_ptr, scale_ptr, offset_ptr, start, H, T, n_units,
+                       sxb, sxh, sxt, sxd, scb, sch, sct, scd, ssb, ssh, sst, sob, soh, sot,
+                       D: tl.constexpr, BD: tl.constexpr, R: tl.constexpr):  # fmt: skip
+    u, valid, b, h, t = _row_units(R, n_units, H, T)
+    d = tl.arange(0, BD)[None, :]
+    m = valid[:, None] & (d < D)
+    src = x_ptr + b * sxb + h * sxh + t * sxt
+    x = tl.load(src[:, None] + d * sxd, mask=m, other=0.0).to(tl.float32)
+    lo = tl.where(valid, tl.min(tl.where(m, x, float("inf")), axis=1), 0.0)
+    hi = tl.where(valid, tl.max(tl.where(m, x, float("-inf")), axis=1), 0.0)
+    # affine.qserve_qparams
+    ideal = tl.math.div_rn(hi - lo, tl.full([R], 15.0, tl.float32))
+    s = _round_up(tl.where(hi > lo, ideal, 1.0), 1)
+    sf = s.to(tl.float32)
+    off = tl.math.div_rn(0.0 - lo, sf).to(tl.float16)
+    tl.store(scale_ptr + b * ssb + h * ssh + (start + t) * sst, s, mask=valid)
+    tl.store(offset_ptr + b * sob + h * soh + (start + t) * sot, off, mask=valid)
+    q = _rint(tl.math.div_rn(x, sf[:, None]) + off.to(tl.float32)[:, None])
+    q = tl.minimum(tl.maximum(q, 0.0), 15.0)
+    codes = tl.where(m, q.to(tl.int32), 0)
+    crow = codes_ptr + b * scb + h * sch + (start + t) * sct
+    _pack_store(codes, crow, scd, valid, D, BD, 4, 2)
+
+
+def _int_channel_kernel(x_ptr, codes_ptr, scale_ptr, offset_ptr, start, H, T, n_units,
+                        sxb, sxh, sxt, sxd, scb, sch, sct, scd, ssh, ssd, soh, sod,
+                        D: tl.constexpr, BD: tl.constexpr, R: tl.constexpr, BITS: tl.constexpr,
+                        PER: tl.constexpr, SYM: tl.constexpr):  # fmt: skip
+    u, valid, b, h, t = _row_units(R, n_units, H, T)
+    d = tl.arange(0, BD)[None, :]
+    m = valid[:, None] & (d < D)
+    src = x_ptr + b * sxb + h * sxh + t * sxt
+    x = tl.load(src[:, None] + d * sxd, mask=m, other=0.0).to(tl.float32)
+    s = tl.load(scale_ptr + h[:, None] * ssh + d * ssd, mask=m, other=1.0).to(tl.float32)
+    if SYM:
+        top = (1 << (BITS - 1)) - 1
+        q = _rint(tl.math.div_rn(x, s))
+        q = tl.minimum(tl.maximum(q, -top), top) + (1 << (BITS - 1))
+    else:
+        o = tl.load(offset_ptr + h[:, None] * soh + d * sod, mask=m, other=0.0)
+        q = _rint(tl.math.div_rn(x - o.to(tl.float32), s))
+        q = tl.minimum(tl.maximum(q, 0.0), (1 << BITS) - 1)
+    codes = tl.where(m, q.to(tl.int32), 0)
+    crow = codes_ptr + b * scb + h * sch + (start + t) * sct
+    _pack_store(codes, crow, scd, valid, D, BD, BITS, PER)
+
+
+def _fp8_kernel(x_ptr, codes_ptr, scale_ptr, start, H, T, n_units,
+                sxb, sxh, sxt, sxd, scb, sch, sct, scd, ssh,
+                D: tl.constexpr, BD: tl.constexpr, R: tl.constexpr, TOP: tl.constexpr,
+                MBITS: tl.constexpr, RND: tl.constexpr, REBIAS: tl.constexpr,
+                MIN_NORMAL: tl.constexpr, SUB: tl.constexpr):  # fmt: skip
+    u, valid, b, h, t = _row_units(R, n_units, H, T)
+    d = tl.arange(0, BD)[None, :]
+    m = valid[:, None] & (d < D)
+    src = x_ptr + b * sxb + h * sxh + t * sxt
+    x = tl.load(src[:, None] + d * sxd, mask=m, other=0.0).to(tl.float32)
+    s = tl.load(scale_ptr + h * ssh, mask=valid, other=1.0).to(tl.float32)
+    v = tl.math.div_rn(x, s[:, None])
+    v = tl.minimum(tl.maximum(v, -TOP), TOP)  # saturate, as fp8.fp8_encode
+    bits = v.to(tl.int32, bitcast=True)
+    a = bits & 0x7FFFFFFF
+    # normal target: round the fp32 mantissa to MBITS bits (ties to even), carry into
+    # the exponent, then rebias the exponent
+    shift: tl.constexpr = 23 - MBITS
+    normal = ((a + RND + ((a >> shift) & 1)) >> shift) - REBIAS
+    # subnormal target (and the round-up into the smallest normal): an integer multiple
+    # of the subnormal step; scaling by a power of two is exact (the minimum only keeps
+    # lanes that take the normal branch from overflowing the int conversion)
+    sub = _rint(tl.minimum(a.to(tl.float32, bitcast=True), 1.0) * SUB).to(tl.int32)
+    mag = tl.where(a >= MIN_NORMAL, normal, sub)
+    code = tl.where(bits < 0, mag | 0x80, mag)
+    crow = codes_ptr + b * scb + h * sch + (start + t) * sct
+    tl.store(crow[:, None] + d * scd, code.to(tl.uint8), mask=m)
+
+
+def _nuq_codes(xn, mids_ptr, m, BITS: tl.constexpr):
+    # count of midpoints strictly below xn = torch.bucketize(right=False) on the sorted
+    # midpoints of nuq.nuq_encode; binary lifting over the 2^BITS - 1 midpoints
+    pos = tl.zeros(xn.shape, tl.int32)
+    for k in tl.static_range(BITS):
+        cand = pos + (1 << (BITS - 1 - k))
+        mid = tl.load(mids_ptr + cand - 1, mask=m, other=0.0)
+        pos = tl.where(mid < xn, cand, pos)
+    return tl.where(m, pos, 0)
+
+
+def _pick(x, avail, offs, LOW: tl.constexpr):
+    # the next tail element of a stable ascending sort of each row: smallest value,
+    # lowest coordinate first (LOW), or largest value, highest coordinate first
+    if LOW:
+        v = tl.min(tl.where(avail, x, float("inf")), axis=1)
+        i = tl.min(tl.where(avail & (x == v[:, None]), offs, 1 << 30), axis=1)
+    else:
+        v = tl.max(tl.where(avail, x, float("-inf")), axis=1)
+        i = tl.max(tl.where(avail & (x == v[:, None]), offs, -1), axis=1)
+    return avail & (offs == i[:, None])
+
+
+def _nuq_value_kernel(x_ptr, codes_ptr, scale_ptr, center_ptr, index_ptr, value_ptr, mids_ptr,
+                      start, H, T, n_units, sxb, sxh, sxt, sxd, scb, sch, sct, scd,
+                      ssb, ssh, sst, seb, seh, sec, sib, sih, sit, sis, svb, svh, svt, svs,
+                      D: tl.constexpr, BD: tl.constexpr, R: tl.constexpr, K: tl.constexpr,
+                      BITS: tl.constexpr, PER: tl.constexpr, DT: tl.constexpr):  # fmt: skip
+    u, valid, b, h, t = _row_units(R, n_units, H, T)
+    d = tl.arange(0, BD)[None, :]
+    m = valid[:, None] & (d < D)
+    src = x_ptr + b * sxb + h * sxh + t * sxt
+    x = tl.load(src[:, None] + d * sxd, mask=m, other=0.0).to(tl.float32)
+    if K > 0:
+        # sparse.row_outliers: the K smallest and K largest, ties by coordinate
+        avail = m
+        for _ in tl.static_range(K):
+            avail = avail & ~_pick(x, avail, d, True)
+        # inlier bounds: the elements at sorted positions K and D - 1 - K
+        lo = tl.min(tl.where(_pick(x, avail, d, True), x, float("inf")), axis=1)
+        for _ in tl.static_range(K):
+            avail = avail & ~_pick(x, avail, d, False)
+        hi = tl.max(tl.where(_pick(x, avail, d, False), x, float("-inf")), axis=1)
+        picked = m & ~avail
+        slot = tl.cumsum(picked.to(tl.int32), axis=1) - 1  # ascending coordinate order
+        irow = index_ptr + b * sib + h * sih + (start + t) * sit
+        vrow = value_ptr + b * svb + h * svh + (start + t) * svt
+        tl.store(irow[:, None] + slot * sis, d.to(index_ptr.dtype.element_ty), mask=picked)
+        tl.store(vrow[:, None] + slot * svs, x.to(tl.float16), mask=picked)
+    else:
+        lo = tl.min(tl.where(m, x, float("inf")), axis=1)
+        hi = tl.max(tl.where(m, x, float("-inf")), axis=1)
+    lo = tl.where(valid, lo, 0.0)
+    hi = tl.where(valid, hi, 0.0)
+    # nuq.normalizer
+    center = _near(lo * 0.5 + hi * 0.5, DT)
+    c = center.to(tl.float32)
+    half = tl.maximum(hi - c, c - lo)
+    s = _round_up(tl.where(hi > lo, half, 1.0), DT)
+    tl.store(scale_ptr + b * ssb + h * ssh + (start + t) * sst, s, mask=valid)
+    tl.store(center_ptr + b * seb + h * seh + (start + t) * sec, center, mask=valid)
+    xn = tl.math.div_rn(x - c[:, None], s.to(tl.float32)[:, None])
+    codes = _nuq_codes(xn, mids_ptr, m, BITS)
+    crow = codes_ptr + b * scb + h * sch + (start + t) * sct
+    _pack_store(codes, crow, scd, valid, D, BD, BITS, PER)
+
+
+def _nuq_key_kernel(x_ptr, codes_ptr, count_ptr, mask_ptr, mids_ptr, scale_ptr, center_ptr,
+                    lower_ptr, upper_ptr, start, H, T, n_units,
+                    sxb, sxh, sxt, sxd, scb, sch, sct, scd, snb, snh, snt,
+                    ssh, ssd, seh, sed, slh, sld, suh, sud,
+                    D: tl.constexpr, BD: tl.constexpr, R: tl.constexpr, BITS: tl.constexpr,
+                    PER: tl.constexpr, OUTLIERS: tl.constexpr):  # fmt: skip
+    u, valid, b, h, t = _row_units(R, n_units, H, T)
+    d = tl.arange(0, BD)[None, :]
+    m = valid[:, None] & (d < D)
+    hh = h[:, None]
+    src = x_ptr + b * sxb + h * sxh + t * sxt
+    x = tl.load(src[:, None] + d * sxd, mask=m, other=0.0).to(tl.float32)
+    if OUTLIERS:
+        # sparse.threshold_outliers, then clip so the hole's code is the nearest end level
+        lw = tl.load(lower_ptr + hh * slh + d * sld, mask=m, other=0.0).to(tl.float32)
+        up = tl.load(upper_ptr + hh * suh + d * sud, mask=m, other=0.0).to(tl.float32)
+        out = ((x < lw) | (x > up)) & m
+        tl.store(mask_ptr + u[:, None] * D + d, out.to(tl.uint8), mask=m)
+        count = tl.sum(out.to(tl.int32), axis=1)
+        tl.store(count_ptr + b * snb + h * snh + (start + t) * snt, count.to(tl.uint8), mask=valid)
+        x = tl.minimum(tl.maximum(x, lw), up)
+    s = tl.load(scale_ptr + hh * ssh + d * ssd, mask=m, other=1.0).to(tl.float32)
+    c = tl.load(center_ptr + hh * seh + d * sed, mask=m, other=0.0).to(tl.float32)
+    codes = _nuq_codes(tl.math.div_rn(x - c, s), mids_ptr, m, BITS)
+    crow = codes_ptr + b * scb + h * sch + (start + t) * sct
+    _pack_store(codes, crow, scd, valid, D, BD, BITS, PER)
+
+
+_JIT = (
+    "_rint",
+    "_near",
+    "_step",
+    "_round_up",
+    "_units",
+    "_row_units",
+    "_pack_store",
+    "_int_token_kernel",
+    "_int_qserve_kernel",
+    "_int_channel_kernel",
+    "_fp8_kernel",
+    "_nuq_codes",
+    "_pick",
+    "_nuq_value_kernel",
+    "_nuq_key_kernel",
+)
+
+
+@functools.cache
+def _jit() -> None:
+    """Import triton, bind `tl` and decorate the kernel bodies above (once)."""
+    global tl
+    import triton
+    import triton.language
+
+    tl = triton.language
+    g = globals()
+    for name in _JIT:
+        g[name] = triton.jit(g[name])
+
+
+# ======================================================================================
+# Triton launchers
+# ======================================================================================
+
+#: elements of one program's tile: R units of a power-of-two width each
+TILE_ELEMENTS = 2048
+
+
+def _per(bits: int) -> int:
+    return 8 if bits == 3 else 8 // bits
+
+
+def _block(n: int, at_least: int = 1) -> int:
+    return max(1 << max(n - 1, 0).bit_length(), at_least)
+
+
+def _launch(kernel: str, n_units: int, width: int, *args, **meta) -> None:
+    """One launch over `n_units` units of `width` (power of two) lanes, R units per program."""
+    r = min(_block(n_units), max(1, TILE_ELEMENTS // width))
+    elements = r * width
+    warps = 1 if elements <= 256 else 2 if elements <= 1024 else 4
+    _jit()
+    grid = (-(-n_units // r),)
+    globals()[kernel][grid](*args, R=r, num_warps=warps, **meta)
+
+
+def _check_stored(what: str, stored: Tensor, scale: bool) -> None:
+    """The launcher's half of the stored-scale policy: refuse what the kernel could not store."""
+    back = stored.float()
+    name = dtype_name(stored.dtype)
+    if not bool(torch.isfinite(back).all()):
+        raise KvqError(f"{what} overflows {name}; use a wider scale dtype")
+    if scale and bool((back < torch.finfo(stored.dtype).tiny).any()):
+        raise KvqError(
+            f"{what} underflows {name} (below its smallest normal); "
+            "the data range is too small for this scale dtype"
+        )
+
+
+def _or(t: Tensor | None, fallback: Tensor) -> Tensor:
+    """A stand-in pointer for an absent tensor (the kernel never touches it)."""
+    return fallback if t is None else t
+
+
+def append_int_token_triton(
+    x: Tensor,
+    codes_out: Tensor,
+    scale_out: Tensor,
+    offset_out: Tensor | None,
+    start: int,
+    bits: int,
+    group_size: int | None = None,
+    symmetric: bool = False,
+) -> None:
+    """Triton twin of `append_int_token_reference` (same arguments, same bytes)."""
+    g = _check_int_token(x, codes_out, scale_out, offset_out, start, bits, group_size, symmetric)
+    b, h, t, d = x.shape
+    if not x.numel():
+        return
+    check_finite(x, "input")
+    per, ng = _per(bits), d // g
+    if ng > 1 and g % per:
+        raise KvqError(f"Triton packs {bits}-bit codes per group: G must be a multiple of {per}")
+    bl = _block(g, per)
+    off = _or(offset_out, scale_out)
+    _launch(
+        "_int_token_kernel", b * h * t * ng, bl,
+        x, codes_out, scale_out, off, start, h, t, b * h * t * ng,
+        *x.stride(), *codes_out.stride(), *scale_out.stride(), *off.stride(),
+        NG=ng, G=g, BL=bl, BITS=bits, PER=per, GBYTES=packing.packed_len(g, bits) if ng > 1 else 0,
+        SYM=bool(symmetric), DT=_STORAGE[scale_out.dtype],
+    )  # fmt: skip
+    rows = _rows(x, start)
+    _check_stored("scale", scale_out[:, :, rows], scale=True)
+    if not symmetric:
+        _check_stored("offset", offset_out[:, :, rows], scale=False)
+
+
+def append_int_qserve_triton(
+    x: Tensor, codes_out: Tensor, scale_out: Tensor, offset_out: Tensor, start: int
+) -> None:
+    """Triton twin of `append_int_qserve_reference` (same arguments, same bytes)."""
+    _check_int_qserve(x, codes_out, scale_out, offset_out, start)
+    b, h, t, d = x.shape
+    if not x.numel():
+        return
+    check_finite(x, "input")
+    bd = _block(d, 8)
+    _launch(
+        "_int_qserve_kernel", b * h * t, bd,
+        x, codes_out, scale_out, offset_out, start, h, t, b * h * t,
+        *x.stride(), *codes_out.stride(), *scale_out.stride(), *offset_out.stride(),
+        D=d, BD=bd,
+    )  # fmt: skip
+    rows = _rows(x, start)
+    _check_stored("QServe scale", scale_out[:, :, rows], scale=True)
+    _check_stored("QServe offset -min/scale", offset_out[:, :, rows], scale=False)
+
+
+def append_int_channel_triton(
+    x: Tensor,
+    codes_out: Tensor,
+    start: int,
+    scale: Tensor,
+    offset: Tensor | None,
+    bits: int,
+    symmetric: bool = False,
+) -> None:
+    """Triton twin of `append_int_channel_reference` (same arguments, same bytes)."""
+    scale, offset = _check_int_channel(x, codes_out, start, scale, offset, bits, symmetric)
+    b, h, t, d = x.shape
+    if not x.numel():
+        return
+    check_finite(x, "key/value rows")
+    per = _per(bits)
+    bd = _block(d, per)
+    off = _or(offset, scale)
+    _launch(
+        "_int_channel_kernel", b * h * t, bd,
+        x, codes_out, scale, off, start, h, t, b * h * t,
+        *x.stride(), *codes_out.stride(), *scale.stride(), *off.stride(),
+        D=d, BD=bd, BITS=bits, PER=per, SYM=bool(symmetric),
+    )  # fmt: skip
+
+
+# fmt -> (mantissa bits, exponent bias)
+_FP8_LAYOUT = {"e4m3": (3, 7), "e5m2": (2, 15)}
+
+
+def append_fp8_triton(
+    x: Tensor, codes_out: Tensor, start: int, scale: Tensor, fmt: str = "e4m3"
+) -> None:
+    """Triton twin of `append_fp8_reference` (same arguments, same bytes)."""
+    scale = _check_fp8(x, codes_out, start, scale, fmt)
+    b, h, t, d = x.shape
+    if not x.numel():
+        return
+    check_finite(x, "input")
+    mbits, bias = _FP8_LAYOUT[fmt]
+    shift = 23 - mbits
+    bd = _block(d)
+    _launch(
+        "_fp8_kernel", b * h * t, bd,
+        x, codes_out, scale, start, h, t, b * h * t,
+        *x.stride(), *codes_out.stride(), scale.stride(0),
+        D=d, BD=bd, TOP=fp8.fp8_max(fmt), MBITS=mbits, RND=(1 << (shift - 1)) - 1,
+        REBIAS=(127 - bias) << mbits, MIN_NORMAL=(128 - bias) << 23,
+        SUB=float(2 ** (bias - 1 + mbits)),
+    )  # fmt: skip
+
+
+def _mids(cb: Tensor) -> Tensor:
+    # the decision boundaries of `nuq.nuq_encode`, computed the same way
+    return ((cb[:-1] + cb[1:]) * 0.5).contiguous()
+
+
+def append_nuq_value_triton(
+    x: Tensor,
+    codes_out: Tensor,
+    scale_out: Tensor,
+    center_out: Tensor,
+    index_out: Tensor | None,
+    value_out: Tensor | None,
+    start: int,
+    codebook: Tensor,
+    bits: int,
+    fraction: float,
+) -> None:
+    """Triton twin of `append_nuq_value_reference` (same arguments, same bytes)."""
+    cb, k = _check_nuq_value(
+        x, codes_out, scale_out, center_out, index_out, value_out, start, codebook, bits, fraction
+    )
+    b, h, t, d = x.shape
+    if not x.numel():
+        return
+    check_finite(x, "value rows")
+    per = _per(bits)
+    bd = _block(d, per)
+    idx = _or(index_out if k else None, codes_out)
+    val = _or(value_out if k else None, codes_out)
+    _launch(
+        "_nuq_value_kernel", b * h * t, bd,
+        x, codes_out, scale_out, center_out, idx, val, _mids(cb), start, h, t, b * h * t,
+        *x.stride(), *codes_out.stride(), *scale_out.stride(), *center_out.stride(),
+        *idx.stride(), *val.stride(),
+        D=d, BD=bd, K=k, BITS=bits, PER=per, DT=_STORAGE[scale_out.dtype],
+    )  # fmt: skip
+    rows = _rows(x, start)
+    _check_stored("center", center_out[:, :, rows], scale=False)
+    _check_stored("scale", scale_out[:, :, rows], scale=True)
+
+
+def append_nuq_key_triton(
+    x: Tensor,
+    codes_out: Tensor,
+    count_out: Tensor | None,
+    start: int,
+    codebook: Tensor,
+    bits: int,
+    scale: Tensor,
+    center: Tensor,
+    lower: Tensor | None,
+    upper: Tensor | None,
+) -> tuple[Tensor, Tensor]:
+    """Triton twin of `append_nuq_key_reference` (same arguments, same bytes).
+
+    The kernel writes codes, counts and a per-element outlier mask; the flat
+    entries are compacted from the mask in torch.
+    """
+    cb, scale, center, lower, upper = _check_nuq_key(
+        x, codes_out, count_out, start, codebook, bits, scale, center, lower, upper
+    )
+    b, h, t, d = x.shape
+    if not x.numel():
+        return _no_entries(x)
+    check_finite(x, "key rows")
+    outliers = lower is not None
+    per = _per(bits)
+    bd = _block(d, per)
+    mask = torch.empty((b, h, t, d) if outliers else (1,), dtype=torch.uint8, device=x.device)
+    cnt = count_out if outliers else codes_out[:, :, :, 0]
+    lw, up = _or(lower, scale), _or(upper, scale)
+    _launch(
+        "_nuq_key_kernel", b * h * t, bd,
+        x, codes_out, cnt, mask, _mids(cb), scale, center, lw, up, start, h, t, b * h * t,
+        *x.stride(), *codes_out.stride(), *cnt.stride(),
+        *scale.stride(), *center.stride(), *lw.stride(), *up.stride(),
+        D=d, BD=bd, BITS=bits, PER=per, OUTLIERS=outliers,
+    )  # fmt: skip
+    if not outliers:
+        return _no_entries(x)
+    return _key_entries(x, mask.bool())
+
+
+# ======================================================================================
+# dispatch
+# ======================================================================================
+
+
+def _pick_backend(name: str, x: Tensor, backend: str | None):
+    impl = "triton" if resolve_backend(backend, x.device) == "triton" else "reference"
+    return globals()[f"{name}_{impl}"]
+
+
+def append_int_token(
+    x: Tensor,
+    codes_out: Tensor,
+    scale_out: Tensor,
+    offset_out: Tensor | None,
+    start: int,
+    bits: int,
+    group_size: int | None = None,
+    symmetric: bool = False,
+    backend: str | None = None,
+) -> None:
+    """`append_int_token_reference` or `_triton`, chosen by `resolve_backend(backend, x.device)`."""
+    fn = _pick_backend("append_int_token", x, backend)
+    fn(x, codes_out, scale_out, offset_out, start, bits, group_size, symmetric)
+
+
+def append_int_qserve(
+    x: Tensor,
+    codes_out: Tensor,
+    scale_out: Tensor,
+    offset_out: Tensor,
+    start: int,
+    backend: str | None = None,
+) -> None:
+    """`append_int_qserve_reference` or `_triton`, chosen by `resolve_backend`."""
+    _pick_backend("append_int_qserve", x, backend)(x, codes_out, scale_out, offset_out, start)
+
+
+def append_int_channel(
+    x: Tensor,
+    codes_out: Tensor,
+    start: int,
+    scale: Tensor,
+    offset: Tensor | None,
+    bits: int,
+    symmetric: bool = False,
+    backend: str | None = None,
+) -> None:
+    """`append_int_channel_reference` or `_triton`, chosen by `resolve_backend`."""
+    fn = _pick_backend("append_int_channel", x, backend)
+    fn(x, codes_out, start, scale, offset, bits, symmetric)
+
+
+def append_fp8(
+    x: Tensor,
+    codes_out: Tensor,
+    start: int,
+    scale: Tensor,
+    fmt: str = "e4m3",
+    backend: str | None = None,
+) -> None:
+    """`append_fp8_reference` or `_triton`, chosen by `resolve_backend`."""
+    _pick_backend("append_fp8", x, backend)(x, codes_out, start, scale, fmt)
+
+
+def append_nuq_value(
+    x: Tensor,
+    codes_out: Tensor,
+    scale_out: Tensor,
+    center_out: Tensor,
+    index_out: Tensor | None,
+    value_out: Tensor | None,
+    start: int,
+    codebook: Tensor,
+    bits: int,
+    fraction: float,
+    backend: str | None = None,
+) -> None:
+    """`append_nuq_value_reference` or `_triton`, chosen by `resolve_backend`."""
+    fn = _pick_backend("append_nuq_value", x, backend)
+    fn(x, codes_out, scale_out, center_out, index_out, value_out, start, codebook, bits, fraction)
+
+
+def append_nuq_key(
+    x: Tensor,
+    codes_out: Tensor,
+    count_out: Tensor | None,
+    start: int,
+    codebook: Tensor,
+    bits: int,
+    scale: Tensor,
+    center: Tensor,
+    lower: Tensor | None,
+    upper: Tensor | None,
+    backend: str | None = None,
+) -> tuple[Tensor, Tensor]:
+    """`append_nuq_key_reference` or `_triton`, chosen by `resolve_backend`."""
+    fn = _pick_backend("append_nuq_key", x, backend)
+    return fn(x, codes_out, count_out, start, codebook, bits, scale, center, lower, upper)
