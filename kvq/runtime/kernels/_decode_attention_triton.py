@@ -21,13 +21,13 @@ def _codes(ptr, rows, chans, ok, stride_t, BITS: tl.constexpr):
     bit = chans * BITS
     addr = ptr + rows[:, None] * stride_t + (bit // 8)[None, :]
     word = tl.load(addr, mask=ok, other=0).to(tl.int32)
-    if BITS == 8:
-        return word
-    shift = (bit % 8)[None, :]
-    if BITS == 3:  # a 3-bit code may straddle two bytes
-        spill = ok & (shift > 5)
-        word = word | (tl.load(addr + 1, mask=spill, other=0).to(tl.int32) << 8)
-    return (word >> shift) & ((1 << BITS) - 1)
+    if BITS != 8:
+        shift = (bit % 8)[None, :]
+        if BITS == 3:  # a 3-bit code may straddle two bytes
+            spill = ok & (shift > 5)
+            word = word | (tl.load(addr + 1, mask=spill, other=0).to(tl.int32) << 8)
+        word = (word >> shift) & ((1 << BITS) - 1)
+    return word
 
 
 @triton.jit
@@ -190,6 +190,7 @@ def decode_attention_kernel(
     BLOCK_T: tl.constexpr,
     PRE_ROPE: tl.constexpr,
     HAS_MASK: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
     K_KIND: tl.constexpr,
     K_BITS: tl.constexpr,
     K_QAXIS: tl.constexpr,
@@ -277,8 +278,8 @@ def decode_attention_kernel(
             c = tl.load(cos + rope_off, mask=rope_ok, other=1.0)
             s = tl.load(sin + rope_off, mask=rope_ok, other=0.0)
             k1, k2 = k1 * c - k2 * s, k2 * c + k1 * s
-        scores = tl.dot(q1, tl.trans(k1), input_precision="ieee")
-        scores += tl.dot(q2, tl.trans(k2), input_precision="ieee")  # [R, BLOCK_T]
+        scores = tl.dot(q1, tl.trans(k1), input_precision=DOT_PRECISION)
+        scores += tl.dot(q2, tl.trans(k2), input_precision=DOT_PRECISION)  # [R, BLOCK_T]
         if softcap > 0:  # softcap * tanh(s / softcap), tanh(x) = 2 * sigmoid(2x) - 1
             scores = softcap * (2.0 * tl.sigmoid(2.0 * scores / softcap) - 1.0) * LOG2E
 
@@ -301,7 +302,7 @@ def decode_attention_kernel(
             vd_t, vq_t, vs_t, vc_t, vp_t, v_zero, t, t_ok, dcol, d_ok,
             V_KIND, V_BITS, V_QAXIS, V_GROUP, V_HAS_OFF, V_HAS_ZP, V_SLOTS, V_FLAT,
         )  # fmt: skip
-        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PRECISION)
         m_i = m_new
 
     out = (bh * n_splits + split) * R + r

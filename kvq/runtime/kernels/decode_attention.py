@@ -53,10 +53,26 @@ class Segment:
 
 def rotate(x: Tensor, positions: Tensor, rope: Rope) -> Tensor:
     """Rotate-half RoPE of x [B, H, T, D] at positions [B, T] with half-width tables."""
-    cos, sin = (t[positions][:, None] for t in rope)  # [B, 1, T, D/2]
+    cos, sin = (_rows_at(t, positions)[:, None] for t in rope)  # [B, 1, T, D/2]
     half = x.shape[-1] // 2
     x1, x2 = x[..., :half], x[..., half:]
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+    out = torch.empty_like(x)
+    o1, o2 = out[..., :half], out[..., half:]
+    torch.mul(x1, cos, out=o1)
+    o1.sub_(x2 * sin)
+    torch.mul(x2, cos, out=o2)
+    o2.add_(x1 * sin)
+    return out
+
+
+def _rows_at(table: Tensor, positions: Tensor) -> Tensor:
+    """table[positions] ([B, T, ...]); a view when every batch row is one contiguous run."""
+    first = int(positions[0, 0])
+    t = positions.shape[1]
+    run = torch.arange(first, first + t, device=positions.device)
+    if first + t <= table.shape[0] and bool((positions == run).all()):
+        return table[first : first + t].expand(positions.shape[0], t, *table.shape[1:])
+    return table[positions]
 
 
 def _check(query: Tensor, segments: list[Segment], rope: Rope | None, mask: Tensor | None) -> int:
@@ -119,6 +135,9 @@ def _causal(q_len: int, total: int, device) -> Tensor:
 
 _KIND = {"full": 0, "affine": 1, "lookup": 2}
 _QAXIS = {"none": 0, "row": 1, "channel": 2, "head": 3}
+# tensor cores: tf32 products (10-bit mantissa, like fp16) with fp32 accumulation; exact
+# fp32 ("ieee") would make a decode kernel compute-bound on CUDA cores
+DOT_PRECISION = "tf32"
 MAX_QUERY_ROWS = 64  # G * Q rows per program; longer query blocks (prefill) use the reference
 
 
@@ -328,6 +347,7 @@ def _segment_partials(q, seg, rope, mask_u8, col, total, scaling, softcap, rows_
         BLOCK_T=block,
         PRE_ROPE=pre_rope,
         HAS_MASK=mask_u8 is not None,
+        DOT_PRECISION=DOT_PRECISION if q.is_cuda else "ieee",
         **{f"K_{k}": v for k, v in k_c.items()},
         **{f"V_{k}": v for k, v in v_c.items()},
     )

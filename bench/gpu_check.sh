@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# GPU check for a lent CUDA machine (needs only torch, triton, transformers, safetensors,
+# typer, rich): kernel parity on CUDA, then decode-attention and A8 benchmarks.
+# Usage: bash bench/gpu_check.sh [OUT_DIR]   (finishes within ~8 minutes on an H200)
+set -u
+OUT=${1:-${OUT:-gpu_out}}
+mkdir -p "$OUT"
+export PYTHONPATH=$PWD KVQ_TEST_CUDA=1
+unset TRITON_INTERPRET
+python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
+echo "== parity: decode attention + append kernels on CUDA"
+timeout 150 python -m pytest -q -p no:cacheprovider tests/runtime/kernels/test_decode_attention.py \
+  tests/runtime/kernels/test_append.py 2>&1 | tail -15
+echo "== decode attention benchmark"
+timeout 200 python bench/gpu_decode.py --json "$OUT/gpu_decode.json" 2>&1 | tail -40
+echo "== A8 producer benchmark"
+timeout 60 python bench/a8_gpu.py --json "$OUT/a8_gpu.json" 2>&1 | tail -20

@@ -1,0 +1,197 @@
+"""GPU benchmark: decode attention over packed KV4 / KV8 / FP8 / NUQ4 vs fp16 SDPA.
+
+One query token per sequence attends to a cache of `context` tokens (Llama-like
+head shape: 32 query heads, 8 KV heads, head_dim 128) at batch 1 and 16. For
+each representation, parity with the pure-torch reference is checked first on
+a small real encode (raises on mismatch); timings then use random codes of the
+right layout (time does not depend on code values; NUQ4 has 1% key exceptions).
+
+Prints microseconds, achieved GB/s (bytes of codes + qparams + exceptions read)
+and the share of the HBM peak; `--json FILE` writes the rows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+
+import torch
+import torch.nn.functional as F
+
+from kvq.runtime.kernels.decode_attention import (
+    Segment,
+    decode_attention_reference,
+    decode_attention_triton,
+)
+from kvq.runtime.packed import PackedRows
+
+HQ, HKV, D = 32, 8, 128
+PEAK_GBS = 4800.0  # H200 HBM3e
+FP8_TABLE = torch.nan_to_num(
+    torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float(), nan=0.0
+)
+
+
+def packed(kind: str, b: int, t: int, dev: str, seed: int = 0) -> Segment:
+    """A segment of `t` rows per sequence in the layout of `kind`, filled with random codes."""
+    g = torch.Generator(device=dev).manual_seed(seed)
+
+    def codes(nbytes):
+        return torch.randint(0, 256, (b, HKV, t, nbytes), generator=g, device=dev).to(torch.uint8)
+
+    def half(*shape, lo=0.01, hi=0.05):
+        return (torch.rand(*shape, generator=g, device=dev) * (hi - lo) + lo).half()
+
+    pos = torch.arange(t, device=dev).expand(b, t)
+    if kind in ("kv4", "kv8"):
+        bits = 4 if kind == "kv4" else 8
+        key = PackedRows(
+            "affine", D, codes(D * bits // 8), bits, scale=half(HKV, D), offset=-half(HKV, D)
+        )
+        value = PackedRows(
+            "affine",
+            D,
+            codes(D * bits // 8),
+            bits,
+            scale=half(b, HKV, t, D // 32),
+            offset=-half(b, HKV, t, D // 32),
+        )
+        return Segment(key, value, pos)
+    if kind == "fp8":
+        table = FP8_TABLE.to(dev)
+        key = PackedRows("lookup", D, codes(D) & 0x7E, 8, scale=half(HKV).float(), table=table)
+        value = PackedRows("lookup", D, codes(D) & 0x7E, 8, scale=half(HKV).float(), table=table)
+        return Segment(key, value, pos)
+    if kind == "nuq4":
+        levels = torch.linspace(-1, 1, 16, device=dev)
+        per_row = math.ceil(0.01 * D)  # ~1% of a row's channels as exact exceptions
+        count = torch.full((b, HKV, t), per_row, dtype=torch.uint8, device=dev)
+        n = b * HKV * t * per_row
+        # distinct channels within a row: entry i falls in the i-th slice of the row
+        width = D // per_row
+        index = torch.randint(0, width, (n // per_row, per_row), generator=g, device=dev)
+        index = (index + torch.arange(per_row, device=dev) * width).flatten().to(torch.uint8)
+        key = PackedRows(
+            "lookup",
+            D,
+            codes(D // 2),
+            4,
+            scale=half(HKV, D),
+            offset=half(HKV, D),
+            table=levels,
+            sparse_count=count,
+            sparse_index=index,
+            sparse_value=half(n),
+            pre_rope=True,
+        )
+        slots = torch.randint(0, D // 2, (b, HKV, t, 2), generator=g, device=dev)
+        slots = (slots + torch.tensor([0, D // 2], device=dev)).to(torch.uint8)  # distinct
+        value = PackedRows(
+            "lookup",
+            D,
+            codes(D // 2),
+            4,
+            scale=half(b, HKV, t, 1),
+            offset=half(b, HKV, t, 1),
+            table=levels,
+            slot_index=slots,
+            slot_value=half(b, HKV, t, 2),
+        )
+        return Segment(key, value, pos)
+    raise ValueError(kind)
+
+
+def nbytes(seg: Segment) -> int:
+    total = 0
+    for p in (seg.key, seg.value):
+        for name in ("data", "scale", "offset", "zero_point", "slot_index", "slot_value"):
+            t = getattr(p, name)
+            total += 0 if t is None else t.nbytes
+        for name in ("sparse_count", "sparse_index", "sparse_value"):
+            t = getattr(p, name)
+            total += 0 if t is None else t.nbytes
+    return total
+
+
+def rope_tables(t: int, dev: str):
+    inv = 1.0 / 10000.0 ** (torch.arange(0, D, 2, device=dev).float() / D)
+    ang = torch.arange(t, device=dev).float()[:, None] * inv[None, :]
+    return ang.cos(), ang.sin()
+
+
+def parity(dev: str) -> list[str]:
+    """Kernel vs reference on each layout (random codes, 1000 rows, batch 2)."""
+    lines = []
+    rope = rope_tables(1000, dev)
+    for kind in ("kv4", "kv8", "fp8", "nuq4"):
+        seg = packed(kind, 2, 1000, dev, seed=1)
+        q = torch.randn(2, HQ, 1, D, device=dev)
+        ref = decode_attention_reference(q, [seg], scaling=D**-0.5, rope=rope)
+        out = decode_attention_triton(q, [seg], scaling=D**-0.5, rope=rope)
+        err = (out - ref).abs().max().item()
+        lines.append(f"parity {kind}: max abs error {err:.2e}")
+        if not err < 5e-3:
+            raise SystemExit(f"parity failed for {kind}: {err}")
+    return lines
+
+
+def _sdpa_fp16(q, t: int, dev: str, do_bench) -> tuple[float, float]:
+    """(microseconds, GB/s) of torch SDPA over an fp16 cache of t tokens."""
+    b = q.shape[0]
+    k16 = torch.randn(b, HKV, t, D, device=dev, dtype=torch.float16)
+    v16 = torch.randn_like(k16)
+    q16 = q.half().view(b, HKV, HQ // HKV, D)  # GQA as query rows: no K/V copy
+    us = do_bench(lambda: F.scaled_dot_product_attention(q16, k16, v16)) * 1e3
+    return us, (k16.nbytes + v16.nbytes) / us / 1e3
+
+
+def bench_case(b: int, t: int, dev: str, do_bench) -> list[dict]:
+    """fp16 SDPA, then each packed layout, at batch b and context t."""
+    q = torch.randn(b, HQ, 1, D, device=dev)
+    rope = rope_tables(t, dev)
+    base, gbs = _sdpa_fp16(q, t, dev, do_bench)
+    rows = [dict(batch=b, context=t, path="sdpa-fp16", us=base, gbs=gbs)]
+    print(f"b={b:<3d} T={t:<7d} sdpa-fp16 {base:10.1f} us {gbs:7.0f} GB/s", flush=True)
+    for kind in ("kv8", "kv4", "fp8", "nuq4"):
+        seg = packed(kind, b, t, dev)
+        us = do_bench(lambda s=seg: decode_attention_triton(q, [s], scaling=D**-0.5, rope=rope))
+        us *= 1e3
+        gbs = nbytes(seg) / us / 1e3
+        rows.append(dict(batch=b, context=t, path=kind, us=us, gbs=gbs, speedup=base / us))
+        print(
+            f"b={b:<3d} T={t:<7d} {kind:9s} {us:10.1f} us {gbs:7.0f} GB/s "
+            f"({100 * gbs / PEAK_GBS:4.1f}% of peak)  {base / us:5.2f}x vs fp16 sdpa",
+            flush=True,
+        )
+        del seg
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--contexts", nargs="+", type=int, default=[4096, 32768, 131072])
+    ap.add_argument("--batches", nargs="+", type=int, default=[1, 16])
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("no CUDA device: nothing to benchmark")
+        return
+    from triton.testing import do_bench
+
+    dev = "cuda"
+    print(torch.cuda.get_device_name(), "torch", torch.__version__)
+    for line in parity(dev):
+        print(line, flush=True)
+    rows = []
+    for b in args.batches:
+        for t in args.contexts:
+            rows += bench_case(b, t, dev, do_bench)
+            torch.cuda.empty_cache()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
