@@ -42,10 +42,17 @@ def load_artifact(path: str | Path, model=None) -> Artifact:
 
 
 def make_cache(
-    model, artifact: Artifact | str | Path | None = None, policy: str | None = None
+    model,
+    artifact: Artifact | str | Path | None = None,
+    policy: str | None = None,
+    backend: str | None = None,
 ) -> QuantizedKVCache:
-    """A fresh `QuantizedKVCache` for `model` from an artifact (object or path) or a policy name."""
+    """A fresh `QuantizedKVCache` for `model` from an artifact (object or path) or a policy name.
+
+    backend: "auto" (Triton on CUDA, else the torch reference), "triton" or "reference";
+    None reads the KVQ_BACKEND environment variable.
+    """
     loaded = _loaded(model)
     if isinstance(artifact, (str, Path)):
         artifact = _load_artifact(artifact, loaded)
-    return cache_for(loaded, artifact=artifact, policy=policy)
+    return cache_for(loaded, artifact=artifact, policy=policy, backend=backend)

@@ -153,15 +153,22 @@ def load_artifact(path: str | Path, loaded: LoadedModel | None = None) -> Artifa
 
 
 def cache_for(
-    loaded: LoadedModel, artifact: Artifact | None = None, policy: str | None = None
+    loaded: LoadedModel,
+    artifact: Artifact | None = None,
+    policy: str | None = None,
+    backend: str | None = None,
 ) -> QuantizedKVCache:
-    """A fresh cache from a validated artifact or a named calibration-free policy."""
+    """A fresh cache from a validated artifact or a named calibration-free policy.
+
+    backend: attention backend "auto" | "triton" | "reference" (None: KVQ_BACKEND).
+    """
     if (artifact is None) == (policy is None):
         raise KvqError("give exactly one of an artifact or a policy name")
     if artifact is not None:
         check_model_compatible(artifact.manifest, loaded.identity, loaded.adapter.info)
         static = {n: t for n, t in artifact.tensors.items() if n.startswith("layers.")}
-        return build_cache(loaded.model, artifact.manifest.policy, static, loaded.adapter)
+        policy_obj = artifact.manifest.policy
+        return build_cache(loaded.model, policy_obj, static, loaded.adapter, backend)
     info = loaded.adapter.info
     named = named_policy(policy, info.num_layers, info.head_dim)
-    return build_cache(loaded.model, named, {}, loaded.adapter)
+    return build_cache(loaded.model, named, {}, loaded.adapter, backend)

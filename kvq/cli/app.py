@@ -63,6 +63,12 @@ MODEL = typer.Option(
 DATA_DIR = typer.Option(
     None, "--data-dir", help="folder holding wikitext-2-raw/ (else $KVQ_DATA_DIR)"
 )
+BACKEND = typer.Option(
+    None,
+    "--backend",
+    help="attention backend: auto (Triton on CUDA, else torch), triton or reference "
+    "(else $KVQ_BACKEND)",
+)
 
 # options every calibration pass shares
 CAL_DATASET = typer.Option(..., "--dataset", help="wikitext2 or a .txt/.jsonl/.parquet path")
@@ -223,6 +229,7 @@ def run_eval(
     seed: int = typer.Option(0, "--seed"),
     json_out: Path | None = typer.Option(None, "--json", help="write the report here"),
     data_dir: str | None = DATA_DIR,
+    backend: str | None = BACKEND,
 ) -> None:
     """Perplexity, KL divergence and bytes of the quantized cache vs the unquantized model."""
     from kvq.cli.progress import RichProgress
@@ -243,6 +250,7 @@ def run_eval(
             seed,
             data_dir,
             progress,
+            backend,
         )
     print_eval(report)
     if json_out is not None:
@@ -256,12 +264,13 @@ def generate(
     artifact: Path | None = typer.Option(None, "--artifact"),
     policy: str | None = typer.Option(None, "--policy"),
     max_new_tokens: int = typer.Option(64, "--max-new-tokens"),
+    backend: str | None = BACKEND,
 ) -> None:
     """Greedy generation through the quantized cache."""
     from kvq.eval.run import generate_text
 
     _positive(max_new_tokens=max_new_tokens)
-    text, ledger = generate_text(model, artifact, policy, prompt, max_new_tokens)
+    text, ledger = generate_text(model, artifact, policy, prompt, max_new_tokens, backend)
     typer.echo(text)
     typer.echo(
         f"[cache: {ledger.total} bytes for {ledger.tokens} tokens, {ledger.ratio:.3f} x fp16]",

@@ -14,6 +14,7 @@ from kvq.models.loading import load_model
 from kvq.pipeline import cache_for, load_artifact, load_windows
 from kvq.progress import Progress
 from kvq.quant.schemes import NAMED_POLICIES, named_policy
+from kvq.runtime.kernels.backend import check_choice, resolve_backend
 
 TASKS = ("ppl", "kld", "bytes")
 
@@ -38,8 +39,10 @@ def run_eval_job(
     seed: int,
     data_dir: str | None,
     progress: Progress,
+    backend: str | None = None,
 ) -> dict:
     chosen = parse_tasks(tasks)
+    check_choice(backend or "auto")
     if protocol not in PROTOCOLS:
         raise KvqError(f"--protocol must be one of {', '.join(PROTOCOLS)}, got {protocol!r}")
     if (artifact_path is None) == (policy is None):
@@ -57,11 +60,12 @@ def run_eval_job(
             artifact = load_artifact(artifact_path, loaded)
     with progress.stage("sample windows"):
         tw = load_windows(loaded, dataset, windows, seqlen, seed, data_dir)
+    resolve_backend(backend, loaded.model.device)  # fail fast: e.g. triton without CUDA
     cache_for(loaded, artifact=artifact, policy=policy)  # fail fast on an unusable policy
     result = evaluate(
         loaded.model,
         tw.ids,
-        lambda: cache_for(loaded, artifact=artifact, policy=policy),
+        lambda: cache_for(loaded, artifact=artifact, policy=policy, backend=backend),
         protocol,
         progress,
     )
@@ -89,12 +93,14 @@ def generate_text(
     policy: str | None,
     prompt: str,
     max_new_tokens: int,
+    backend: str | None = None,
 ) -> tuple[str, ByteLedger]:
     if (artifact_path is None) == (policy is None):
         raise KvqError("give exactly one of --artifact or --policy")
     loaded = load_model(model_spec)
     artifact = load_artifact(artifact_path, loaded) if artifact_path is not None else None
-    cache = cache_for(loaded, artifact=artifact, policy=policy)
+    resolve_backend(backend, loaded.model.device)
+    cache = cache_for(loaded, artifact=artifact, policy=policy, backend=backend)
     inputs = loaded.tokenizer(prompt, return_tensors="pt")
     out = loaded.model.generate(
         **inputs, cache=cache, max_new_tokens=max_new_tokens, do_sample=False

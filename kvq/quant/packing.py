@@ -69,6 +69,13 @@ def unpack_bits(packed: Tensor, bits: int, n: int) -> Tensor:
         raise KvqError(f"{n} {bits}-bit codes pack into {packed_len(n, bits)} bytes, got {found}")
     if bits == 8:
         return packed.clone()
+    if nbytes == 1:
+        # 2 and 4 bits: shift whole uint8 bytes, one plane per code slot, then interleave;
+        # several times faster than widening every byte to int32
+        mask = 2**bits - 1
+        planes = [(packed >> (bits * i)) & mask for i in range(per)]
+        codes = torch.stack(planes, dim=-1).flatten(-2)  # [..., bytes * per]
+        return codes[..., :n] if codes.shape[-1] != n else codes
     lead, units = packed.shape[:-1], packed.shape[-1] // nbytes
     grouped = packed.reshape(*lead, units, nbytes).to(torch.int32)  # [..., U, nbytes]
     word = (grouped << _shifts(8, nbytes, packed.device)).sum(-1)  # [..., U]

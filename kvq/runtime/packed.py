@@ -106,30 +106,37 @@ def entry_pointers(count: Tensor) -> Tensor:
     return start.permute(1, 2, 0).to(torch.int32).contiguous()
 
 
-def _qparam(t: Tensor, like: Tensor) -> Tensor:
-    """A qparam tensor broadcast to codes [B, H, T, D] (float32)."""
-    t = t.float()
-    if t.dim() == 4:  # [B, H, T, G] -> each group covers D // G channels
-        return t.repeat_interleave(like.shape[-1] // t.shape[-1], dim=-1)
-    if t.dim() == 2:  # [H, D]
-        return t[None, :, None, :]
-    return t[None, :, None, None]  # [H]
+def _apply(x: Tensor, t: Tensor, op: str) -> None:
+    """x [B, H, T, D] op= qparam t in place (op: "sub_", "mul_", "add_"), any qparam layout."""
+    if t.dim() == 4:  # [B, H, T, G]: each group covers D // G consecutive channels
+        g = t.shape[-1]
+        getattr(x.view(*x.shape[:-1], g, x.shape[-1] // g), op)(t.float()[..., None])
+    elif t.dim() == 2:  # [H, D] per channel
+        getattr(x, op)(t.float()[None, :, None, :])
+    else:  # [H] per head
+        getattr(x, op)(t.float()[None, :, None, None])
 
 
 def decode_packed(p: PackedRows) -> Tensor:
-    """Packed rows -> [B, H, T, D] float32 (exceptions merged, keys NOT rotated)."""
+    """Packed rows -> [B, H, T, D] float32 (exceptions merged, keys NOT rotated).
+
+    In-place arithmetic on one fresh fp32 buffer: the same operations, in the same
+    order, as the shared quantizers' decode functions, so results are bit-identical.
+    """
     if p.kind == "full":
         return p.data.float()
     codes = packing.unpack_bits(p.data, p.bits, p.head_dim)  # [B, H, T, D] uint8
     if p.kind == "affine":
-        x = codes.float() - p.zero
+        x = codes.float()
+        if p.zero:
+            x.sub_(p.zero)
         if p.zero_point is not None:
-            x = x - _qparam(p.zero_point, x)
+            _apply(x, p.zero_point, "sub_")
     else:
         x = p.table.float()[codes.long()]
-    x = x * _qparam(p.scale, x)
+    _apply(x, p.scale, "mul_")
     if p.offset is not None:
-        x = x + _qparam(p.offset, x)
+        _apply(x, p.offset, "add_")
     if p.slot_index is not None:
         x = sparse.merge_exceptions(x, p.slot_index.long(), p.slot_value.float())
     if p.sparse_count is not None and p.sparse_index.numel():

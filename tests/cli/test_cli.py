@@ -229,3 +229,13 @@ def test_missing_artifact_and_unknown_policy(llama_dir, tmp_path):
     _one_line_error(_run("inspect", tmp_path / "nothing"), "no such artifact")
     _one_line_error(_run("run-eval", "--model", llama_dir, "--policy", "int5"), "unknown policy")
     _one_line_error(_run("run-eval", "--model", llama_dir), "--artifact or --policy")
+
+
+def test_backend_option(llama_dir, shared_data, monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    base = ("run-eval", "--model", llama_dir, "--policy", "int4", "--data-dir", shared_data)
+    small = ("--windows", 1, "--seqlen", 16)
+    _one_line_error(_run(*base, *small, "--backend", "cuda"), "unknown backend 'cuda'")
+    _one_line_error(_run(*base, *small, "--backend", "triton"), "needs CUDA")
+    ok = _run(*base, *small, "--backend", "reference")
+    assert ok.exit_code == 0, ok.output + ok.stderr

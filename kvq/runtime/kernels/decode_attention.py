@@ -136,8 +136,9 @@ def _causal(q_len: int, total: int, device) -> Tensor:
 _KIND = {"full": 0, "affine": 1, "lookup": 2}
 _QAXIS = {"none": 0, "row": 1, "channel": 2, "head": 3}
 # tensor cores: tf32 products (10-bit mantissa, like fp16) with fp32 accumulation; exact
-# fp32 ("ieee") would make a decode kernel compute-bound on CUDA cores
-DOT_PRECISION = "tf32"
+# fp32 ("ieee") would make a decode kernel compute-bound on CUDA cores. Parity tests on
+# CUDA set KVQ_TRITON_DOT=ieee to compare against the fp32 reference tightly.
+DOT_PRECISION = os.environ.get("KVQ_TRITON_DOT", "tf32")
 MAX_QUERY_ROWS = 64  # G * Q rows per program; longer query blocks (prefill) use the reference
 
 
@@ -348,6 +349,7 @@ def _segment_partials(q, seg, rope, mask_u8, col, total, scaling, softcap, rows_
         PRE_ROPE=pre_rope,
         HAS_MASK=mask_u8 is not None,
         DOT_PRECISION=DOT_PRECISION if q.is_cuda else "ieee",
+        num_stages=1,
         **{f"K_{k}": v for k, v in k_c.items()},
         **{f"V_{k}": v for k, v in v_c.items()},
     )
