@@ -85,7 +85,7 @@ class QuantizedKVCache(Cache):
             positions = torch.arange(txn.base_seen, txn.base_seen + t, device=key_states.device)
         positions = positions.to(torch.long).expand(key_states.shape[0], t)
         layer = self.layers[layer_idx]
-        txn.prepared[layer_idx] = layer.prepare(key_states, value_states, positions)
+        txn.prepared[layer_idx] = layer.prepare(key_states, value_states, positions, self.backend)
         view = LayerView(self, layer, txn.prepared[layer_idx])
         return view, view
 

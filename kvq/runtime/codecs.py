@@ -19,6 +19,7 @@ from kvq.errors import KvqError
 from kvq.quant import affine, packing
 from kvq.quant.qparams import check_finite, storage_dtype
 from kvq.quant.schemes import QuantScheme
+from kvq.runtime.kernels.backend import resolve_backend
 from kvq.runtime.packed import PackedRows, decode_packed
 
 Rows = dict[str, Tensor]  # each tensor [B, H, T, ...]
@@ -40,6 +41,16 @@ class Codec:
     def encode(self, x: Tensor) -> tuple[Rows, Flat]:
         """x: [B, H, T, D] -> (stored rows, variable-length entries)."""
         return {"data": x.to(self.dtype)}, NO_FLAT
+
+    def append(self, x: Tensor, backend: str | None = None) -> tuple[Rows, Flat]:
+        """`encode` on the chosen backend: the Triton append kernel (one launch) where the
+        codec has one, else the pure-torch encode. Both produce identical rows."""
+        if resolve_backend(backend, x.device) == "triton":
+            return self._append_triton(x)
+        return self.encode(x)
+
+    def _append_triton(self, x: Tensor) -> tuple[Rows, Flat]:
+        return self.encode(x)  # nothing to quantize
 
     def decode(self, rows: Rows, flat: Flat) -> Tensor:
         """stored rows (each [B, H, C, ...]) and their entries -> [B, H, C, D] float32."""
@@ -95,6 +106,23 @@ class IntTokenCodec(Codec):
             offset=rows["offset"],
         )
 
+    def _append_triton(self, x: Tensor) -> tuple[Rows, Flat]:
+        from kvq.runtime.kernels.append import append_int_token
+
+        b, h, t, d = x.shape
+        rows = {
+            "codes": x.new_empty((b, h, t, packing.packed_len(d, self.bits)), dtype=torch.uint8),
+            "scale": x.new_empty((b, h, t, d // self.group), dtype=self.scale_dtype),
+        }
+        if not self.symmetric:
+            rows["offset"] = torch.empty_like(rows["scale"])
+        offset = rows.get("offset")
+        append_int_token(
+            x, rows["codes"], rows["scale"], offset, 0, self.bits, self.group, self.symmetric,
+            backend="triton",
+        )  # fmt: skip
+        return rows, NO_FLAT
+
     @staticmethod
     def categories() -> dict[str, str]:
         return {"codes": "codes", "scale": "qparams", "offset": "qparams"}
@@ -136,6 +164,17 @@ class IntChannelStaticCodec(Codec):
         scale, offset = self.static["scale"], self.static.get("offset")
         zero = float(1 << (self.bits - 1)) if self.symmetric else 0.0
         return PackedRows("affine", self.head_dim, rows["codes"], self.bits, zero, scale, offset)
+
+    def _append_triton(self, x: Tensor) -> tuple[Rows, Flat]:
+        from kvq.runtime.kernels.append import append_int_channel
+
+        b, h, t, d = x.shape
+        codes = x.new_empty((b, h, t, packing.packed_len(d, self.bits)), dtype=torch.uint8)
+        offset = self.static.get("offset")
+        append_int_channel(
+            x, codes, 0, self.static["scale"], offset, self.bits, self.symmetric, backend="triton"
+        )
+        return {"codes": codes}, NO_FLAT
 
     @staticmethod
     def categories() -> dict[str, str]:

@@ -76,10 +76,13 @@ class KvqLayer(CacheLayerMixin):
 
     # --- append --------------------------------------------------------------------
 
-    def prepare(self, key: Tensor, value: Tensor, positions: Tensor) -> LayerState:
+    def prepare(
+        self, key: Tensor, value: Tensor, positions: Tensor, backend: str | None = None
+    ) -> LayerState:
         """Successor state with new rows appended.
 
         key, value: [B, H_kv, T, D] (key post-RoPE); positions: [B, T] RoPE positions.
+        backend: where the rows are quantized (Triton append kernels or torch).
         """
         st = self.state
         t = key.shape[2]
@@ -99,7 +102,7 @@ class KvqLayer(CacheLayerMixin):
         if t > n_sink:
             rows: dict[str, Tensor] = {}
             for part, codec, x in (("k", self.key_codec, key), ("v", self.value_codec, value)):
-                part_rows, part_flat = codec.encode(x[:, :, n_sink:])
+                part_rows, part_flat = codec.append(x[:, :, n_sink:], backend)
                 rows |= {f"{part}.{n}": r for n, r in part_rows.items()}
                 if part_flat:
                     flat[part] = flat.get(part, FlatStore.empty()).prepared(part_flat)

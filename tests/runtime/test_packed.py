@@ -79,3 +79,20 @@ def test_entry_pointers_follow_row_batch_head_order():
     # order: (t0,b0)=1 (t0,b1)=3 (t1,b0)=0 (t1,b1)=1 (t2,b0)=2 (t2,b1)=0
     assert entry_pointers(count).tolist() == [[[0, 4, 5]], [[1, 4, 7]]]
     assert row_pointers(count).tolist() == [0, 4, 5, 7]
+
+
+@pytest.mark.parametrize("name", ["int4-token-g16", "int8-token-sym", "int2-channel", "none"])
+def test_plane_decode_is_a_permutation_of_the_canonical_decode(name):
+    from kvq.runtime.packed import decode_planes, plane_decodable
+
+    scheme, state = SCHEMES[name]
+    codec = make_codec(scheme, D, torch.float32, state, "layers.0.key")
+    packed = codec.packed(*codec.encode(_rows(3)))
+    x, perm = decode_planes(packed)
+    want = decode_packed(packed)
+    if name == "none":
+        assert perm is None and torch.equal(x, want)
+        return
+    assert plane_decodable(packed) and perm is not None
+    assert sorted(perm.tolist()) == list(range(D))
+    assert torch.equal(x, want[..., perm])  # bit-identical, only reordered

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import math
 import os
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -34,8 +35,7 @@ from torch import Tensor
 
 from kvq.errors import KvqError
 from kvq.runtime.kernels.backend import ENV, resolve_backend
-from kvq.runtime.packed import PackedRows, decode_packed, entry_pointers
-from kvq.runtime.reference import online_softmax_attention
+from kvq.runtime.packed import PackedRows, decode_planes, entry_pointers
 
 Rope = tuple[Tensor, Tensor]  # cos, sin tables [P, D/2] float32, indexed by RoPE position
 
@@ -107,23 +107,103 @@ def decode_attention_reference(
     softcap: logits become softcap * tanh(logits / softcap) before the softmax (Gemma 2).
     """
     total = _check(query, segments, rope, mask)
-    q_len = query.shape[2]
+    b, hq, q_len, d = query.shape
     if mask is None:
         mask = _causal(q_len, total, query.device)
+    q = query.float()
+    state = None  # (running max, denominator, numerator) over everything seen so far
+    col = 0
+    for seg in segments:
+        hkv = seg.key.data.shape[1]
+        group = hq // hkv
+        qg = q.reshape(b, hkv, group * q_len, d)  # query rows r = g * Q + qi, per KV head
+        for a in range(0, seg.rows, chunk_rows):
+            stop = min(a + chunk_rows, seg.rows)
+            key, kperm = decode_planes(seg.key.narrow(a, stop))  # [B, H_kv, C, D]
+            if seg.key.pre_rope:
+                key = _rotate_any(key, kperm, seg.positions[:, a:stop], rope)
+            qk = qg if kperm is None else qg[..., kperm]
+            scores = (qk @ key.transpose(-1, -2)) * scaling  # [B, H_kv, R, C]
+            if softcap is not None:
+                scores = torch.tanh(scores / softcap) * softcap
+            allowed = _rows_mask(mask[..., col + a : col + stop], hkv, group)
+            scores = scores.masked_fill(~allowed, float("-inf"))
+            value, vperm = decode_planes(seg.value.narrow(a, stop))
 
-    def chunks():
-        col = 0
-        for seg in segments:
-            for a in range(0, seg.rows, chunk_rows):
-                b = min(a + chunk_rows, seg.rows)
-                key = decode_packed(seg.key.narrow(a, b))
-                if seg.key.pre_rope:
-                    key = rotate(key, seg.positions[:, a:b], rope)
-                value = decode_packed(seg.value.narrow(a, b))
-                yield key, value, mask[..., col + a : col + b]
-            col += seg.rows
+            def weighted(p, value=value, vperm=vperm):
+                out = p @ value  # [B, H_kv, R, D] in the value's channel order
+                return out if vperm is None else out[..., torch.argsort(vperm)]
 
-    return online_softmax_attention(query, chunks(), scaling, softcap)
+            state = _online_update(state, scores, weighted)
+        col += seg.rows
+    if state is None:
+        raise KvqError("attention over an empty key set")
+    _, denom, acc = state
+    out = acc / denom.clamp_min(torch.finfo(torch.float32).tiny)[..., None]
+    return out.reshape(b, hq, q_len, d)
+
+
+def _online_update(state, scores: Tensor, weighted):
+    """Fold one chunk's scores [B, H, R, C] into (max, denominator, numerator): one softmax."""
+    top = scores.amax(dim=-1)
+    if state is not None:
+        top = torch.maximum(state[0], top)
+    # a row that has seen only masked keys keeps a finite reference point
+    safe = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
+    p = torch.exp(scores - safe[..., None])
+    contribution = weighted(p)
+    if state is None:
+        return top, p.sum(-1), contribution
+    alpha = torch.exp(state[0] - safe)  # rescales what earlier chunks accumulated
+    return top, state[1] * alpha + p.sum(-1), state[2] * alpha[..., None] + contribution
+
+
+def _rows_mask(mask: Tensor, hkv: int, group: int) -> Tensor:
+    """[B|1, 1|H_q, Q, C] -> [B|1, 1|H_kv, G*Q, C] matching the query rows r = g * Q + qi."""
+    bm, hm, q_len, c = mask.shape
+    if hm == 1:
+        return mask[:, :, None].expand(bm, 1, group, q_len, c).reshape(bm, 1, group * q_len, c)
+    return mask.reshape(bm, hkv, group * q_len, c)
+
+
+def _rotate_any(key: Tensor, perm: Tensor | None, positions: Tensor, rope: Rope) -> Tensor:
+    """Rotate keys decoded in channel order (perm None) or plane order (see kvq.runtime.packed)."""
+    if perm is None:
+        return rotate(key, positions, rope)
+    d = key.shape[-1]
+    per = int(perm[1])  # plane 0 holds channels 0, per, 2 per, ...
+    width = d // per
+    cos, sin = (_rows_at(t, positions)[:, None] for t in _plane_tables(rope, per))
+    x = key.view(*key.shape[:-1], per, 2, width // 2)  # [B, H, C, per, 2, width / 2]
+    x1, x2 = x[..., 0, :], x[..., 1, :]
+    out = torch.empty_like(x)
+    o1, o2 = out[..., 0, :], out[..., 1, :]
+    torch.mul(x1, cos, out=o1)
+    o1.addcmul_(x2, sin, value=-1.0)
+    torch.mul(x2, cos, out=o2)
+    o2.addcmul_(x1, sin)
+    return out.view_as(key)
+
+
+# id(cos table) -> (weak reference to it, {per: plane tables}); dropped with the table
+_PLANE_TABLES: dict[int, tuple[weakref.ref, dict]] = {}
+
+
+def _plane_tables(rope: Rope, per: int) -> Rope:
+    """cos/sin [P, D/2] reordered to [P, per, D/(2 per)]: plane k, position i is channel
+    i * per + k, and its RoPE partner sits at i + width / 2 in the same plane. Cached per
+    table (a layer reuses its tables across decode steps)."""
+    key = id(rope[0])
+    entry = _PLANE_TABLES.get(key)
+    if entry is None or entry[0]() is not rope[0]:
+        entry = (weakref.ref(rope[0], lambda _, k=key: _PLANE_TABLES.pop(k, None)), {})
+        _PLANE_TABLES[key] = entry
+    cached = entry[1]
+    if per not in cached:
+        cached[per] = tuple(
+            t.unflatten(-1, (t.shape[-1] // per, per)).transpose(-1, -2).contiguous() for t in rope
+        )
+    return cached[per]
 
 
 def _causal(q_len: int, total: int, device) -> Tensor:
