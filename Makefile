@@ -38,7 +38,9 @@ check: setup
 	$(BIN)/ruff format --check kvq tests bench
 
 bench: setup
+	$(BIN)/pip install -q -e .[bench]
 	mkdir -p artifacts/bench
+	$(BIN)/python bench/decode_attention.py --json artifacts/bench/decode_attention.json
 	$(BIN)/python bench/eval_matrix.py --json artifacts/bench/eval_matrix.json
 	$(BIN)/python bench/kvquant_ablation.py --bits 3 --json artifacts/bench/kvquant_ablation.json
 
