@@ -223,3 +223,72 @@ def _apply_planes(x: Tensor, t: Tensor, perm: Tensor, op: str) -> None:
         getattr(x, op)(t.float()[:, perm].view(1, -1, 1, per, width))
     else:  # [H] per head
         getattr(x, op)(t.float().view(1, -1, 1, 1, 1))
+
+
+class ChunkDecoder:
+    """Decodes row ranges of one PackedRows for attention, hoisting per-segment work.
+
+    Affine 2/4/8-bit rows without exceptions decode in plane order (no interleave) as
+    code * scale + (offset - (zero + zero_point) * scale): the same affine map as
+    `decode_packed`, reassociated, so equal to it within fp32 rounding (a few ulp) rather
+    than bit-identical, in about half the passes. The permutation and static qparams are
+    prepared once per segment. Anything else decodes through `decode_packed`.
+    """
+
+    def __init__(self, p: PackedRows):
+        self.p = p
+        no_exceptions = p.slot_index is None and p.sparse_count is None
+        self.planes = plane_decodable(p) and no_exceptions
+        self.perm = plane_perm(p.head_dim, p.bits, p.data.device) if self.planes else None
+        self.planes_count = 8 // p.bits if self.planes else 1
+        self.static = None
+        if self.planes and p.qaxis in ("channel", "head"):
+            self.static = self._plane_qparams(*self._scale_bias(p.scale, p.offset, p.zero_point))
+
+    def decode(self, start: int, stop: int) -> list[Tensor]:
+        """Rows [start, stop) -> one [B, H, C, D] float32 tensor in channel order, or (when
+        `perm` is set) one contiguous [B, H, C, D/per] tensor per plane: plane k holds
+        channels k, k + per, ... (`perm` concatenates the planes' channels)."""
+        p = self.p
+        if not self.planes:
+            return [decode_packed(p.narrow(start, stop))]
+        if self.static is not None:
+            qparams = self.static
+        else:  # per-row groups [B, H, C, G]: every plane sees the same group layout
+            rows = (
+                t if t is None else t[:, :, start:stop] for t in (p.scale, p.offset, p.zero_point)
+            )
+            scale, bias = self._scale_bias(*rows)
+            qparams = [(scale[..., None], bias[..., None])] * (8 // p.bits)
+        packed = p.data[:, :, start:stop]  # [B, H, C, D/per] uint8
+        per, mask = 8 // p.bits, (1 << p.bits) - 1
+        planes = []
+        for k, (s, b) in enumerate(qparams):
+            code = packed >> (p.bits * k) if k else packed
+            x = (code & mask if k < per - 1 else code).float()  # shifts stay in uint8: cheap
+            if s.dim() == 5:  # groups: [B, H, C, G, 1]
+                x.unflatten(-1, (s.shape[-2], -1)).mul_(s).add_(b)
+            else:
+                x.mul_(s).add_(b)
+            planes.append(x)
+        return planes
+
+    def _scale_bias(self, scale, offset, zero_point) -> tuple[Tensor, Tensor]:
+        scale = scale.float()
+        shift = torch.full_like(scale, self.p.zero)
+        if zero_point is not None:
+            shift = shift + zero_point.float()
+        bias = -shift * scale if offset is None else offset.float() - shift * scale
+        return scale, bias
+
+    def _plane_qparams(self, scale: Tensor, bias: Tensor) -> list[tuple[Tensor, Tensor]]:
+        """Static qparams per plane, shaped [1, H, 1, D/per] to broadcast against codes."""
+        per = 8 // self.p.bits
+        if scale.dim() == 1:  # per head
+            return [(scale.view(1, -1, 1, 1), bias.view(1, -1, 1, 1))] * per
+        width = self.p.head_dim // per
+        out = []
+        for k in range(per):
+            pick = self.perm[k * width : (k + 1) * width]
+            out.append((scale[:, pick][None, :, None], bias[:, pick][None, :, None]))
+        return out

@@ -96,3 +96,17 @@ def test_plane_decode_is_a_permutation_of_the_canonical_decode(name):
     assert plane_decodable(packed) and perm is not None
     assert sorted(perm.tolist()) == list(range(D))
     assert torch.equal(x, want[..., perm])  # bit-identical, only reordered
+
+
+@pytest.mark.parametrize("name", ["int4-token-g16", "int8-token-sym", "int2-channel"])
+def test_chunk_decoder_equals_canonical_within_rounding(name):
+    from kvq.runtime.packed import ChunkDecoder
+
+    scheme, state = SCHEMES[name]
+    codec = make_codec(scheme, D, torch.float32, state, "layers.0.key")
+    packed = codec.packed(*codec.encode(_rows(4, t=9)))
+    dec = ChunkDecoder(packed)
+    want = decode_packed(packed)[..., dec.perm]
+    for a, b in ((0, 9), (2, 5)):
+        got = torch.cat(dec.decode(a, b), dim=-1)
+        torch.testing.assert_close(got, want[:, :, a:b], rtol=1e-6, atol=1e-6)

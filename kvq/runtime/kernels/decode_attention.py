@@ -35,7 +35,7 @@ from torch import Tensor
 
 from kvq.errors import KvqError
 from kvq.runtime.kernels.backend import ENV, resolve_backend
-from kvq.runtime.packed import PackedRows, decode_planes, entry_pointers
+from kvq.runtime.packed import ChunkDecoder, PackedRows, entry_pointers
 
 Rope = tuple[Tensor, Tensor]  # cos, sin tables [P, D/2] float32, indexed by RoPE position
 
@@ -91,6 +91,8 @@ def _check(query: Tensor, segments: list[Segment], rope: Rope | None, mask: Tens
 
 # --- reference ----------------------------------------------------------------------------
 
+CHUNK_ELEMENTS = 1 << 19  # decoded elements per chunk of the reference (2 MB of fp32)
+
 
 def decode_attention_reference(
     query: Tensor,
@@ -100,39 +102,53 @@ def decode_attention_reference(
     rope: Rope | None = None,
     mask: Tensor | None = None,
     softcap: float | None = None,
-    chunk_rows: int = 1024,
+    chunk_rows: int | None = None,
 ) -> Tensor:
     """query [B, H_q, Q, D]; mask [B, 1, Q, K] bool (True = attend) or None -> [B, H_q, Q, D] fp32.
 
     softcap: logits become softcap * tanh(logits / softcap) before the softmax (Gemma 2).
+    chunk_rows: rows decoded at a time; by default about 2 MB of fp32 per decoded chunk,
+    which stays in cache while keeping the number of torch calls low.
     """
     total = _check(query, segments, rope, mask)
     b, hq, q_len, d = query.shape
-    if mask is None:
-        mask = _causal(q_len, total, query.device)
     q = query.float()
     state = None  # (running max, denominator, numerator) over everything seen so far
     col = 0
     for seg in segments:
         hkv = seg.key.data.shape[1]
         group = hq // hkv
+        step = chunk_rows or max(64, CHUNK_ELEMENTS // (b * hkv * d))
         qg = q.reshape(b, hkv, group * q_len, d)  # query rows r = g * Q + qi, per KV head
-        for a in range(0, seg.rows, chunk_rows):
-            stop = min(a + chunk_rows, seg.rows)
-            key, kperm = decode_planes(seg.key.narrow(a, stop))  # [B, H_kv, C, D]
+        keys, values = ChunkDecoder(seg.key), ChunkDecoder(seg.value)
+        # the keys' and values' channel order: one block per plane (see ChunkDecoder)
+        qk = [qg] if keys.perm is None else list(qg[..., keys.perm].chunk(keys.planes_count, -1))
+        vperm = None if values.perm is None else values.perm.view(values.planes_count, -1)
+        # one decode query sees every cached row: no mask to apply
+        seg_mask = None
+        if mask is not None or q_len > 1:
+            full = mask if mask is not None else _causal(q_len, total, query.device)
+            seg_mask = _rows_mask(full[..., col : col + seg.rows], hkv, group)
+        for a in range(0, seg.rows, step):
+            stop = min(a + step, seg.rows)
+            key = keys.decode(a, stop)  # [B, H_kv, C, D] or planes [B, H_kv, C, D/per]
             if seg.key.pre_rope:
-                key = _rotate_any(key, kperm, seg.positions[:, a:stop], rope)
-            qk = qg if kperm is None else qg[..., kperm]
-            scores = (qk @ key.transpose(-1, -2)) * scaling  # [B, H_kv, R, C]
+                key = _rotate_any(key, keys.perm, seg.positions[:, a:stop], rope)
+            scores = sum(qp @ kp.transpose(-1, -2) for qp, kp in zip(qk, key, strict=True))
+            scores = scores * scaling  # [B, H_kv, R, C]
             if softcap is not None:
                 scores = torch.tanh(scores / softcap) * softcap
-            allowed = _rows_mask(mask[..., col + a : col + stop], hkv, group)
-            scores = scores.masked_fill(~allowed, float("-inf"))
-            value, vperm = decode_planes(seg.value.narrow(a, stop))
+            if seg_mask is not None:
+                scores = scores.masked_fill(~seg_mask[..., a:stop], float("-inf"))
+            value = values.decode(a, stop)
 
-            def weighted(p, value=value, vperm=vperm):
-                out = p @ value  # [B, H_kv, R, D] in the value's channel order
-                return out if vperm is None else out[..., torch.argsort(vperm)]
+            def weighted(p, value=value):
+                if vperm is None:
+                    return p @ value[0]  # [B, H_kv, R, D]
+                out = p.new_empty((*p.shape[:-1], d))
+                for plane, channels in zip(value, vperm, strict=True):
+                    out[..., channels] = p @ plane
+                return out
 
             state = _online_update(state, scores, weighted)
         col += seg.rows
@@ -166,23 +182,25 @@ def _rows_mask(mask: Tensor, hkv: int, group: int) -> Tensor:
     return mask.reshape(bm, hkv, group * q_len, c)
 
 
-def _rotate_any(key: Tensor, perm: Tensor | None, positions: Tensor, rope: Rope) -> Tensor:
-    """Rotate keys decoded in channel order (perm None) or plane order (see kvq.runtime.packed)."""
+def _rotate_any(key: list[Tensor], perm: Tensor | None, positions: Tensor, rope: Rope):
+    """Rotate keys decoded in channel order (perm None, one tensor) or as planes."""
     if perm is None:
-        return rotate(key, positions, rope)
-    d = key.shape[-1]
-    per = int(perm[1])  # plane 0 holds channels 0, per, 2 per, ...
-    width = d // per
+        return [rotate(key[0], positions, rope)]
+    per = len(key)
     cos, sin = (_rows_at(t, positions)[:, None] for t in _plane_tables(rope, per))
-    x = key.view(*key.shape[:-1], per, 2, width // 2)  # [B, H, C, per, 2, width / 2]
-    x1, x2 = x[..., 0, :], x[..., 1, :]
-    out = torch.empty_like(x)
-    o1, o2 = out[..., 0, :], out[..., 1, :]
-    torch.mul(x1, cos, out=o1)
-    o1.addcmul_(x2, sin, value=-1.0)
-    torch.mul(x2, cos, out=o2)
-    o2.addcmul_(x1, sin)
-    return out.view_as(key)
+    out = []
+    for k, x in enumerate(key):  # plane k, position i < width / 2: channel i * per + k
+        half = x.shape[-1] // 2
+        x1, x2 = x[..., :half], x[..., half:]  # RoPE partners sit half a plane apart
+        c, s = cos[..., k, :], sin[..., k, :]
+        o = torch.empty_like(x)
+        o1, o2 = o[..., :half], o[..., half:]
+        torch.mul(x1, c, out=o1)
+        o1.addcmul_(x2, s, value=-1.0)
+        torch.mul(x2, c, out=o2)
+        o2.addcmul_(x1, s)
+        out.append(o)
+    return out
 
 
 # id(cos table) -> (weak reference to it, {per: plane tables}); dropped with the table
@@ -249,7 +267,7 @@ def decode_attention_triton(
     rope: Rope | None = None,
     mask: Tensor | None = None,
     softcap: float | None = None,
-    chunk_rows: int = 1024,
+    chunk_rows: int | None = None,
 ) -> Tensor:
     """Same contract as `decode_attention_reference`; `chunk_rows` is unused here."""
     import triton
