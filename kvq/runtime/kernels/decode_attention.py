@@ -142,7 +142,7 @@ def decode_attention_reference(
                 scores = scores.masked_fill(~seg_mask[..., a:stop], float("-inf"))
             value = values.decode(a, stop)
 
-            def weighted(p, value=value):
+            def weighted(p, value=value, vperm=vperm):
                 if vperm is None:
                     return p @ value[0]  # [B, H_kv, R, D]
                 out = p.new_empty((*p.shape[:-1], d))
