@@ -25,6 +25,7 @@ from kvq.errors import KvqError
 from kvq.progress import Progress
 from kvq.quant import nuq, sparse
 from kvq.quant.schemes import CachePolicy, KeyStage, LayerPolicy, QuantScheme
+from kvq.runtime.nuq_codecs import VALUE_SPLIT
 
 
 @dataclass(frozen=True)
@@ -36,6 +37,10 @@ class KVQuantOptions:
     qnorm: bool = False
     nonuniform: bool = True  # False: uniform levels on the same normalised grid (ablation)
     key_stage: KeyStage = "pre-rope"
+    # "fisher": the K outlier budget goes to the channels whose Fisher-weighted range it
+    # shrinks most (`sparse.allocated_thresholds`); "uniform": the same quantile in every
+    # channel (the paper). Without Fisher sums the allocation is uniform.
+    key_outliers: str = "fisher"
     seed: int = 0
     max_samples: int = 200_000  # per codebook fit
 
@@ -46,6 +51,8 @@ class KVQuantOptions:
             raise KvqError(f"--outliers must be a fraction in [0, 0.5), got {self.outliers}")
         if self.sink < 0:
             raise KvqError(f"--sink must be >= 0, got {self.sink}")
+        if self.key_outliers not in ("fisher", "uniform"):
+            raise KvqError(f"key_outliers must be 'fisher' or 'uniform', got {self.key_outliers!r}")
 
     def as_dict(self) -> dict[str, str | int | float | bool | None]:
         return {
@@ -56,6 +63,7 @@ class KVQuantOptions:
             "qnorm": self.qnorm,
             "nonuniform": self.nonuniform,
             "key_stage": self.key_stage,
+            "key_outliers": self.key_outliers,
             "seed": self.seed,
         }
 
@@ -112,12 +120,24 @@ def _levels(
     return out
 
 
+def _outward_fp16(lower: Tensor, upper: Tensor) -> tuple[Tensor, Tensor]:
+    """Thresholds stored in fp16, rounded outwards so no calibration inlier becomes an outlier."""
+    lo, hi = lower.half(), upper.half()
+    lo = torch.where(lo.float() > lower.float(), torch.nextafter(lo, lo.new_tensor(-65504.0)), lo)
+    hi = torch.where(hi.float() < upper.float(), torch.nextafter(hi, hi.new_tensor(65504.0)), hi)
+    return lo, hi
+
+
 def fit_key_layer(
     samples: Tensor, fisher: Tensor | None, opts: KVQuantOptions
 ) -> dict[str, Tensor]:
     """samples [N, H, D] pre-RoPE keys, fisher [H, D] or None -> the layer's static key tensors."""
     if opts.outliers:
-        lower, upper = sparse.channel_thresholds(samples, opts.outliers)
+        if fisher is not None and opts.key_outliers == "fisher":
+            lower, upper = sparse.allocated_thresholds(samples, fisher, opts.outliers)
+        else:
+            lower, upper = sparse.channel_thresholds(samples, opts.outliers)
+        lower, upper = _outward_fp16(lower, upper)
         inlier = ~sparse.threshold_outliers(samples, lower, upper)
     else:
         lower, upper = samples.amin(0), samples.amax(0)
@@ -135,7 +155,7 @@ def fit_value_layer(
 ) -> dict[str, Tensor]:
     """samples [N, H, D] values, fisher [H, D] or None -> the layer's codebook (rows are online)."""
     if opts.outliers:
-        idx, _, lo, hi = sparse.row_outliers(samples, opts.outliers)
+        idx, _, lo, hi = sparse.row_outliers(samples, opts.outliers, VALUE_SPLIT)
         inlier = torch.ones_like(samples, dtype=torch.bool).scatter(-1, idx.long(), False)
     else:
         lo, hi = samples.amin(-1), samples.amax(-1)

@@ -59,11 +59,34 @@ def tail_counts(width: int, fraction: float) -> tuple[int, int]:
     return k, k
 
 
-def row_outliers(x: Tensor, fraction: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Per-row dynamic outliers (V): the k_hi largest and k_lo smallest of each row.
+def range_count(width: int, fraction: float) -> int:
+    """Outliers per row for `fraction` of `width` values as ONE count over both tails.
+
+    round(fraction * width) (half up, after rounding to 9 decimals against float
+    noise), at least 1 when fraction > 0; 0 when fraction is 0.
+    """
+    if not 0.0 <= fraction < 0.5:
+        raise KvqError(f"outlier fraction must be in [0, 0.5), got {fraction!r}")
+    if width < 1:
+        raise KvqError(f"vector width must be positive, got {width}")
+    if fraction == 0.0:
+        return 0
+    return max(1, math.floor(round(fraction * width, 9) + 0.5))
+
+
+def row_outliers(
+    x: Tensor, fraction: float, split: str = "tails"
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Per-row dynamic outliers (V): the most extreme values of each row.
+
+    split "tails": the k_hi largest and k_lo smallest (`tail_counts`, the
+    same count in each tail). split "range": k = `range_count(D, fraction)`
+    values in all, taken one at a time from whichever end of the row's sorted
+    values shrinks the remaining (inlier) range more, so a row with one long
+    tail spends its slots there (ties take the high end).
 
     x: [..., D]. Returns
-      idx       [..., k] int16, ascending coordinate order, k = k_lo + k_hi;
+      idx       [..., k] int16, ascending coordinate order;
       vals      [..., k] x's dtype, the exact values x[..., idx];
       inlier_lo [...]    x's dtype, min over the remaining D - k coordinates;
       inlier_hi [...]    x's dtype, max over the remaining coordinates.
@@ -74,18 +97,40 @@ def row_outliers(x: Tensor, fraction: float) -> tuple[Tensor, Tensor, Tensor, Te
     """
     if x.dim() == 0:
         raise KvqError("row_outliers needs at least one dimension")
+    if split not in ("tails", "range"):
+        raise KvqError(f"outlier split must be 'tails' or 'range', got {split!r}")
     check_finite(x, "input")
     d = x.shape[-1]
     _check_width(d)
-    k_lo, k_hi = tail_counts(d, fraction)
-    if d <= k_lo + k_hi:
-        raise KvqError(
-            f"row width {d} leaves no inliers after {k_lo + k_hi} outliers (fraction {fraction})"
-        )
+    if split == "tails":
+        k_lo, k_hi = tail_counts(d, fraction)
+        k = k_lo + k_hi
+    else:
+        k = range_count(d, fraction)
+    if d <= k:
+        raise KvqError(f"row width {d} leaves no inliers after {k} outliers (fraction {fraction})")
     ordered, order = torch.sort(x, dim=-1, stable=True)  # [..., D] ascending
-    inlier_lo = ordered[..., k_lo]
-    inlier_hi = ordered[..., d - 1 - k_hi]
-    picked = torch.cat([order[..., :k_lo], order[..., d - k_hi :]], dim=-1)  # [..., k]
+    if split == "tails":
+        inlier_lo = ordered[..., k_lo]
+        inlier_hi = ordered[..., d - 1 - k_hi]
+        picked = torch.cat([order[..., :k_lo], order[..., d - k_hi :]], dim=-1)  # [..., k]
+    else:
+        lead = ordered.shape[:-1]
+        flat = ordered.reshape(-1, d)
+        a = torch.zeros(flat.shape[0], dtype=torch.long)  # first inlier (sorted position)
+        b = torch.full((flat.shape[0],), d - 1, dtype=torch.long)  # last inlier
+        rows = torch.arange(flat.shape[0])
+        for _ in range(k):
+            low_gap = flat[rows, a + 1] - flat[rows, a]
+            high_gap = flat[rows, b] - flat[rows, b - 1]
+            take_low = low_gap > high_gap
+            a = a + take_low.long()
+            b = b - (~take_low).long()
+        inlier_lo = flat[rows, a].reshape(lead)
+        inlier_hi = flat[rows, b].reshape(lead)
+        pos = torch.arange(d)
+        out = ((pos < a[:, None]) | (pos > b[:, None])).reshape(ordered.shape)
+        picked = order[out].reshape(*lead, k)
     idx, _ = torch.sort(picked, dim=-1)
     vals = torch.gather(x, -1, idx)
     return idx.to(INDEX_DTYPE), vals, inlier_lo, inlier_hi
@@ -111,6 +156,86 @@ def channel_thresholds(samples: Tensor, fraction: float) -> tuple[Tensor, Tensor
         raise KvqError(f"{n} calibration samples are too few for outlier fraction {fraction}")
     lower = torch.kthvalue(samples, k + 1, dim=0).values
     upper = torch.kthvalue(samples, n - k, dim=0).values
+    return lower, upper
+
+
+def allocated_thresholds(
+    samples: Tensor, weights: Tensor, fraction: float, max_tail: float | None = None
+) -> tuple[Tensor, Tensor]:
+    """Static per-(head, channel) thresholds (K) with the outlier budget spent where it matters.
+
+    samples: [N, H, D] (sinks excluded); weights: [H, D] non-negative
+    sensitivities (the Fisher sums). The budget is the same as
+    `channel_thresholds`' (2 * k per channel, k = tail_counts(N, fraction)[0],
+    so about `fraction` of all samples), but instead of the same count in every
+    tail it is handed out greedily, in steps of ceil(k / 4) samples, to the
+    (channel, tail) whose next step shrinks the channel's weighted squared
+    half-range, weight * ((upper - lower) / 2) ** 2, the most: the dense
+    quantization error of a channel scales with its normaliser squared, and the
+    codebook is shared, so this is the budget's best use under the diagonal
+    Fisher. A tail takes at most `max_tail` (default 5 * fraction) of the
+    samples. Zero-weight channels (e.g. keys no query ever reads) get no
+    outliers and keep their full calibration range. Deterministic: ties go to
+    the lower (tail, head, channel) index. Returns (lower, upper), [H, D] each,
+    in the samples' dtype; a channel with t_lo / t_hi outliers gets the
+    (t_lo + 1)-th smallest / (t_hi + 1)-th largest sample.
+    """
+    import heapq
+
+    if samples.dim() != 3:
+        raise KvqError(
+            f"allocated_thresholds expects [N, H, D] samples, got {tuple(samples.shape)}"
+        )
+    check_finite(samples, "calibration samples")
+    n, h, d = samples.shape
+    if weights.shape != (h, d):
+        raise KvqError(f"weights shape {tuple(weights.shape)} does not match channels {(h, d)}")
+    check_finite(weights, "weights")
+    if bool((weights < 0).any()):
+        raise KvqError("threshold weights must be non-negative")
+    k, _ = tail_counts(max(n, 1), fraction)
+    if n <= 2 * k:
+        raise KvqError(f"{n} calibration samples are too few for outlier fraction {fraction}")
+    cap = math.floor((5 * fraction if max_tail is None else max_tail) * n)
+    cap = max(0, min(cap, (n - 1) // 2))
+    srt = samples.reshape(n, h * d).double().sort(dim=0).values  # [N, C] ascending
+    w = weights.reshape(-1).double().tolist()
+    step = max(1, math.ceil(k / 4))
+    cnt = [[0] * (h * d), [0] * (h * d)]  # low / high tail counts per channel
+
+    def half_sq(c: int, lo: int, hi: int) -> float:
+        return (0.5 * float(srt[n - 1 - hi, c] - srt[lo, c])) ** 2
+
+    def push(heap, c: int) -> None:
+        lo, hi = cnt[0][c], cnt[1][c]
+        now = half_sq(c, lo, hi)
+        for tail in (0, 1):
+            t = (lo, hi)[tail]
+            if w[c] <= 0 or t + step > cap:
+                continue
+            nxt = half_sq(c, lo + step, hi) if tail == 0 else half_sq(c, lo, hi + step)
+            gain = w[c] * (now - nxt)
+            heapq.heappush(heap, (-gain, tail, c, lo, hi))
+
+    heap: list = []
+    for c in range(h * d):
+        push(heap, c)
+    budget = 2 * k * h * d
+    used = 0
+    while heap and used + step <= budget:
+        gain, tail, c, lo, hi = heapq.heappop(heap)
+        if (lo, hi) != (cnt[0][c], cnt[1][c]):
+            continue  # stale: the channel moved since this entry was pushed
+        if gain >= 0:
+            break  # nothing left that shrinks a weighted range
+        cnt[tail][c] += step
+        used += step
+        push(heap, c)
+    lo_idx = torch.tensor(cnt[0])
+    hi_idx = n - 1 - torch.tensor(cnt[1])
+    cols = torch.arange(h * d)
+    lower = srt[lo_idx, cols].reshape(h, d).to(samples.dtype)
+    upper = srt[hi_idx, cols].reshape(h, d).to(samples.dtype)
     return lower, upper
 
 

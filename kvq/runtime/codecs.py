@@ -19,7 +19,6 @@ from kvq.errors import KvqError
 from kvq.quant import affine, packing
 from kvq.quant.qparams import check_finite, storage_dtype
 from kvq.quant.schemes import QuantScheme
-from kvq.runtime.kernels.backend import resolve_backend
 from kvq.runtime.packed import PackedRows, decode_packed
 
 Rows = dict[str, Tensor]  # each tensor [B, H, T, ...]
@@ -42,16 +41,6 @@ class Codec:
         """x: [B, H, T, D] -> (stored rows, variable-length entries)."""
         return {"data": x.to(self.dtype)}, NO_FLAT
 
-    def append(self, x: Tensor, backend: str | None = None) -> tuple[Rows, Flat]:
-        """`encode` on the chosen backend: the Triton append kernel (one launch) where the
-        codec has one, else the pure-torch encode. Both produce identical rows."""
-        if resolve_backend(backend, x.device) == "triton":
-            return self._append_triton(x)
-        return self.encode(x)
-
-    def _append_triton(self, x: Tensor) -> tuple[Rows, Flat]:
-        return self.encode(x)  # nothing to quantize
-
     def decode(self, rows: Rows, flat: Flat) -> Tensor:
         """stored rows (each [B, H, C, ...]) and their entries -> [B, H, C, D] float32."""
         return decode_packed(self.packed(rows, flat))
@@ -59,6 +48,17 @@ class Codec:
     def packed(self, rows: Rows, flat: Flat) -> PackedRows:
         """The stored rows described for the shared decoders (reference and kernels)."""
         return PackedRows("full", self.head_dim, rows["data"])
+
+    def row_spec(self, x: Tensor) -> dict[str, tuple[tuple[int, ...], torch.dtype]] | None:
+        """Per-row shapes and dtypes of the stored tensors when this codec has a Triton
+        append kernel (`append_into`), else None (rows come from `encode`)."""
+        return None
+
+    def append_into(self, x: Tensor, buffers: dict[str, Tensor], start: int) -> None:
+        """Quantize x [B, H, T, D] with the Triton append kernel straight into rows
+        [start, start + T) of `buffers` ([B, H, capacity, ...], named as `encode`'s rows).
+        Bit-identical to `encode`."""
+        raise NotImplementedError(f"{type(self).__name__} has no append kernel")
 
     @staticmethod
     def categories() -> dict[str, str]:
@@ -106,22 +106,19 @@ class IntTokenCodec(Codec):
             offset=rows["offset"],
         )
 
-    def _append_triton(self, x: Tensor) -> tuple[Rows, Flat]:
+    def row_spec(self, x: Tensor):
+        d = x.shape[-1]
+        qparams = ((d // self.group,), self.scale_dtype)
+        spec = {"codes": ((packing.packed_len(d, self.bits),), torch.uint8), "scale": qparams}
+        return spec if self.symmetric else spec | {"offset": qparams}
+
+    def append_into(self, x: Tensor, buffers: dict[str, Tensor], start: int) -> None:
         from kvq.runtime.kernels.append import append_int_token
 
-        b, h, t, d = x.shape
-        rows = {
-            "codes": x.new_empty((b, h, t, packing.packed_len(d, self.bits)), dtype=torch.uint8),
-            "scale": x.new_empty((b, h, t, d // self.group), dtype=self.scale_dtype),
-        }
-        if not self.symmetric:
-            rows["offset"] = torch.empty_like(rows["scale"])
-        offset = rows.get("offset")
         append_int_token(
-            x, rows["codes"], rows["scale"], offset, 0, self.bits, self.group, self.symmetric,
-            backend="triton",
+            x, buffers["codes"], buffers["scale"], buffers.get("offset"), start, self.bits,
+            self.group, self.symmetric, backend="triton",
         )  # fmt: skip
-        return rows, NO_FLAT
 
     @staticmethod
     def categories() -> dict[str, str]:
@@ -165,16 +162,17 @@ class IntChannelStaticCodec(Codec):
         zero = float(1 << (self.bits - 1)) if self.symmetric else 0.0
         return PackedRows("affine", self.head_dim, rows["codes"], self.bits, zero, scale, offset)
 
-    def _append_triton(self, x: Tensor) -> tuple[Rows, Flat]:
+    def row_spec(self, x: Tensor):
+        return {"codes": ((packing.packed_len(x.shape[-1], self.bits),), torch.uint8)}
+
+    def append_into(self, x: Tensor, buffers: dict[str, Tensor], start: int) -> None:
         from kvq.runtime.kernels.append import append_int_channel
 
-        b, h, t, d = x.shape
-        codes = x.new_empty((b, h, t, packing.packed_len(d, self.bits)), dtype=torch.uint8)
         offset = self.static.get("offset")
         append_int_channel(
-            x, codes, 0, self.static["scale"], offset, self.bits, self.symmetric, backend="triton"
-        )
-        return {"codes": codes}, NO_FLAT
+            x, buffers["codes"], start, self.static["scale"], offset, self.bits, self.symmetric,
+            backend="triton",
+        )  # fmt: skip
 
     @staticmethod
     def categories() -> dict[str, str]:

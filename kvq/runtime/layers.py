@@ -16,6 +16,7 @@ from transformers.cache_utils import CacheLayerMixin
 
 from kvq.quant.schemes import LayerPolicy
 from kvq.runtime.codecs import Codec
+from kvq.runtime.kernels.backend import resolve_backend
 from kvq.runtime.kernels.decode_attention import Rope, Segment, rotate
 from kvq.runtime.packed import PackedRows, decode_packed
 from kvq.runtime.state import FlatStore, RowStore
@@ -100,14 +101,39 @@ class KvqLayer(CacheLayerMixin):
             )
         flat = dict(st.flat)
         if t > n_sink:
-            rows: dict[str, Tensor] = {}
-            for part, codec, x in (("k", self.key_codec, key), ("v", self.value_codec, value)):
-                part_rows, part_flat = codec.append(x[:, :, n_sink:], backend)
-                rows |= {f"{part}.{n}": r for n, r in part_rows.items()}
-                if part_flat:
-                    flat[part] = flat.get(part, FlatStore.empty()).prepared(part_flat)
-            main = main.prepared(rows, positions[:, n_sink:])
+            main = self._append_main(
+                main, key[:, :, n_sink:], value[:, :, n_sink:], flat, positions[:, n_sink:], backend
+            )
         return LayerState(sink=sink, main=main, seen=st.seen + t, evicted=st.evicted, flat=flat)
+
+    def _append_main(self, main, key, value, flat, positions, backend) -> RowStore:
+        """Encode new rows into the successor of `main`; flat entries are added to `flat`.
+
+        On the triton backend a codec with an append kernel writes its codes and qparams
+        straight into the store's pages (one launch per family and step); otherwise rows
+        are encoded in torch and copied in.
+        """
+        kernels = resolve_backend(backend, key.device) == "triton"
+        spec, encoded, direct = {}, {}, []
+        for part, codec, x in (("k", self.key_codec, key), ("v", self.value_codec, value)):
+            layout = codec.row_spec(x) if kernels else None
+            if layout is not None:
+                spec |= {f"{part}.{n}": s for n, s in layout.items()}
+                direct.append((part, codec, x))
+                continue
+            rows, part_flat = codec.encode(x)
+            encoded |= {f"{part}.{n}": r for n, r in rows.items()}
+            spec |= {f"{part}.{n}": (tuple(r.shape[3:]), r.dtype) for n, r in rows.items()}
+            if part_flat:
+                flat[part] = flat.get(part, FlatStore.empty()).prepared(part_flat)
+
+        def write(buffers: dict[str, Tensor], start: int) -> None:
+            for name, r in encoded.items():
+                buffers[name][:, :, start : start + r.shape[2]] = r
+            for part, codec, x in direct:
+                codec.append_into(x, _strip(buffers, f"{part}."), start)
+
+        return main.prepared_into(spec, tuple(key.shape[:2]), positions, write)
 
     def evict(self, state: LayerState) -> LayerState:
         """Drop rows a sliding-window layer can never attend to again.

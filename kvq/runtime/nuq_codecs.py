@@ -27,6 +27,9 @@ from kvq.runtime.codecs import NO_FLAT, Codec, Flat, Rows
 from kvq.runtime.packed import PackedRows
 
 SPARSE_DTYPE = torch.float16
+# V rows keep round(fraction * D) exceptions, taken from whichever end shrinks the
+# row's range more (`sparse.row_outliers`); the calibrator fits with the same split.
+VALUE_SPLIT = "range"
 
 
 def _index_dtype(head_dim: int) -> torch.dtype:
@@ -153,7 +156,7 @@ class NuqValueCodec(_NuqCodec):
         x = x.float()
         rows: Rows = {}
         if self.fraction:
-            idx, vals, lo, hi = sparse.row_outliers(x, self.fraction)
+            idx, vals, lo, hi = sparse.row_outliers(x, self.fraction, VALUE_SPLIT)
             rows["sparse_index"] = idx.to(self.index_dtype)
             rows["sparse_value"] = vals.to(SPARSE_DTYPE)
         else:

@@ -14,12 +14,15 @@ prepared.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 Rows = dict[str, Tensor]
+RowSpec = dict[str, tuple[tuple[int, ...], torch.dtype]]  # name -> (per-row shape, dtype)
+Writer = Callable[[dict[str, Tensor], int], None]  # (buffers [B, H, cap, ...], start row)
 
 
 @dataclass(frozen=True)
@@ -44,16 +47,38 @@ class RowStore:
 
     def prepared(self, rows: Rows, positions: Tensor) -> RowStore:
         """Successor with `rows` (each [B, H, T, ...]) appended at positions [B, T]."""
+        spec = {n: (tuple(r.shape[3:]), r.dtype) for n, r in rows.items()}
+        first = next(iter(rows.values()))
+
+        def copy(buffers: dict[str, Tensor], start: int) -> None:
+            for name, r in rows.items():
+                buffers[name][:, :, start : start + r.shape[2]] = r
+
+        return self.prepared_into(spec, first.shape[:2], positions, copy)
+
+    def prepared_into(
+        self, spec: RowSpec, lead: tuple[int, int], positions: Tensor, write: Writer
+    ) -> RowStore:
+        """Successor with T = positions.shape[1] new rows that `write` stores in place.
+
+        spec: the stored tensors' per-row shapes and dtypes; lead: (B, H). `write` gets the
+        successor's buffers and the first new row and must fill rows [start, start + T) of
+        every buffer (e.g. an append kernel writing codes and qparams into the pages).
+        """
         t = positions.shape[1]
         need = self.length + t
         if self.buffers and need <= self.capacity:
             buffers, pos = self.buffers, self.positions
         else:
             cap = max(need, 2 * self.capacity, 64)
-            buffers = {n: _grow(self.buffers.get(n), r, self.length, cap) for n, r in rows.items()}
+            buffers = {
+                n: _grow(
+                    self.buffers.get(n), lead, shape, dtype, positions.device, self.length, cap
+                )
+                for n, (shape, dtype) in spec.items()
+            }
             pos = _grow_pos(self.positions, positions, self.length, cap)
-        for name, r in rows.items():
-            buffers[name][:, :, self.length : need] = r
+        write(buffers, self.length)
         assert pos is not None
         pos[:, self.length : need] = positions
         return RowStore(buffers=buffers, length=need, positions=pos)
@@ -92,9 +117,8 @@ class RowStore:
         return sum(b.nbytes for b in self.buffers.values())
 
 
-def _grow(old: Tensor | None, like: Tensor, keep: int, cap: int) -> Tensor:
-    shape = (like.shape[0], like.shape[1], cap, *like.shape[3:])
-    new = torch.empty(shape, dtype=like.dtype, device=like.device)
+def _grow(old, lead, shape, dtype, device, keep: int, cap: int) -> Tensor:
+    new = torch.empty((*lead, cap, *shape), dtype=dtype, device=device)
     if old is not None and keep:
         new[:, :, :keep] = old[:, :, :keep]
     return new
