@@ -272,24 +272,32 @@ def append_fp8_reference(
 
 
 def _check_nuq_value(
-    x, codes_out, scale_out, center_out, index_out, value_out, start, codebook, bits, fraction
-):
+    x, codes_out, scale_out, center_out, index_out, value_out, start, codebook, bits, fraction,
+    split,
+):  # fmt: skip
+    """Validates; returns (codebook, k): outliers per tail ("tails") or in all ("range")."""
     _, _, _, d = _check_x(x)
     cb = _check_codebook(codebook, bits, x.device)
     _check_dest("codes", codes_out, x, start, (packing.packed_len(d, bits),), (torch.uint8,))
     _check_dest("scale", scale_out, x, start, (), tuple(_STORAGE))
     _check_dest("center", center_out, x, start, (), (scale_out.dtype,))
-    k_lo, k_hi = sparse.tail_counts(d, fraction)
-    if d <= k_lo + k_hi:
+    if split not in ("tails", "range"):
+        raise KvqError(f"outlier split must be 'tails' or 'range', got {split!r}")
+    if split == "tails":
+        k = sparse.tail_counts(d, fraction)[0]
+        slots = 2 * k
+    else:
+        k = slots = sparse.range_count(d, fraction)
+    if d <= slots:
         raise KvqError(
-            f"row width {d} leaves no inliers after {k_lo + k_hi} outliers (fraction {fraction})"
+            f"row width {d} leaves no inliers after {slots} outliers (fraction {fraction})"
         )
-    if k_lo + k_hi:
+    if slots:
         _check_dest(
-            "sparse index", index_out, x, start, (k_lo + k_hi,), (key_index_dtype(d), torch.int16)
+            "sparse index", index_out, x, start, (slots,), (key_index_dtype(d), torch.int16)
         )
-        _check_dest("sparse value", value_out, x, start, (k_lo + k_hi,), (SPARSE_DTYPE,))
-    return cb, k_lo
+        _check_dest("sparse value", value_out, x, start, (slots,), (SPARSE_DTYPE,))
+    return cb, k
 
 
 def append_nuq_value_reference(
@@ -303,8 +311,13 @@ def append_nuq_value_reference(
     codebook: Tensor,
     bits: int,
     fraction: float,
+    split: str = "tails",
 ) -> None:
     """KVQuant value rows, exactly `NuqValueCodec.encode`.
+
+    split: how a row's outliers are chosen (`sparse.row_outliers`): "tails" takes the
+    same count from each end, "range" spends one total count greedily on whichever end
+    shrinks the inlier range more.
 
     x [B, H, T, D]; codes_out [B, H, cap, packed_len(D, bits)] uint8;
     scale_out, center_out [B, H, cap] (their dtype is the scale dtype);
@@ -313,13 +326,14 @@ def append_nuq_value_reference(
     (both may be None when fraction is 0); codebook [2^bits].
     """
     cb, _ = _check_nuq_value(
-        x, codes_out, scale_out, center_out, index_out, value_out, start, codebook, bits, fraction
-    )
+        x, codes_out, scale_out, center_out, index_out, value_out, start, codebook, bits,
+        fraction, split,
+    )  # fmt: skip
     check_finite(x, "value rows")
     xf = x.float()
     rows = _rows(x, start)
     if fraction:
-        idx, vals, lo, hi = sparse.row_outliers(xf, fraction)
+        idx, vals, lo, hi = sparse.row_outliers(xf, fraction, split)
     else:
         lo, hi = xf.amin(-1), xf.amax(-1)
     scale, center = nuq.normalizer(lo, hi, scale_out.dtype)  # [B, H, T]
@@ -634,22 +648,39 @@ def _nuq_value_kernel(x_ptr, codes_ptr, scale_ptr, center_ptr, index_ptr, value_
                       start, H, T, n_units, sxb, sxh, sxt, sxd, scb, sch, sct, scd,
                       ssb, ssh, sst, seb, seh, sec, sib, sih, sit, sis, svb, svh, svt, svs,
                       D: tl.constexpr, BD: tl.constexpr, R: tl.constexpr, K: tl.constexpr,
-                      BITS: tl.constexpr, PER: tl.constexpr, DT: tl.constexpr):  # fmt: skip
+                      BITS: tl.constexpr, PER: tl.constexpr, DT: tl.constexpr,
+                      RANGE: tl.constexpr):  # fmt: skip
     u, valid, b, h, t = _row_units(R, n_units, H, T)
     d = tl.arange(0, BD)[None, :]
     m = valid[:, None] & (d < D)
     src = x_ptr + b * sxb + h * sxh + t * sxt
     x = tl.load(src[:, None] + d * sxd, mask=m, other=0.0).to(tl.float32)
     if K > 0:
-        # sparse.row_outliers: the K smallest and K largest, ties by coordinate
         avail = m
-        for _ in tl.static_range(K):
-            avail = avail & ~_pick(x, avail, d, True)
-        # inlier bounds: the elements at sorted positions K and D - 1 - K
-        lo = tl.min(tl.where(_pick(x, avail, d, True), x, float("inf")), axis=1)
-        for _ in tl.static_range(K):
-            avail = avail & ~_pick(x, avail, d, False)
-        hi = tl.max(tl.where(_pick(x, avail, d, False), x, float("-inf")), axis=1)
+        if RANGE:
+            # sparse.row_outliers split "range": K rounds, each removing the end of the
+            # remaining sorted values whose gap to its neighbour is larger (ties: high end)
+            for _ in tl.static_range(K):
+                low = _pick(x, avail, d, True)
+                high = _pick(x, avail, d, False)
+                v1 = tl.min(tl.where(low, x, float("inf")), axis=1)
+                v2 = tl.min(tl.where(avail & ~low, x, float("inf")), axis=1)
+                w1 = tl.max(tl.where(high, x, float("-inf")), axis=1)
+                w2 = tl.max(tl.where(avail & ~high, x, float("-inf")), axis=1)
+                take_low = (v2 - v1) > (w1 - w2)
+                avail = avail & ~tl.where(take_low[:, None], low, high)
+            lo = tl.min(tl.where(avail, x, float("inf")), axis=1)
+            hi = tl.max(tl.where(avail, x, float("-inf")), axis=1)
+        else:
+            # sparse.row_outliers split "tails": the K smallest and K largest, ties by
+            # coordinate
+            for _ in tl.static_range(K):
+                avail = avail & ~_pick(x, avail, d, True)
+            # inlier bounds: the elements at sorted positions K and D - 1 - K
+            lo = tl.min(tl.where(_pick(x, avail, d, True), x, float("inf")), axis=1)
+            for _ in tl.static_range(K):
+                avail = avail & ~_pick(x, avail, d, False)
+            hi = tl.max(tl.where(_pick(x, avail, d, False), x, float("-inf")), axis=1)
         picked = m & ~avail
         slot = tl.cumsum(picked.to(tl.int32), axis=1) - 1  # ascending coordinate order
         irow = index_ptr + b * sib + h * sih + (start + t) * sit
@@ -901,11 +932,13 @@ def append_nuq_value_triton(
     codebook: Tensor,
     bits: int,
     fraction: float,
+    split: str = "tails",
 ) -> None:
     """Triton twin of `append_nuq_value_reference` (same arguments, same bytes)."""
     cb, k = _check_nuq_value(
-        x, codes_out, scale_out, center_out, index_out, value_out, start, codebook, bits, fraction
-    )
+        x, codes_out, scale_out, center_out, index_out, value_out, start, codebook, bits,
+        fraction, split,
+    )  # fmt: skip
     b, h, t, d = x.shape
     if not x.numel():
         return
@@ -920,6 +953,7 @@ def append_nuq_value_triton(
         *x.stride(), *codes_out.stride(), *scale_out.stride(), *center_out.stride(),
         *idx.stride(), *val.stride(),
         D=d, BD=bd, K=k, BITS=bits, PER=per, DT=_STORAGE[scale_out.dtype],
+        RANGE=split == "range",
     )  # fmt: skip
     rows = _rows(x, start)
     _check_stored("center", center_out[:, :, rows], scale=False)
@@ -1044,11 +1078,15 @@ def append_nuq_value(
     codebook: Tensor,
     bits: int,
     fraction: float,
+    split: str = "tails",
     backend: str | None = None,
 ) -> None:
     """`append_nuq_value_reference` or `_triton`, chosen by `resolve_backend`."""
     fn = _pick_backend("append_nuq_value", x, backend)
-    fn(x, codes_out, scale_out, center_out, index_out, value_out, start, codebook, bits, fraction)
+    fn(
+        x, codes_out, scale_out, center_out, index_out, value_out, start, codebook, bits,
+        fraction, split,
+    )  # fmt: skip
 
 
 def append_nuq_key(
