@@ -54,10 +54,10 @@ class Codec:
         append kernel (`append_into`), else None (rows come from `encode`)."""
         return None
 
-    def append_into(self, x: Tensor, buffers: dict[str, Tensor], start: int) -> None:
+    def append_into(self, x: Tensor, buffers: dict[str, Tensor], start: int) -> Flat:
         """Quantize x [B, H, T, D] with the Triton append kernel straight into rows
-        [start, start + T) of `buffers` ([B, H, capacity, ...], named as `encode`'s rows).
-        Bit-identical to `encode`."""
+        [start, start + T) of `buffers` ([B, H, capacity, ...], named as `encode`'s rows);
+        returns the variable-length entries. Bit-identical to `encode`."""
         raise NotImplementedError(f"{type(self).__name__} has no append kernel")
 
     @staticmethod
@@ -112,13 +112,14 @@ class IntTokenCodec(Codec):
         spec = {"codes": ((packing.packed_len(d, self.bits),), torch.uint8), "scale": qparams}
         return spec if self.symmetric else spec | {"offset": qparams}
 
-    def append_into(self, x: Tensor, buffers: dict[str, Tensor], start: int) -> None:
+    def append_into(self, x: Tensor, buffers: dict[str, Tensor], start: int) -> Flat:
         from kvq.runtime.kernels.append import append_int_token
 
         append_int_token(
             x, buffers["codes"], buffers["scale"], buffers.get("offset"), start, self.bits,
             self.group, self.symmetric, backend="triton",
         )  # fmt: skip
+        return NO_FLAT
 
     @staticmethod
     def categories() -> dict[str, str]:
@@ -165,7 +166,7 @@ class IntChannelStaticCodec(Codec):
     def row_spec(self, x: Tensor):
         return {"codes": ((packing.packed_len(x.shape[-1], self.bits),), torch.uint8)}
 
-    def append_into(self, x: Tensor, buffers: dict[str, Tensor], start: int) -> None:
+    def append_into(self, x: Tensor, buffers: dict[str, Tensor], start: int) -> Flat:
         from kvq.runtime.kernels.append import append_int_channel
 
         offset = self.static.get("offset")
@@ -173,6 +174,7 @@ class IntChannelStaticCodec(Codec):
             x, buffers["codes"], start, self.static["scale"], offset, self.bits, self.symmetric,
             backend="triton",
         )  # fmt: skip
+        return NO_FLAT
 
     @staticmethod
     def categories() -> dict[str, str]:

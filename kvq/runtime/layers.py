@@ -127,13 +127,19 @@ class KvqLayer(CacheLayerMixin):
             if part_flat:
                 flat[part] = flat.get(part, FlatStore.empty()).prepared(part_flat)
 
+        produced: dict[str, dict[str, Tensor]] = {}
+
         def write(buffers: dict[str, Tensor], start: int) -> None:
             for name, r in encoded.items():
                 buffers[name][:, :, start : start + r.shape[2]] = r
             for part, codec, x in direct:
-                codec.append_into(x, _strip(buffers, f"{part}."), start)
+                produced[part] = codec.append_into(x, _strip(buffers, f"{part}."), start)
 
-        return main.prepared_into(spec, tuple(key.shape[:2]), positions, write)
+        successor = main.prepared_into(spec, tuple(key.shape[:2]), positions, write)
+        for part, part_flat in produced.items():
+            if part_flat:
+                flat[part] = flat.get(part, FlatStore.empty()).prepared(part_flat)
+        return successor
 
     def evict(self, state: LayerState) -> LayerState:
         """Drop rows a sliding-window layer can never attend to again.

@@ -113,6 +113,22 @@ class NuqKeyCodec(_NuqCodec):
         out[owner, flat["sparse_index"].long()] = flat["sparse_value"].float()  # replace, not add
         return out.view(c, b, h, self.head_dim).permute(1, 2, 0, 3)
 
+    def row_spec(self, x: Tensor):
+        spec = {"codes": ((packing.packed_len(x.shape[-1], self.bits),), torch.uint8)}
+        return spec | ({"sparse_count": ((), torch.uint8)} if self.fraction else {})
+
+    def append_into(self, x: Tensor, buffers: dict[str, Tensor], start: int) -> Flat:
+        from kvq.runtime.kernels.append import append_nuq_key
+
+        st = self.static
+        index, value = append_nuq_key(
+            x, buffers["codes"], buffers.get("sparse_count"), start, self.codebook, self.bits,
+            st["scale"], st["center"], st.get("lower"), st.get("upper"), backend="triton",
+        )  # fmt: skip
+        if not self.fraction:
+            return NO_FLAT
+        return {"sparse_index": index, "sparse_value": value}
+
     def packed(self, rows: Rows, flat: Flat) -> PackedRows:
         sparse_rows = {}
         if self.fraction:
@@ -175,6 +191,33 @@ class NuqValueCodec(_NuqCodec):
         return sparse.merge_exceptions(
             dense, rows["sparse_index"].long(), rows["sparse_value"].float()
         )
+
+    def row_spec(self, x: Tensor):
+        d = x.shape[-1]
+        spec = {
+            "codes": ((packing.packed_len(d, self.bits),), torch.uint8),
+            "scale": ((), self.scale_dtype),
+            "center": ((), self.scale_dtype),
+        }
+        if self.fraction:
+            slots = sparse.range_count(d, self.fraction)
+            if VALUE_SPLIT == "tails":
+                slots = sum(sparse.tail_counts(d, self.fraction))
+            spec |= {
+                "sparse_index": ((slots,), self.index_dtype),
+                "sparse_value": ((slots,), SPARSE_DTYPE),
+            }
+        return spec
+
+    def append_into(self, x: Tensor, buffers: dict[str, Tensor], start: int) -> Flat:
+        from kvq.runtime.kernels.append import append_nuq_value
+
+        append_nuq_value(
+            x, buffers["codes"], buffers["scale"], buffers["center"],
+            buffers.get("sparse_index"), buffers.get("sparse_value"), start, self.codebook,
+            self.bits, self.fraction, VALUE_SPLIT, backend="triton",
+        )  # fmt: skip
+        return NO_FLAT
 
     def packed(self, rows: Rows, flat: Flat) -> PackedRows:
         slots = {}

@@ -80,3 +80,29 @@ def test_calibrated_cache_runs_and_tracks_the_model():
     cache2.reorder_cache(torch.tensor([1, 0]))
     after = layer.decoded(layer.state)[0]
     assert torch.equal(after[0], before[0][1]) and torch.equal(after[1], before[0][0])
+
+
+def test_triton_append_stores_the_same_nuq_rows_and_exceptions(monkeypatch):
+    """NUQ keys (threshold exceptions) and values (slots) through the interpreted append
+    kernels: layer 0's stored rows and flat entries equal the torch encode's, bit for bit."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    model = make_tiny_model("llama")
+    ad = get_adapter(model)
+    opts = KVQuantOptions(bits=3, outliers=0.05, sink=1)
+    policy, tensors = calibrate_kvquant(model, ad, _windows(4, 32), opts, Progress(), None)
+    ids = torch.cat([_windows(1, 10, seed=3), _windows(1, 10, seed=4)])
+    stored = {}
+    for backend in ("reference", "triton"):
+        cache = build_cache(model, policy, tensors, ad, backend=backend)
+        with torch.no_grad():
+            model(ids[:, :8], cache=cache)
+            model(ids[:, 8:9], cache=cache)
+        st = cache.layers[0].state
+        stored[backend] = {
+            **st.main.rows(),
+            **{f"flat.{n}": t for n, t in st.flat["k"].entries(0, st.flat["k"].length).items()},
+        }
+    assert stored["reference"]["flat.sparse_index"].numel() > 0
+    assert stored["triton"].keys() == stored["reference"].keys()
+    for name, t in stored["reference"].items():
+        assert torch.equal(stored["triton"][name], t), name
