@@ -173,56 +173,13 @@ def plane_perm(head_dim: int, bits: int, device=None) -> Tensor:
 
 
 def plane_decodable(p: PackedRows) -> bool:
-    """Whether `decode_planes` handles `p` itself (else it falls back to channel order)."""
+    """Whether `ChunkDecoder` decodes `p` in planes (else it falls back to channel order)."""
     if p.kind != "affine" or p.bits not in (2, 4, 8):
         return False
     per = 8 // p.bits
     if p.head_dim % (2 * per):
         return False
     return p.qaxis != "row" or (p.head_dim // p.scale.shape[-1]) % per == 0
-
-
-def decode_planes(p: PackedRows) -> tuple[Tensor, Tensor | None]:
-    """(x [B, H, T, D] float32 in plane order, perm [D] or None when x is in channel order).
-
-    Bit-identical to `decode_packed` up to the permutation: the same fp32 operations in the
-    same order. Affine rows with 2/4/8-bit codes decode in planes; everything else (full,
-    lookup, exceptions) goes through `decode_packed` in channel order.
-    """
-    if not plane_decodable(p) or p.slot_index is not None or p.sparse_count is not None:
-        return decode_packed(p), None
-    per, d = 8 // p.bits, p.head_dim
-    width = d // per
-    rest = p.data.float()  # [B, H, T, D/per] whole bytes, exact in fp32
-    x = torch.empty((*rest.shape[:-1], per, width), device=rest.device)
-    unit = float(1 << p.bits)
-    for k in range(per - 1):  # peel the lowest code off each byte
-        high = torch.floor(rest * (1.0 / unit))
-        torch.sub(rest, high, alpha=unit, out=x[..., k, :])
-        rest = high
-    x[..., per - 1, :] = rest
-    if p.zero:
-        x.sub_(p.zero)
-    perm = plane_perm(d, p.bits, x.device)
-    if p.zero_point is not None:
-        _apply_planes(x, p.zero_point, perm, "sub_")
-    _apply_planes(x, p.scale, perm, "mul_")
-    if p.offset is not None:
-        _apply_planes(x, p.offset, perm, "add_")
-    return x.view(*x.shape[:-2], d), perm
-
-
-def _apply_planes(x: Tensor, t: Tensor, perm: Tensor, op: str) -> None:
-    """x [B, H, T, per, D/per] op= qparam t (any layout) in place, in plane order."""
-    per, width = x.shape[-2:]
-    if t.dim() == 4:  # [B, H, T, G]: a group's channels are contiguous in every plane
-        g = t.shape[-1]
-        view = x.view(*x.shape[:-1], g, width // g)
-        getattr(view, op)(t.float()[..., None, :, None])
-    elif t.dim() == 2:  # [H, D] per channel
-        getattr(x, op)(t.float()[:, perm].view(1, -1, 1, per, width))
-    else:  # [H] per head
-        getattr(x, op)(t.float().view(1, -1, 1, 1, 1))
 
 
 class ChunkDecoder:

@@ -81,23 +81,6 @@ def test_entry_pointers_follow_row_batch_head_order():
     assert row_pointers(count).tolist() == [0, 4, 5, 7]
 
 
-@pytest.mark.parametrize("name", ["int4-token-g16", "int8-token-sym", "int2-channel", "none"])
-def test_plane_decode_is_a_permutation_of_the_canonical_decode(name):
-    from kvq.runtime.packed import decode_planes, plane_decodable
-
-    scheme, state = SCHEMES[name]
-    codec = make_codec(scheme, D, torch.float32, state, "layers.0.key")
-    packed = codec.packed(*codec.encode(_rows(3)))
-    x, perm = decode_planes(packed)
-    want = decode_packed(packed)
-    if name == "none":
-        assert perm is None and torch.equal(x, want)
-        return
-    assert plane_decodable(packed) and perm is not None
-    assert sorted(perm.tolist()) == list(range(D))
-    assert torch.equal(x, want[..., perm])  # bit-identical, only reordered
-
-
 @pytest.mark.parametrize("name", ["int4-token-g16", "int8-token-sym", "int2-channel"])
 def test_chunk_decoder_equals_canonical_within_rounding(name):
     from kvq.runtime.packed import ChunkDecoder
