@@ -41,6 +41,11 @@ class KVQuantOptions:
     # shrinks most (`sparse.allocated_thresholds`); "uniform": the same quantile in every
     # channel (the paper). Without Fisher sums the allocation is uniform.
     key_outliers: str = "fisher"
+    # True: the K thresholds are fitted for `outliers` of NEW text, not of the calibration
+    # text itself: thresholds fitted on the first half of the calibration windows flag more
+    # than `outliers` of the second half (unseen text is wider), so the fraction is scaled
+    # by nominal / held-out rate (at most down to a quarter) before the final fit.
+    key_heldout: bool = True
     seed: int = 0
     max_samples: int = 200_000  # per codebook fit
 
@@ -64,6 +69,7 @@ class KVQuantOptions:
             "nonuniform": self.nonuniform,
             "key_stage": self.key_stage,
             "key_outliers": self.key_outliers,
+            "key_heldout": self.key_heldout,
             "seed": self.seed,
         }
 
@@ -128,16 +134,43 @@ def _outward_fp16(lower: Tensor, upper: Tensor) -> tuple[Tensor, Tensor]:
     return lo, hi
 
 
+def _key_thresholds(
+    samples: Tensor, fisher: Tensor | None, opts: KVQuantOptions, fraction: float
+) -> tuple[Tensor, Tensor]:
+    if fisher is not None and opts.key_outliers == "fisher":
+        lower, upper = sparse.allocated_thresholds(samples, fisher, fraction)
+    else:
+        lower, upper = sparse.channel_thresholds(samples, fraction)
+    return _outward_fp16(lower, upper)
+
+
+def key_fraction(samples: Tensor, fisher: Tensor | None, opts: KVQuantOptions) -> float:
+    """The K threshold fraction whose expected outlier rate on unseen text is `opts.outliers`.
+
+    samples [N, H, D] in window order: thresholds fitted on the first half flag a rate
+    r of the second half; the fraction is outliers * outliers / r, within
+    [outliers / 4, outliers]. Too few samples to split: `opts.outliers`.
+    """
+    n = samples.shape[0] // 2
+    k, _ = sparse.tail_counts(max(n, 1), opts.outliers)
+    if n <= 2 * k + 1 or k == 0:
+        return opts.outliers
+    lower, upper = _key_thresholds(samples[:n], fisher, opts, opts.outliers)
+    rate = float(
+        sparse.threshold_outliers(samples[n:], lower.float(), upper.float()).float().mean()
+    )
+    if rate <= opts.outliers:
+        return opts.outliers
+    return max(opts.outliers / 4, opts.outliers * opts.outliers / rate)
+
+
 def fit_key_layer(
     samples: Tensor, fisher: Tensor | None, opts: KVQuantOptions
 ) -> dict[str, Tensor]:
     """samples [N, H, D] pre-RoPE keys, fisher [H, D] or None -> the layer's static key tensors."""
     if opts.outliers:
-        if fisher is not None and opts.key_outliers == "fisher":
-            lower, upper = sparse.allocated_thresholds(samples, fisher, opts.outliers)
-        else:
-            lower, upper = sparse.channel_thresholds(samples, opts.outliers)
-        lower, upper = _outward_fp16(lower, upper)
+        fraction = key_fraction(samples, fisher, opts) if opts.key_heldout else opts.outliers
+        lower, upper = _key_thresholds(samples, fisher, opts, fraction)
         inlier = ~sparse.threshold_outliers(samples, lower, upper)
     else:
         lower, upper = samples.amin(0), samples.amax(0)

@@ -168,9 +168,11 @@ def allocated_thresholds(
     sensitivities (the Fisher sums). The budget is the same as
     `channel_thresholds`' (2 * k per channel, k = tail_counts(N, fraction)[0],
     so about `fraction` of all samples), but instead of the same count in every
-    tail it is handed out greedily, in steps of ceil(k / 4) samples, to the
-    (channel, tail) whose next step shrinks the channel's weighted squared
-    half-range, weight * ((upper - lower) / 2) ** 2, the most: the dense
+    tail it is handed out greedily, in multiples of ceil(k / 4) samples, to the
+    (channel, tail) whose next outliers shrink the channel's weighted squared
+    half-range, weight * ((upper - lower) / 2) ** 2, the most per outlier
+    (looking ahead over every count up to the cap, so a cluster of spikes that
+    only pays once all are out is still found): the dense
     quantization error of a channel scales with its normaliser squared, and the
     codebook is shared, so this is the budget's best use under the diagonal
     Fisher. A tail takes at most `max_tail` (default 5 * fraction) of the
@@ -203,33 +205,44 @@ def allocated_thresholds(
     step = max(1, math.ceil(k / 4))
     cnt = [[0] * (h * d), [0] * (h * d)]  # low / high tail counts per channel
 
-    def half_sq(c: int, lo: int, hi: int) -> float:
-        return (0.5 * float(srt[n - 1 - hi, c] - srt[lo, c])) ** 2
-
     def push(heap, c: int) -> None:
+        # Best gain per outlier over any number of further steps in each tail, so a
+        # cluster of equal spikes (no gain until all are out) is not skipped.
         lo, hi = cnt[0][c], cnt[1][c]
-        now = half_sq(c, lo, hi)
+        if w[c] <= 0:
+            return
+        col = srt[:, c]
+        now = (0.5 * float(col[n - 1 - hi] - col[lo])) ** 2
         for tail in (0, 1):
             t = (lo, hi)[tail]
-            if w[c] <= 0 or t + step > cap:
+            if t + step > cap:
                 continue
-            nxt = half_sq(c, lo + step, hi) if tail == 0 else half_sq(c, lo, hi + step)
-            gain = w[c] * (now - nxt)
-            heapq.heappush(heap, (-gain, tail, c, lo, hi))
+            steps = torch.arange(t + step, cap + 1, step)
+            if tail == 0:
+                half = 0.5 * (col[n - 1 - hi] - col[steps])
+            else:
+                half = 0.5 * (col[n - 1 - steps] - col[lo])
+            rate = w[c] * (now - half.square()) / (steps - t).double()
+            j = int(torch.argmax(rate))  # first of equal rates: the fewest outliers
+            heapq.heappush(heap, (-float(rate[j]), tail, c, int(steps[j]) - t, lo, hi))
 
     heap: list = []
     for c in range(h * d):
         push(heap, c)
     budget = 2 * k * h * d
     used = 0
-    while heap and used + step <= budget:
-        gain, tail, c, lo, hi = heapq.heappop(heap)
+    while heap:
+        rate, tail, c, m, lo, hi = heapq.heappop(heap)
         if (lo, hi) != (cnt[0][c], cnt[1][c]):
             continue  # stale: the channel moved since this entry was pushed
-        if gain >= 0:
+        if rate >= 0:
             break  # nothing left that shrinks a weighted range
-        cnt[tail][c] += step
-        used += step
+        if used + m > budget:
+            m = (budget - used) // step * step
+            if m == 0:
+                break
+        cnt[tail][c] += m
+        used += m
         push(heap, c)
     lo_idx = torch.tensor(cnt[0])
     hi_idx = n - 1 - torch.tensor(cnt[1])

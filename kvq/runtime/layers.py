@@ -68,6 +68,9 @@ class KvqLayer(CacheLayerMixin):
         self.policy = policy
         self.key_codec, self.value_codec = key_codec, value_codec
         self.activation_dtype = activation_dtype
+        # Sink rows are kept as an fp16 cache would keep them (an fp32 model's would
+        # otherwise cost twice the bytes of the unquantized reference); bf16 stays bf16.
+        self.sink_dtype = torch.float16 if activation_dtype == torch.float32 else activation_dtype
         self.sliding_window = sliding_window
         self.is_sliding = sliding_window is not None
         self.unrotate, self.rope_table = unrotate, rope_table
@@ -94,8 +97,8 @@ class KvqLayer(CacheLayerMixin):
         if n_sink:
             sink = sink.prepared(
                 {
-                    "k": key[:, :, :n_sink].to(self.activation_dtype),
-                    "v": value[:, :, :n_sink].to(self.activation_dtype),
+                    "k": key[:, :, :n_sink].to(self.sink_dtype),
+                    "v": value[:, :, :n_sink].to(self.sink_dtype),
                 },
                 positions[:, :n_sink],
             )

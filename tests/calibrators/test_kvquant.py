@@ -106,3 +106,23 @@ def test_triton_append_stores_the_same_nuq_rows_and_exceptions(monkeypatch):
     assert stored["triton"].keys() == stored["reference"].keys()
     for name, t in stored["reference"].items():
         assert torch.equal(stored["triton"][name], t), name
+
+
+def test_key_thresholds_follow_fisher_and_held_out_rate():
+    from kvq.calibrators.kvquant import key_fraction
+
+    g = torch.Generator().manual_seed(0)
+    samples = torch.randn(4000, 1, 16, generator=g)
+    samples[2000:] *= 1.5  # the second half is wider: unseen text flags more outliers
+    fisher = torch.ones(1, 16)
+    fisher[0, 0] = 0.0
+    opts = KVQuantOptions(bits=3, outliers=0.01)
+    frac = key_fraction(samples, fisher, opts)
+    assert 0.0025 <= frac < 0.01
+    state = fit_key_layer(samples, fisher, opts)
+    assert state["lower"].dtype == torch.float16
+    # the zero-sensitivity channel keeps its full range: no exceptions spent on it
+    assert state["lower"][0, 0] <= samples[:, 0, 0].min()
+    assert state["upper"][0, 0] >= samples[:, 0, 0].max()
+    uniform = fit_key_layer(samples, fisher, KVQuantOptions(bits=3, key_outliers="uniform"))
+    assert not torch.equal(state["lower"], uniform["lower"])

@@ -6,6 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvq.errors import KvqError
+from kvq.quant import sparse
 from kvq.quant.nuq import denormalize, normalize, normalizer, nuq_decode, nuq_encode
 from kvq.quant.nuq import uniform_codebook as ucb
 from kvq.quant.sparse import (
@@ -246,3 +247,48 @@ def test_pack_errors():
         pack_mask_exceptions(torch.zeros(2, 3), torch.zeros(2, 2, dtype=torch.bool), 1)
     with pytest.raises(KvqError):
         pack_mask_exceptions(torch.zeros(2, 3), torch.zeros(2, 3, dtype=torch.bool), -1)
+
+
+def test_range_count():
+    assert sparse.range_count(256, 0.01) == 3
+    assert sparse.range_count(100, 0.01) == 1
+    assert sparse.range_count(10, 0.01) == 1
+    assert sparse.range_count(256, 0.0) == 0
+
+
+def test_row_outliers_range_split_spends_slots_on_the_long_tail():
+    x = torch.linspace(-1, 1, 256).repeat(2, 1)
+    x[0, [5, 9, 200]] = torch.tensor([40.0, 30.0, 20.0])  # one long upper tail
+    x[1, [3, 4]] = torch.tensor([-50.0, -45.0])
+    idx, vals, lo, hi = sparse.row_outliers(x, 0.01, "range")
+    assert idx.shape == (2, 3)
+    assert idx[0].tolist() == [5, 9, 200] and hi[0] < 1.01
+    assert {3, 4} <= set(idx[1].tolist()) and lo[1] > -1.01
+    assert torch.equal(vals, torch.gather(x, -1, idx.long()))
+    # the inlier range is that of what remains
+    keep = torch.ones_like(x, dtype=torch.bool).scatter(-1, idx.long(), False)
+    assert torch.equal(lo, torch.where(keep, x, float("inf")).amin(-1))
+    assert torch.equal(hi, torch.where(keep, x, float("-inf")).amax(-1))
+
+
+def test_row_outliers_bad_split():
+    with pytest.raises(KvqError):
+        sparse.row_outliers(torch.randn(4, 16), 0.1, "middle")
+
+
+def test_allocated_thresholds_follow_the_weights():
+    g = torch.Generator().manual_seed(0)
+    s = torch.randn(2000, 1, 8, generator=g)
+    s[:, 0, 3] *= 10  # a wide channel
+    s[:7, 0, 5] = 100.0  # a channel with a few spikes
+    w = torch.ones(1, 8)
+    w[0, 0] = 0.0  # a dead channel: no outliers, full range
+    lo, hi = sparse.allocated_thresholds(s, w, 0.01)
+    out = sparse.threshold_outliers(s, lo, hi)
+    per = out.sum(0)[0]
+    assert int(per[0]) == 0 and lo[0, 0] == s[:, 0, 0].min() and hi[0, 0] == s[:, 0, 0].max()
+    assert int(out.sum()) <= 2 * 10 * 8  # the uniform split's budget
+    assert int(per[5]) >= 7 and hi[0, 5] < 10  # the spikes are exceptions
+    assert int(per[3]) > int(per[1])  # the wide channel gets more of the budget
+    lo2, hi2 = sparse.allocated_thresholds(s, w, 0.01)
+    assert torch.equal(lo, lo2) and torch.equal(hi, hi2)
