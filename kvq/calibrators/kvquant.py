@@ -2,11 +2,20 @@
 dense-and-sparse outliers and attention-sink tokens (article 0x07–0x07F).
 
 Offline, per layer:
-- keys: per (KV head, channel) outlier thresholds from the declared fraction
-  split over both tails, and a normaliser mapping the inlier range onto the
-  codebook's [-1, 1] domain; fixed for every request (article 0x05A, design 2);
+- keys: per (KV head, channel) outlier thresholds, and a normaliser mapping the
+  inlier range onto the codebook's [-1, 1] domain; fixed for every request
+  (article 0x05A, design 2). The declared fraction is the budget: with Fisher
+  sums it goes to the (channel, tail)s whose Fisher-weighted squared range it
+  shrinks most (`sparse.allocated_thresholds`; zero-sensitivity channels get
+  none), else the same quantile in every tail (the paper). The fraction is
+  first scaled so that the outlier rate on held-out text (the second half of
+  the calibration windows, thresholds fitted on the first) is the declared one:
+  unseen text flags more outliers than the text the thresholds were fitted on,
+  and every outlier costs index + fp16 value. Thresholds are stored in fp16,
+  rounded outwards;
 - values: nothing per channel — each row gets its own normaliser and
-  outliers at append time — except the layer's codebook;
+  round(fraction * D) outliers at append time, taken from whichever end of the
+  row shrinks its range more — except the layer's codebook;
 - one codebook of 2^bits levels for K and one for V: k-means over the
   normalised calibration inliers, each value weighted by the Fisher
   sensitivity of its (head, channel) (plain k-means with fisher off).

@@ -6,8 +6,9 @@ thresholds are stored exactly as variable-length flat entries (channel index +
 value) with a per-row count; their dense codes are holes that decode replaces.
 
 Values (dynamic, per token): each appended row gets its own normaliser from
-its inliers, and its k largest / smallest values are stored exactly in fixed
-slots (the count per row is fixed by the declared fraction).
+its inliers, and k = round(fraction * D) extreme values (3 of 256 at 1%), each
+taken from whichever end of the row shrinks the remaining range more
+(`sparse.row_outliers(..., "range")`), are stored exactly in k fixed slots.
 
 Codes are indices into the layer's codebook (2^bits levels in [-1, 1]), packed
 with the shared bit packing. Sparse values are stored in fp16, the precision of
