@@ -33,6 +33,11 @@ EXACT_DOTS = DEVICE == "cpu" or os.environ.get("KVQ_TRITON_DOT") == "ieee"
 ATOL = 2e-5 if EXACT_DOTS else 2e-2
 
 
+@pytest.fixture(autouse=True)
+def _seeded():
+    torch.manual_seed(0)  # the queries below are drawn from the global generator
+
+
 def _data(b, hkv, t, d, seed):
     g = torch.Generator().manual_seed(seed)
     k = torch.randn(b, hkv, t, d, generator=g)
@@ -164,7 +169,7 @@ def test_pre_rope_keys_with_fp_sink_segment_share_one_softmax():
     )
     kp, vp = _codec_segment("int4-channel", k[:, :, 1:], v[:, :, 1:], pre_rope=True)
     main = Segment(kp, vp, positions[:, 1:])
-    q = torch.randn(b, 4, 1, d) * 3  # sharp attention makes rotation errors visible
+    q = torch.randn(b, 4, 1, d, generator=torch.Generator().manual_seed(3)) * 3  # sharp attention
     out = _check(q, [sink, main], rope=rope)
     # the sink matters: dropping it changes the result
     alone = decode_attention_reference(q, [main], scaling=d**-0.5, rope=rope)
