@@ -164,3 +164,18 @@ def shared_data() -> Path:
     if not SHARED_DATA.is_dir():
         pytest.skip(f"shared data folder {SHARED_DATA} is missing")
     return SHARED_DATA
+
+
+def nuq_key_state(bits: int, heads: int, d: int, fraction: float, seed: int = 0) -> dict:
+    """Static NUQ key state (codebook, normaliser, thresholds) from synthetic samples
+    whose channels have growing scales: what a calibrated artifact would hold."""
+    from kvq.quant import nuq, sparse
+
+    g = torch.Generator().manual_seed(seed)
+    samples = torch.randn(400, heads, d, generator=g) * torch.linspace(0.5, 3, d)
+    lower, upper = sparse.channel_thresholds(samples, fraction)
+    scale, center = nuq.normalizer(lower, upper)
+    state = {"codebook": nuq.uniform_codebook(bits), "scale": scale, "center": center}
+    if fraction:
+        state |= {"lower": lower, "upper": upper}
+    return state

@@ -8,19 +8,13 @@ from kvq.quant import nuq, sparse
 from kvq.quant.schemes import QuantScheme
 from kvq.runtime.codecs import make_codec
 from kvq.runtime.nuq_codecs import SPARSE_DTYPE
+from tests.conftest import nuq_key_state
 
 H, D = 2, 16
 
 
 def _key_state(bits=4, fraction=0.05, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    samples = torch.randn(400, H, D, generator=g) * torch.linspace(0.5, 3, D)
-    lower, upper = sparse.channel_thresholds(samples, fraction)
-    scale, center = nuq.normalizer(lower, upper)
-    state = {"codebook": nuq.uniform_codebook(bits), "scale": scale, "center": center}
-    if fraction:
-        state |= {"lower": lower, "upper": upper}
-    return state
+    return nuq_key_state(bits, H, D, fraction, seed)
 
 
 def _key_codec(bits=4, fraction=0.05):

@@ -341,7 +341,7 @@ def _family_args(p: PackedRows, dummy: Tensor):
         t = getattr(p, name)
         if t is not None and t.stride() != scale.stride():
             raise KvqError(f"{name} must share the scale's layout")
-    slots = p.slot_index if p.slot_index is not None else None
+    slots = p.slot_index
     if p.sparse_count is not None:
         count = p.sparse_count
         ptr = entry_pointers(count)
@@ -387,6 +387,8 @@ def _family_args(p: PackedRows, dummy: Tensor):
 
 
 def _segment_partials(q, seg, rope, mask_u8, col, total, scaling, softcap, rows_pad, group):
+    import triton
+
     from kvq.runtime.kernels import _decode_attention_triton as kern
 
     b, hq, q_len, d = q.shape
@@ -441,8 +443,8 @@ def _segment_partials(q, seg, rope, mask_u8, col, total, scaling, softcap, rows_
         G=group,
         R=rows_pad,
         D=d,
-        BLOCK_D=triton_next_pow2(d),
-        BLOCK_HALF=triton_next_pow2(d // 2),
+        BLOCK_D=triton.next_power_of_2(d),
+        BLOCK_HALF=triton.next_power_of_2(d // 2),
         BLOCK_T=block,
         PRE_ROPE=pre_rope,
         HAS_MASK=mask_u8 is not None,
@@ -452,10 +454,6 @@ def _segment_partials(q, seg, rope, mask_u8, col, total, scaling, softcap, rows_
         **{f"V_{k}": v for k, v in v_c.items()},
     )
     return m, den, acc
-
-
-def triton_next_pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
 
 
 # --- dispatch -----------------------------------------------------------------------------

@@ -20,6 +20,7 @@ from kvq.runtime import nuq_codecs
 from kvq.runtime.codecs import IntChannelStaticCodec, IntTokenCodec, make_codec
 from kvq.runtime.kernels import append as A
 from kvq.runtime.nuq_codecs import VALUE_SPLIT
+from tests.conftest import nuq_key_state
 
 DEVICE = "cuda" if os.environ.get("KVQ_TEST_CUDA") else "cpu"
 B, H, T = 2, 2, 3
@@ -405,14 +406,7 @@ def test_nuq_value_tail_ties_follow_the_stable_sort():
 
 
 def _key_state(bits, d, fraction, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    samples = torch.randn(400, H, d, generator=g) * torch.linspace(0.5, 3, d)
-    lower, upper = sparse.channel_thresholds(samples, fraction)
-    scale, center = nuq.normalizer(lower, upper)
-    state = {"codebook": nuq.uniform_codebook(bits), "scale": scale, "center": center}
-    if fraction:
-        state |= {"lower": lower, "upper": upper}
-    return state
+    return nuq_key_state(bits, H, d, fraction, seed)
 
 
 KEY_CASES = [(bits, d, 0.05) for bits in (2, 3, 4) for d in DS] + [(8, 96, 0.05), (4, 64, 0.0)]
