@@ -55,9 +55,6 @@ class _NuqCodec(Codec):
     def _codes(self, x_norm: Tensor) -> Tensor:
         return packing.pack_bits(nuq.nuq_encode(x_norm, self.codebook), self.bits)
 
-    def _lookup(self, packed: Tensor) -> Tensor:
-        return nuq.nuq_decode(packing.unpack_bits(packed, self.bits, self.head_dim), self.levels)
-
 
 class NuqKeyCodec(_NuqCodec):
     """Static per-channel normaliser and thresholds; variable-length exact exceptions."""
@@ -99,20 +96,6 @@ class NuqKeyCodec(_NuqCodec):
             x = torch.minimum(torch.maximum(x, self._lower.float()), self._upper.float())
         rows["codes"] = self._codes(nuq.normalize(x, self._scale, self._center))
         return rows, flat
-
-    def decode(self, rows: Rows, flat: Flat) -> Tensor:
-        dense = nuq.denormalize(self._lookup(rows["codes"]), self._scale, self._center)
-        if not self.fraction or not flat or flat["sparse_index"].numel() == 0:
-            return dense
-        count = rows["sparse_count"]  # [B, H, C]
-        b, h, c = count.shape
-        # entry -> flat (row, batch, head) slot, in the same order they were written
-        owner = torch.repeat_interleave(
-            torch.arange(c * b * h, device=count.device), count.permute(2, 0, 1).reshape(-1).long()
-        )
-        out = dense.permute(2, 0, 1, 3).reshape(c * b * h, self.head_dim).clone()
-        out[owner, flat["sparse_index"].long()] = flat["sparse_value"].float()  # replace, not add
-        return out.view(c, b, h, self.head_dim).permute(1, 2, 0, 3)
 
     def row_spec(self, x: Tensor):
         spec = {"codes": ((packing.packed_len(x.shape[-1], self.bits),), torch.uint8)}
@@ -182,16 +165,6 @@ class NuqValueCodec(_NuqCodec):
         rows["codes"] = self._codes(nuq.normalize(x, scale[..., None], center[..., None]))
         rows["scale"], rows["center"] = scale, center
         return rows, NO_FLAT
-
-    def decode(self, rows: Rows, flat: Flat) -> Tensor:
-        dense = nuq.denormalize(
-            self._lookup(rows["codes"]), rows["scale"][..., None], rows["center"][..., None]
-        )
-        if not self.fraction:
-            return dense
-        return sparse.merge_exceptions(
-            dense, rows["sparse_index"].long(), rows["sparse_value"].float()
-        )
 
     def row_spec(self, x: Tensor):
         d = x.shape[-1]
