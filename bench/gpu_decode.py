@@ -19,6 +19,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from kvq.runtime.kernels import decode_attention as da
 from kvq.runtime.kernels.decode_attention import (
     Segment,
     decode_attention_reference,
@@ -164,10 +165,13 @@ def bench_case(b: int, t: int, dev: str, do_bench) -> list[dict]:
         us = do_bench(lambda s=seg: decode_attention_triton(q, [s], scaling=D**-0.5, rope=rope))
         us *= 1e3
         gbs = nbytes(seg) / us / 1e3
-        rows.append(dict(batch=b, context=t, path=kind, us=us, gbs=gbs, speedup=base / us))
+        config = str(da._TUNED.best_config) if da._TUNED is not None else "?"
+        rows.append(
+            dict(batch=b, context=t, path=kind, us=us, gbs=gbs, speedup=base / us, config=config)
+        )
         print(
             f"b={b:<3d} T={t:<7d} {kind:9s} {us:10.1f} us {gbs:7.0f} GB/s "
-            f"({100 * gbs / PEAK_GBS:4.1f}% of peak)  {base / us:5.2f}x vs fp16 sdpa",
+            f"({100 * gbs / PEAK_GBS:4.1f}% of peak)  {base / us:5.2f}x vs fp16 sdpa  [{config}]",
             flush=True,
         )
         del seg

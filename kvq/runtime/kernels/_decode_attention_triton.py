@@ -31,6 +31,21 @@ def _codes(ptr, rows, chans, ok, stride_t, BITS: tl.constexpr):
 
 
 @triton.jit
+def _qparam(ptr, rows, chans, ok, chan_ok, q_t, other, QAXIS: tl.constexpr, GROUP: tl.constexpr):
+    """One qparam family as float32, broadcastable to [BT, BC]: per-row groups are gathered
+    per element; static per-channel qparams are one [BC] vector and per-head ones a scalar,
+    loaded once per tile instead of once per element."""
+    if QAXIS == 1:  # per row, groups of GROUP channels
+        q_off = rows[:, None] * q_t + (chans // GROUP)[None, :]
+        v = tl.load(ptr + q_off, mask=ok, other=other).to(tl.float32)
+    elif QAXIS == 2:  # per channel (static)
+        v = tl.load(ptr + chans, mask=chan_ok, other=other).to(tl.float32)[None, :]
+    else:  # one per head (static)
+        v = tl.load(ptr).to(tl.float32)
+    return v
+
+
+@triton.jit
 def _decode_tile(
     data,
     scale,
@@ -73,18 +88,11 @@ def _decode_tile(
             x = c.to(tl.float32) - zero
         else:
             x = tl.load(table + c, mask=ok, other=0.0)
-        if QAXIS == 1:  # per row, groups of GROUP channels
-            q_off = rows[:, None] * q_t + (chans // GROUP)[None, :]
-        elif QAXIS == 2:  # per channel (static)
-            q_off = tl.zeros_like(rows)[:, None] + chans[None, :]
-        else:  # one per head (static)
-            q_off = tl.zeros_like(rows)[:, None] + tl.zeros_like(chans)[None, :]
-        q_ok = ok
         if HAS_ZP:
-            x = x - tl.load(zp + q_off, mask=q_ok, other=0.0).to(tl.float32)
-        x = x * tl.load(scale + q_off, mask=q_ok, other=1.0).to(tl.float32)
+            x = x - _qparam(zp, rows, chans, ok, chan_ok, q_t, 0.0, QAXIS, GROUP)
+        x = x * _qparam(scale, rows, chans, ok, chan_ok, q_t, 1.0, QAXIS, GROUP)
         if HAS_OFF:
-            x = x + tl.load(offset + q_off, mask=q_ok, other=0.0).to(tl.float32)
+            x = x + _qparam(offset, rows, chans, ok, chan_ok, q_t, 0.0, QAXIS, GROUP)
     for s in tl.static_range(SLOTS):
         idx = tl.load(slot_i + rows * s_t + s, mask=row_ok, other=-1).to(tl.int32)
         val = tl.load(slot_v + rows * s_t + s, mask=row_ok, other=0.0).to(tl.float32)

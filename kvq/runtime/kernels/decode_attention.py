@@ -315,13 +315,61 @@ def combine_partials(m: Tensor, denom: Tensor, acc: Tensor) -> Tensor:
     return num / den.clamp_min(torch.finfo(torch.float32).tiny)[..., None]
 
 
-def _splits(rows: int, programs: int, block: int, device: torch.device) -> int:
+# split boundaries fall on multiples of the largest row tile the autotuner may pick
+ROW_ALIGN = 128
+# CUDA programs to aim for per SM: a decode step is latency-bound (dependent loads of
+# codes, qparams and tables), so several resident programs per SM hide that latency
+WAVES = 4
+
+
+def _splits(rows: int, programs: int, device: torch.device) -> int:
     """How many programs share one segment's rows: enough to fill the GPU, >= 1 tile each."""
-    tiles = max(1, math.ceil(rows / block))
+    tiles = max(1, math.ceil(rows / ROW_ALIGN))
     if device.type != "cuda":
         return min(tiles, 4)
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return max(1, min(tiles, math.ceil(2 * sms / max(1, programs))))
+    return max(1, min(tiles, math.ceil(WAVES * sms / max(1, programs))))
+
+
+_TUNED = None  # the autotuned CUDA kernel, built on first use
+
+
+def tuned_kernel(do_bench=None):
+    """The kernel under `triton.autotune`: row tile x warps, per head_dim, query rows and
+    formats (the best launch differs between a 4-bit lookup and an 8-bit affine family).
+    `do_bench` replaces Triton's CUDA-event timer (tests run it under the interpreter)."""
+    import triton
+
+    from kvq.runtime.kernels import _decode_attention_triton as kern
+
+    configs = [
+        triton.Config({"BLOCK_T": t}, num_warps=w, num_stages=1)
+        for t in (32, 64, 128)
+        for w in (4, 8)
+    ]
+    key = ["D", "R", "PRE_ROPE", "K_KIND", "K_BITS", "K_FLAT", "V_KIND", "V_BITS", "V_SLOTS"]
+    return triton.autotune(
+        configs, key=key, prune_configs_by={"early_config_prune": _fits}, do_bench=do_bench
+    )(kern.decode_attention_kernel)
+
+
+def _fits(configs, named_args, **kwargs):
+    """Drop row tiles whose [BLOCK_T, BLOCK_D] fp32 value tile would spill registers."""
+    kept = [c for c in configs if c.kwargs["BLOCK_T"] * kwargs["BLOCK_D"] <= 64 * 128]
+    return kept or configs[:1]
+
+
+def _launcher(device: torch.device, head_dim: int):
+    """(kernel, launch options): autotuned on CUDA (the tuner picks BLOCK_T and warps); one
+    fixed config elsewhere (the interpreter, where timing means nothing)."""
+    global _TUNED
+    if device.type == "cuda":
+        if _TUNED is None:
+            _TUNED = tuned_kernel()
+        return _TUNED, {}
+    from kvq.runtime.kernels import _decode_attention_triton as kern
+
+    return kern.decode_attention_kernel, {"BLOCK_T": 32 if head_dim > 128 else 64, "num_stages": 1}
 
 
 def _family_args(p: PackedRows, dummy: Tensor):
@@ -389,14 +437,12 @@ def _family_args(p: PackedRows, dummy: Tensor):
 def _segment_partials(q, seg, rope, mask_u8, col, total, scaling, softcap, rows_pad, group):
     import triton
 
-    from kvq.runtime.kernels import _decode_attention_triton as kern
-
     b, hq, q_len, d = q.shape
     hkv = seg.key.data.shape[1]
-    block = 32 if d > 128 else 64
-    splits = _splits(seg.rows, b * hkv, block, q.device)
-    rows_per_split = math.ceil(math.ceil(seg.rows / splits) / block) * block
+    splits = _splits(seg.rows, b * hkv, q.device)
+    rows_per_split = math.ceil(math.ceil(seg.rows / splits) / ROW_ALIGN) * ROW_ALIGN
     splits = math.ceil(seg.rows / rows_per_split)
+    kernel, launch = _launcher(q.device, d)
     dev = q.device
     m = torch.empty((b, hkv, splits, rows_pad), device=dev)
     den = torch.empty_like(m)
@@ -414,7 +460,7 @@ def _segment_partials(q, seg, rope, mask_u8, col, total, scaling, softcap, rows_
         pos_stride = 0
     msk = mask_u8 if mask_u8 is not None else dummy
     m_strides = mask_u8.stride()[:2] if mask_u8 is not None else (0, 0)
-    kern.decode_attention_kernel[(b * hkv, splits)](
+    kernel[(b * hkv, splits)](
         q,
         *q.stride()[:3],
         *k_t,
@@ -445,11 +491,10 @@ def _segment_partials(q, seg, rope, mask_u8, col, total, scaling, softcap, rows_
         D=d,
         BLOCK_D=triton.next_power_of_2(d),
         BLOCK_HALF=triton.next_power_of_2(d // 2),
-        BLOCK_T=block,
         PRE_ROPE=pre_rope,
         HAS_MASK=mask_u8 is not None,
         DOT_PRECISION=DOT_PRECISION if q.is_cuda else "ieee",
-        num_stages=1,
+        **launch,
         **{f"K_{k}": v for k, v in k_c.items()},
         **{f"V_{k}": v for k, v in v_c.items()},
     )

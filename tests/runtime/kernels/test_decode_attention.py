@@ -234,3 +234,26 @@ def test_softcap_matches_reference():
     assert (out - ref).abs().max().item() < ATOL
     plain = decode_attention_reference(q, seg, scaling=0.125)
     assert (plain - ref).abs().max().item() > 1e-3
+
+
+def test_autotuned_launch_matches_reference(monkeypatch):
+    """The CUDA launch path (autotuner over row tiles x warps) under the interpreter: every
+    config that survives pruning runs through a stub timer and the winner is used."""
+    from kvq.runtime.kernels import decode_attention as da
+
+    timed = []
+
+    def stub_bench(kernel_call, quantiles):
+        kernel_call()
+        timed.append(len(timed))
+        return [float(len(timed))] * len(quantiles)  # the first config tried wins
+
+    tuned = da.tuned_kernel(do_bench=stub_bench)
+    monkeypatch.setattr(da, "_launcher", lambda device, head_dim: (tuned, {}))
+    k, v = _data(1, 1, 70, 256, seed=5)
+    kp, vp = _codec_segment("int4-channel", k, v, pre_rope=True)
+    positions = torch.arange(70)[None]
+    q = torch.randn(1, 4, 1, 256)
+    _check(q, [Segment(kp, vp, positions)], rope=_rope(256))
+    assert len(timed) == 2  # head_dim 256: only 32-row tiles fit, at 4 and 8 warps
+    assert tuned.best_config.kwargs["BLOCK_T"] == 32
