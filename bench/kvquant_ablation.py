@@ -11,6 +11,8 @@ Steps (each adds one idea to the previous one):
   5. + Fisher-weighted k-means
   6. + 1% dense-and-sparse outliers
   7. + attention sink (first token exact)
+then, unless --no-split, the full configuration with only K or only V quantized (the
+other kept exact): where the remaining error comes from.
 Prints perplexity ratio, KLD and top-1 agreement against the unquantized model,
 and bytes per token against fp16, measured from the caches.
 """
@@ -18,6 +20,7 @@ and bytes per token against fp16, measured from the caches.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import time
 from pathlib import Path
@@ -33,7 +36,7 @@ from kvq.eval.quality import QualityTotals, _accumulate
 from kvq.models.loading import load_model
 from kvq.pipeline import load_windows
 from kvq.progress import Progress
-from kvq.quant.schemes import CachePolicy, LayerPolicy, QuantScheme
+from kvq.quant.schemes import FULL_PRECISION, CachePolicy, LayerPolicy, QuantScheme
 from kvq.runtime.cache import build_cache
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
@@ -54,6 +57,7 @@ def main() -> None:
     ap.add_argument("--calibration", default=str(SHARED / "calibration" / "groups_merged.txt"))
     ap.add_argument("--data-dir", default=str(SHARED))
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--no-split", action="store_true", help="skip the K-only / V-only rows")
     args = ap.parse_args()
     torch.set_grad_enabled(False)
     console = Console(stderr=True)
@@ -152,10 +156,8 @@ def main() -> None:
         ),
     ]
     results = []
-    for name, calibrate in steps:
-        start = time.perf_counter()
-        policy, tensors = calibrate()
-        static = {n: t for n, t in tensors.items() if n.startswith("layers.")}
+
+    def evaluate(name: str, policy: CachePolicy, static: dict, start: float) -> None:
         totals, ledger = QualityTotals(), None
         for i in range(ev.ids.shape[0]):
             cache = build_cache(model, policy, static, adapter)
@@ -178,6 +180,17 @@ def main() -> None:
             f"{name:<32} ratio {row['ratio']:.4f}  kld {row['kld']:.4f}  "
             f"bytes {row['bytes_ratio']:.3f}  ({row['seconds']} s)"
         )
+
+    for name, calibrate in steps:
+        start = time.perf_counter()
+        policy, tensors = calibrate()
+        static = {n: t for n, t in tensors.items() if n.startswith("layers.")}
+        evaluate(name, policy, static, start)
+    if not args.no_split:  # the full configuration, one side at a time
+        for side, keep in (("K", "value"), ("V", "key")):
+            only = tuple(dataclasses.replace(lp, **{keep: FULL_PRECISION}) for lp in policy.layers)
+            name = f"  {side} only (other side exact)"
+            evaluate(name, CachePolicy(f"{policy.name}-{side}", only), static, time.perf_counter())
 
     table = Table(
         title=f"KVQuant ablation · {args.model} · {b}-bit · WikiText-2 "
