@@ -19,6 +19,7 @@ quantizers of `kvq.quant`, so it is bit-exact with what calibration measures.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, replace
 from typing import Literal
 
@@ -155,97 +156,145 @@ def _merge_flat(x: Tensor, count: Tensor, index: Tensor, value: Tensor) -> Tenso
     return out.view(t, b, h, d).permute(1, 2, 0, 3)
 
 
-# --- plane order: the reference's fast CPU decode ---------------------------------------------
+# --- plane and pair order: the reference's fast CPU decode -----------------------------------
 #
 # A packed byte holds `per` = 8 / bits consecutive channels. Interleaving them back into
-# channel order costs more than all the arithmetic, so the reference decodes into PLANE
-# order instead: plane k holds channels k, k + per, k + 2 per, ... Attention is invariant
-# under a channel permutation applied to both query and key, and RoPE partners (c, c + D/2)
-# stay in one plane, so the reference computes in plane order and permutes only the small
-# query and output tensors.
+# channel order costs more than all the arithmetic, so the reference decodes into PLANES
+# instead: plane k holds code slot k of every byte (one shift and mask of whole bytes), and
+# attention is invariant under a channel permutation applied to both query and key, so the
+# reference computes in that order and permutes only the small query and output tensors.
+#
+# * plane order: plane k holds channels k, k + per, k + 2 per, ...
+# * pair order, for pre-RoPE keys: plane k holds each of its RoPE pairs (c, c + D/2) side
+#   by side as (real, imaginary), so the rotation is one complex multiply. Byte i of the
+#   first half of a row holds channels i * per + k, byte i of the second half their
+#   partners: a little-endian int16 made of the two bytes puts each pair side by side.
 
 
-def plane_perm(head_dim: int, bits: int, device=None) -> Tensor:
-    """[D] channel held at each plane-order position: perm[k * D/per + i] = i * per + k."""
-    per = 8 // bits
-    i = torch.arange(head_dim // per, device=device)
-    return (i[None, :] * per + torch.arange(per, device=device)[:, None]).reshape(-1)
+def layout_perm(head_dim: int, bits: int, pairs: bool = False, device=None) -> Tensor:
+    """[D] channel held at each position of the planes, flattened: plane order
+    perm[k * D/per + i] = i * per + k; pair order perm[k * D/per + 2 i + r] = i * per + k
+    + r * D/2."""
+    per, halves = 8 // bits, 2 if pairs else 1
+    k = torch.arange(per, device=device)[:, None, None]
+    i = torch.arange(head_dim // (halves * per), device=device)[None, :, None]
+    r = torch.arange(halves, device=device)[None, None, :]
+    return (i * per + k + r * (head_dim // halves)).reshape(-1)
 
 
-def plane_decodable(p: PackedRows) -> bool:
+def plane_decodable(p: PackedRows, pairs: bool = False) -> bool:
     """Whether `ChunkDecoder` decodes `p` in planes (else it falls back to channel order)."""
     if p.kind != "affine" or p.bits not in (2, 4, 8):
+        return False
+    if pairs and sys.byteorder != "little":  # the int16 trick reads its bytes low first
         return False
     per = 8 // p.bits
     if p.head_dim % (2 * per):
         return False
-    return p.qaxis != "row" or (p.head_dim // p.scale.shape[-1]) % per == 0
+    if p.qaxis != "row":
+        return True
+    groups = p.scale.shape[-1]  # per-row groups must cover whole runs of a plane
+    return (p.head_dim // groups) % per == 0 and (not pairs or groups % 2 == 0 or groups == 1)
 
 
 class ChunkDecoder:
     """Decodes row ranges of one PackedRows for attention, hoisting per-segment work.
 
-    Affine 2/4/8-bit rows without exceptions decode in plane order (no interleave) as
-    code * scale + (offset - (zero + zero_point) * scale): the same affine map as
-    `decode_packed`, reassociated, so equal to it within fp32 rounding (a few ulp) rather
-    than bit-identical, in about half the passes. The permutation and static qparams are
-    prepared once per segment. Anything else decodes through `decode_packed`.
+    Affine 2/4/8-bit rows without exceptions decode into planes, in plane order or, with
+    pairs=True, pair order (see `layout_perm`), as code * scale + (offset - (zero +
+    zero_point) * scale): the same affine map as `decode_packed`, reassociated, so equal to
+    it within fp32 rounding (a few ulp) rather than bit-identical, in a few passes over
+    buffers reused from chunk to chunk. The permutation and qparams are prepared once per
+    segment. Anything else decodes through `decode_packed`, in channel order (one plane).
     """
 
-    def __init__(self, p: PackedRows):
+    def __init__(self, p: PackedRows, pairs: bool = False):
         self.p = p
         no_exceptions = p.slot_index is None and p.sparse_count is None
-        self.planes = plane_decodable(p) and no_exceptions
-        self.perm = plane_perm(p.head_dim, p.bits, p.data.device) if self.planes else None
-        self.planes_count = 8 // p.bits if self.planes else 1
-        self.static = None
-        if self.planes and p.qaxis in ("channel", "head"):
-            self.static = self._plane_qparams(*self._scale_bias(p.scale, p.offset, p.zero_point))
-
-    def decode(self, start: int, stop: int) -> list[Tensor]:
-        """Rows [start, stop) -> one [B, H, C, D] float32 tensor in channel order, or (when
-        `perm` is set) one contiguous [B, H, C, D/per] tensor per plane: plane k holds
-        channels k, k + per, ... (`perm` concatenates the planes' channels)."""
-        p = self.p
-        if not self.planes:
-            return [decode_packed(p.narrow(start, stop))]
-        if self.static is not None:
-            qparams = self.static
-        else:  # per-row groups [B, H, C, G]: every plane sees the same group layout
-            rows = (
-                t if t is None else t[:, :, start:stop] for t in (p.scale, p.offset, p.zero_point)
+        fast = plane_decodable(p, pairs) and no_exceptions
+        self.pairs = pairs and fast
+        self.perm = layout_perm(p.head_dim, p.bits, pairs, p.data.device) if fast else None
+        self.inverse = None if self.perm is None else torch.argsort(self.perm)
+        self.planes = 8 // p.bits if fast else 1
+        self.static = self.rows = self.row_biases = None
+        if fast:
+            scale, bias = self._scale_bias(p.scale, p.offset, p.zero_point)
+        if fast and p.qaxis == "row":
+            # [B, H, T, G] -> [B, H, T, G/halves, 1, halves]: a plane viewed as [..., C,
+            # G/halves, D/G/per, halves] holds group i // (D/G/per) + r G/halves at position
+            # i (pair i, half r in pair order)
+            halves = 2 if pairs and scale.shape[-1] > 1 else 1
+            self.rows = tuple(
+                t.unflatten(-1, (halves, -1)).transpose(-1, -2)[..., None, :] for t in (scale, bias)
             )
-            scale, bias = self._scale_bias(*rows)
-            qparams = [(scale[..., None], bias[..., None])] * (8 // p.bits)
+            if not pairs:  # [B, H, T, G]: whole groups of plane positions, see row_bias
+                self.row_biases = bias
+        elif fast and scale.dim() == 1:  # per head: [1, 1, H, 1, 1]
+            self.static = tuple(t.view(1, 1, -1, 1, 1) for t in (scale, bias))
+        elif fast:  # per channel [H, D] -> [planes, 1, H, 1, D/planes]
+            self.static = tuple(self.to_planes(t[None, :, None]) for t in (scale, bias))
+        self._buffers = None  # reused from chunk to chunk; the first chunk is the largest
+
+    def to_planes(self, x: Tensor) -> Tensor:
+        """x [..., D] in channel order -> [planes, ..., D/planes] (contiguous) in plane order."""
+        if self.perm is None:
+            return x[None]
+        return x[..., self.perm].unflatten(-1, (self.planes, -1)).movedim(-2, 0).contiguous()
+
+    def to_channels(self, x: Tensor) -> Tensor:
+        """The inverse of `to_planes`: [planes, ..., D/planes] -> [..., D] in channel order."""
+        if self.perm is None:
+            return x[0]
+        return x.movedim(0, -2).flatten(-2)[..., self.inverse]
+
+    def decode(self, start: int, stop: int, bias: bool = True) -> Tensor:
+        """Rows [start, stop) -> [planes, B, H, C, D/planes] float32 (see `to_planes`). The
+        planes are a buffer that the next call reuses. bias=False leaves out per-row biases,
+        for a caller that folds `row_bias` into its sums instead."""
+        p = self.p
+        if self.perm is None:
+            return decode_packed(p.narrow(start, stop))[None]
+        per, mask = self.planes, (1 << p.bits) - 1
         packed = p.data[:, :, start:stop]  # [B, H, C, D/per] uint8
-        per, mask = 8 // p.bits, (1 << p.bits) - 1
-        planes = []
-        for k, (s, b) in enumerate(qparams):
-            code = packed >> (p.bits * k) if k else packed
-            x = (code & mask if k < per - 1 else code).float()  # shifts stay in uint8: cheap
-            if s.dim() == 5:  # groups: [B, H, C, G, 1]
-                x.unflatten(-1, (s.shape[-2], -1)).mul_(s).add_(b)
+        b, h, c, n = packed.shape
+        if self._buffers is None or self._buffers[1].shape[3] < c:
+            new = packed.new_empty
+            self._buffers = (
+                new((per, b, h, c, n)),  # codes
+                new((per, b, h, c, n), dtype=torch.float32),
+                new((b, h, c, n // 2), dtype=torch.int16) if self.pairs else None,
+            )
+        codes, x, word = self._buffers
+        if c != x.shape[3]:  # the last, shorter chunk
+            codes, x, word = (None if t is None else t[..., :c, :] for t in self._buffers)
+        if self.pairs:  # byte i of the first half next to byte i of the second half
+            word.copy_(packed[..., n // 2 :]).bitwise_left_shift_(8)
+            packed = word.bitwise_or_(packed[..., : n // 2]).view(torch.uint8)
+        for k in range(per):  # slot k of every byte: cheap uint8 shifts and masks
+            if k == 0:
+                torch.bitwise_and(packed, mask, out=codes[0])
             else:
-                x.mul_(s).add_(b)
-            planes.append(x)
-        return planes
+                torch.bitwise_right_shift(packed, p.bits * k, out=codes[k])
+                if k < per - 1:
+                    codes[k].bitwise_and_(mask)
+        x.copy_(codes)
+        if self.static is not None:
+            return torch.addcmul(self.static[1], x, self.static[0], out=x)
+        scale, shift = (t[:, :, start:stop] for t in self.rows)
+        grouped = x.unflatten(-1, (scale.shape[-3], -1, scale.shape[-1]))
+        grouped.mul_(scale)
+        if bias or self.row_biases is None:
+            grouped.add_(shift)
+        return x
+
+    def row_bias(self, start: int, stop: int) -> Tensor | None:
+        """Per-row biases [B, H, C, G] of rows [start, stop) that decode(bias=False) leaves
+        out (plane order: group g covers positions g * D/G/per ... (g + 1) * D/G/per - 1 of
+        every plane), or None when decode applies them all."""
+        return None if self.row_biases is None else self.row_biases[:, :, start:stop]
 
     def _scale_bias(self, scale, offset, zero_point) -> tuple[Tensor, Tensor]:
         scale = scale.float()
-        shift = torch.full_like(scale, self.p.zero)
-        if zero_point is not None:
-            shift = shift + zero_point.float()
+        shift = self.p.zero if zero_point is None else zero_point.float() + self.p.zero
         bias = -shift * scale if offset is None else offset.float() - shift * scale
         return scale, bias
-
-    def _plane_qparams(self, scale: Tensor, bias: Tensor) -> list[tuple[Tensor, Tensor]]:
-        """Static qparams per plane, shaped [1, H, 1, D/per] to broadcast against codes."""
-        per = 8 // self.p.bits
-        if scale.dim() == 1:  # per head
-            return [(scale.view(1, -1, 1, 1), bias.view(1, -1, 1, 1))] * per
-        width = self.p.head_dim // per
-        out = []
-        for k in range(per):
-            pick = self.perm[k * width : (k + 1) * width]
-            out.append((scale[:, pick][None, :, None], bias[:, pick][None, :, None]))
-        return out

@@ -81,15 +81,27 @@ def test_entry_pointers_follow_row_batch_head_order():
     assert row_pointers(count).tolist() == [0, 4, 5, 7]
 
 
+@pytest.mark.parametrize("pairs", [False, True], ids=["planes", "pairs"])
 @pytest.mark.parametrize("name", ["int4-token-g16", "int8-token-sym", "int2-channel"])
-def test_chunk_decoder_equals_canonical_within_rounding(name):
+def test_chunk_decoder_equals_canonical_within_rounding(name, pairs):
     from kvq.runtime.packed import ChunkDecoder
 
     scheme, state = SCHEMES[name]
     codec = make_codec(scheme, D, torch.float32, state, "layers.0.key")
     packed = codec.packed(*codec.encode(_rows(4, t=9)))
-    dec = ChunkDecoder(packed)
-    want = decode_packed(packed)[..., dec.perm]
+    dec = ChunkDecoder(packed, pairs=pairs)
+    assert dec.pairs == pairs
+    if pairs:  # pair order: each RoPE pair (c, c + D/2) side by side
+        assert torch.equal(dec.perm[1::2], dec.perm[0::2] + D // 2)
+    whole = decode_packed(packed)
+    want = whole[..., dec.perm]
+    assert torch.equal(dec.to_channels(dec.to_planes(whole)), whole)
     for a, b in ((0, 9), (2, 5)):
-        got = torch.cat(dec.decode(a, b), dim=-1)
+        got = dec.decode(a, b).movedim(0, -2).flatten(-2)  # planes -> perm order
         torch.testing.assert_close(got, want[:, :, a:b], rtol=1e-6, atol=1e-6)
+    bias = dec.row_bias(0, 9)  # [B, H, T, G]: what decode(bias=False) leaves out
+    assert (bias is not None) == (scheme.axis == "token" and not pairs)
+    if bias is not None:
+        plain = dec.decode(0, 9, bias=False).clone()
+        plain.unflatten(-1, (bias.shape[-1], -1)).add_(bias[None, ..., None])
+        torch.testing.assert_close(plain, dec.decode(0, 9))

@@ -5,8 +5,10 @@ sink rows, then the quantized rows — and ALL of them share one softmax. Both
 backends have the same signature:
 
 * `decode_attention_reference`: pure torch. Decodes a chunk of rows at a time
-  with `decode_packed` (the shared decoder) and folds it into an online softmax,
-  so the cache is never materialised in fp32.
+  (`ChunkDecoder`: the affine map of the shared `decode_packed`, in bit planes;
+  pre-RoPE keys with RoPE pairs side by side, rotated by one complex multiply)
+  and folds it into an online softmax, so the cache is never materialised in
+  fp32.
 * `decode_attention_triton`: flash-decoding. Programs split each segment's rows
   (grid: batch x KV head x split); each program unpacks codes in registers
   (any of 2/3/4/8 bits), looks up codebooks, applies scale / zero-point /
@@ -35,7 +37,7 @@ from torch import Tensor
 
 from kvq.errors import KvqError
 from kvq.runtime.kernels.backend import ENV, resolve_backend
-from kvq.runtime.packed import ChunkDecoder, PackedRows, entry_pointers
+from kvq.runtime.packed import ChunkDecoder, PackedRows, entry_pointers, layout_perm
 
 Rope = tuple[Tensor, Tensor]  # cos, sin tables [P, D/2] float32, indexed by RoPE position
 
@@ -67,12 +69,20 @@ def rotate(x: Tensor, positions: Tensor, rope: Rope) -> Tensor:
 
 def _rows_at(table: Tensor, positions: Tensor) -> Tensor:
     """table[positions] ([B, T, ...]); a view when every batch row is one contiguous run."""
+    first = _run_start(positions, table.shape[0])
+    if first is None:
+        return table[positions]
+    t = positions.shape[1]
+    return table[first : first + t].expand(positions.shape[0], t, *table.shape[1:])
+
+
+def _run_start(positions: Tensor, limit: int) -> int | None:
+    """First position when every batch row of positions [B, T] is the run first, first + 1,
+    ... below `limit`; else None."""
     first = int(positions[0, 0])
     t = positions.shape[1]
     run = torch.arange(first, first + t, device=positions.device)
-    if first + t <= table.shape[0] and bool((positions == run).all()):
-        return table[first : first + t].expand(positions.shape[0], t, *table.shape[1:])
-    return table[positions]
+    return first if first + t <= limit and bool((positions == run).all()) else None
 
 
 def _check(query: Tensor, segments: list[Segment], rope: Rope | None, mask: Tensor | None) -> int:
@@ -91,7 +101,8 @@ def _check(query: Tensor, segments: list[Segment], rope: Rope | None, mask: Tens
 
 # --- reference ----------------------------------------------------------------------------
 
-CHUNK_ELEMENTS = 1 << 19  # decoded elements per chunk of the reference (2 MB of fp32)
+CHUNK_ELEMENTS = 1 << 19  # decoded elements per chunk of the reference (2 MB of fp32); of
+# 2^17 ... 2^21 the fastest on CPU: smaller chunks pay more per-call overhead than they save
 
 
 def decode_attention_reference(
@@ -116,14 +127,18 @@ def decode_attention_reference(
     state = None  # (running max, denominator, numerator) over everything seen so far
     col = 0
     for seg in segments:
+        if not seg.rows:
+            continue
         hkv = seg.key.data.shape[1]
         group = hq // hkv
         step = chunk_rows or max(64, CHUNK_ELEMENTS // (b * hkv * d))
-        qg = q.reshape(b, hkv, group * q_len, d)  # query rows r = g * Q + qi, per KV head
-        keys, values = ChunkDecoder(seg.key), ChunkDecoder(seg.value)
-        # the keys' and values' channel order: one block per plane (see ChunkDecoder)
-        qk = [qg] if keys.perm is None else list(qg[..., keys.perm].chunk(keys.planes_count, -1))
-        vperm = None if values.perm is None else values.perm.view(values.planes_count, -1)
+        keys, values = ChunkDecoder(seg.key, pairs=seg.key.pre_rope), ChunkDecoder(seg.value)
+        # query rows r = g * Q + qi per KV head, pre-scaled (the scores come out scaled), in
+        # the keys' planes; the numerator accumulates in the values' planes
+        qk = keys.to_planes(q.reshape(b, hkv, group * q_len, d) * scaling)
+        if state is not None:
+            state = (*state[:2], values.to_planes(state[2]))
+        turn = _PairRotation(rope, seg.key.bits, seg.positions) if keys.pairs else None
         # one decode query sees every cached row: no mask to apply
         seg_mask = None
         if mask is not None or q_len > 1:
@@ -131,26 +146,19 @@ def decode_attention_reference(
             seg_mask = _rows_mask(full[..., col : col + seg.rows], hkv, group)
         for a in range(0, seg.rows, step):
             stop = min(a + step, seg.rows)
-            key = keys.decode(a, stop)  # [B, H_kv, C, D] or planes [B, H_kv, C, D/per]
-            if seg.key.pre_rope:
-                key = _rotate_any(key, keys.perm, seg.positions[:, a:stop], rope)
-            scores = sum(qp @ kp.transpose(-1, -2) for qp, kp in zip(qk, key, strict=True))
-            scores = scores * scaling  # [B, H_kv, R, C]
+            key = keys.decode(a, stop)  # [planes, B, H_kv, C, D/planes]
+            if turn is not None:
+                turn(key, a, stop)
+            elif seg.key.pre_rope:  # channel order
+                key = rotate(key[0], seg.positions[:, a:stop], rope)[None]
+            scores = _planes_matmul(qk, key.transpose(-1, -2)).sum(0)  # [B, H_kv, R, C]
             if softcap is not None:
                 scores = torch.tanh(scores / softcap) * softcap
             if seg_mask is not None:
                 scores = scores.masked_fill(~seg_mask[..., a:stop], float("-inf"))
-            value = values.decode(a, stop)
-
-            def weighted(p, value=value, vperm=vperm):
-                if vperm is None:
-                    return p @ value[0]  # [B, H_kv, R, D]
-                out = p.new_empty((*p.shape[:-1], d))
-                for plane, channels in zip(value, vperm, strict=True):
-                    out[..., channels] = p @ plane
-                return out
-
-            state = _online_update(state, scores, weighted)
+            value = values.decode(a, stop, bias=False)  # [planes, B, H_kv, C, D/planes]
+            state = _online_update(state, scores, value, values.row_bias(a, stop))
+        state = (*state[:2], values.to_channels(state[2]))  # [B, H_kv, R, D]
         col += seg.rows
     if state is None:
         raise KvqError("attention over an empty key set")
@@ -159,19 +167,34 @@ def decode_attention_reference(
     return out.reshape(b, hq, q_len, d)
 
 
-def _online_update(state, scores: Tensor, weighted):
-    """Fold one chunk's scores [B, H, R, C] into (max, denominator, numerator): one softmax."""
+def _planes_matmul(x: Tensor, y: Tensor) -> Tensor:
+    """[P|1, B, H, M, K] @ [P, B, H, K, N] -> [P, B, H, M, N] as one bmm (cheaper per call
+    than a broadcasting matmul, and called for every chunk)."""
+    p, b, h, k, n = y.shape
+    x = x.expand(p, b, h, *x.shape[-2:]).reshape(p * b * h, -1, k)
+    return torch.bmm(x, y.reshape(p * b * h, k, n)).view(p, b, h, -1, n)
+
+
+def _online_update(state, scores: Tensor, value: Tensor, bias: Tensor | None):
+    """Fold one chunk into (max, denominator, numerator): one softmax over all chunks.
+
+    scores [B, H, R, C] (consumed); value [planes, B, H, C, W] codes * scale; bias [B, H, C, G]
+    per-row value biases left out of `value` (sum_t p_t bias_tg covers a group's positions,
+    D/G/per per plane), or None; numerator [planes, B, H, R, W].
+    """
     top = scores.amax(dim=-1)
     if state is not None:
         top = torch.maximum(state[0], top)
     # a row that has seen only masked keys keeps a finite reference point
-    safe = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
-    p = torch.exp(scores - safe[..., None])
-    contribution = weighted(p)
+    safe = top.clamp_min(torch.finfo(top.dtype).min)
+    p = scores.sub_(safe[..., None]).exp_()
+    num = _planes_matmul(p[None], value)
+    if bias is not None:
+        num.unflatten(-1, (bias.shape[-1], -1)).add_((p @ bias)[..., None])
     if state is None:
-        return top, p.sum(-1), contribution
-    alpha = torch.exp(state[0] - safe)  # rescales what earlier chunks accumulated
-    return top, state[1] * alpha + p.sum(-1), state[2] * alpha[..., None] + contribution
+        return top, p.sum(-1), num
+    alpha = (state[0] - safe).exp_()  # rescales what earlier chunks accumulated
+    return top, torch.addcmul(p.sum(-1), state[1], alpha), num.addcmul_(state[2], alpha[..., None])
 
 
 def _rows_mask(mask: Tensor, hkv: int, group: int) -> Tensor:
@@ -182,46 +205,50 @@ def _rows_mask(mask: Tensor, hkv: int, group: int) -> Tensor:
     return mask.reshape(bm, hkv, group * q_len, c)
 
 
-def _rotate_any(key: list[Tensor], perm: Tensor | None, positions: Tensor, rope: Rope):
-    """Rotate keys decoded in channel order (perm None, one tensor) or as planes."""
-    if perm is None:
-        return [rotate(key[0], positions, rope)]
-    per = len(key)
-    cos, sin = (_rows_at(t, positions)[:, None] for t in _plane_tables(rope, per))
-    out = []
-    for k, x in enumerate(key):  # plane k, position i < width / 2: channel i * per + k
-        half = x.shape[-1] // 2
-        x1, x2 = x[..., :half], x[..., half:]  # RoPE partners sit half a plane apart
-        c, s = cos[..., k, :], sin[..., k, :]
-        o = torch.empty_like(x)
-        o1, o2 = o[..., :half], o[..., half:]
-        torch.mul(x1, c, out=o1)
-        o1.addcmul_(x2, s, value=-1.0)
-        torch.mul(x2, c, out=o2)
-        o2.addcmul_(x1, s)
-        out.append(o)
-    return out
+class _PairRotation:
+    """Rotates keys decoded in pair order (`ChunkDecoder(pairs=True)`) in place: RoPE
+    partners sit side by side as (real, imaginary), so rotate-half RoPE is one complex
+    multiply by cos + i sin instead of four half-width passes with temporaries."""
+
+    def __init__(self, rope: Rope, bits: int, positions: Tensor):
+        self.table = _pair_table(rope, bits)  # [planes, P, D/(2 planes)] complex64
+        self.positions = positions  # [B, T]
+        self.first = _run_start(positions, self.table.shape[1])  # checked once per segment
+
+    def __call__(self, key: Tensor, start: int, stop: int) -> None:
+        """Rotates key planes [planes, B, H, C, D/planes] (rows [start, stop)) in place."""
+        if self.first is None:
+            turn = self.table[:, self.positions[:, start:stop]]  # [planes, B, C, D/(2 planes)]
+        else:  # a view
+            turn = self.table[:, None, self.first + start : self.first + stop]
+        _complex(key).mul_(turn[:, :, None])
 
 
-# id(cos table) -> (weak reference to it, {per: plane tables}); dropped with the table
-_PLANE_TABLES: dict[int, tuple[weakref.ref, dict]] = {}
+def _complex(x: Tensor) -> Tensor:
+    """[..., D] float32 with (real, imaginary) pairs -> [..., D/2] complex64 view."""
+    return torch.view_as_complex(x.unflatten(-1, (-1, 2)))
 
 
-def _plane_tables(rope: Rope, per: int) -> Rope:
-    """cos/sin [P, D/2] reordered to [P, per, D/(2 per)]: plane k, position i is channel
-    i * per + k, and its RoPE partner sits at i + width / 2 in the same plane. Cached per
-    table (a layer reuses its tables across decode steps)."""
+# id(cos table) -> (weak reference to it, {bits: pair table}); dropped with the table
+_PAIR_TABLES: dict[int, tuple[weakref.ref, dict]] = {}
+
+
+def _pair_table(rope: Rope, bits: int) -> Tensor:
+    """cos + i sin as [planes, P, D/(2 planes)] complex64: plane k, pair i rotates the pair
+    (real, imaginary) that `layout_perm(D, bits, pairs=True)` puts at plane k, positions
+    2i and 2i + 1. Cached per table: a layer reuses its tables across decode steps."""
     key = id(rope[0])
-    entry = _PLANE_TABLES.get(key)
+    entry = _PAIR_TABLES.get(key)
     if entry is None or entry[0]() is not rope[0]:
-        entry = (weakref.ref(rope[0], lambda _, k=key: _PLANE_TABLES.pop(k, None)), {})
-        _PLANE_TABLES[key] = entry
+        entry = (weakref.ref(rope[0], lambda _, k=key: _PAIR_TABLES.pop(k, None)), {})
+        _PAIR_TABLES[key] = entry
     cached = entry[1]
-    if per not in cached:
-        cached[per] = tuple(
-            t.unflatten(-1, (t.shape[-1] // per, per)).transpose(-1, -2).contiguous() for t in rope
-        )
-    return cached[per]
+    if bits not in cached:
+        cos, sin = rope
+        freq = layout_perm(2 * cos.shape[-1], bits, True, cos.device)[0::2]  # [D/2]
+        table = torch.complex(cos.float(), sin.float())[:, freq]
+        cached[bits] = table.unflatten(-1, (8 // bits, -1)).transpose(0, 1).contiguous()
+    return cached[bits]
 
 
 def _causal(q_len: int, total: int, device) -> Tensor:

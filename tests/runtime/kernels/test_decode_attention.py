@@ -176,6 +176,18 @@ def test_pre_rope_keys_with_fp_sink_segment_share_one_softmax():
     assert (out - alone).abs().max() > 1e-3
 
 
+@pytest.mark.parametrize("kind", ["int4-g16", "int8-sym", "int2-int3", "int4-channel"])
+def test_pre_rope_keys_rotate_in_pair_order(kind):
+    """Pre-RoPE keys decode in pair order and rotate as complex numbers in the reference;
+    batch rows at different positions read the tables through a gather."""
+    b, d = 2, 64
+    k, v = _data(b, 2, 45, d, seed=8)
+    kp, vp = _codec_segment(kind, k, v, pre_rope=True)
+    positions = torch.arange(45)[None] + torch.tensor([[0], [7]])  # left padding in batch 0
+    q = torch.randn(b, 4, 1, d) * 2
+    _check(q, [Segment(kp, vp, positions)], rope=_rope(d))
+
+
 def test_two_queries_causal_and_explicit_sliding_mask_with_padding():
     k, v = _data(2, 1, 50, 64, seed=4)
     kp, vp = _codec_segment("int4-g16", k, v)
