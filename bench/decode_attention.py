@@ -103,14 +103,18 @@ def sdpa(q, k, v):
     return out.view(b, hq, 1, d)
 
 
-def _time(fn, reps: int) -> float:
-    fn()  # warm up (allocator, lazy init)
-    samples = []
+def _time_interleaved(paths: dict, reps: int) -> dict[str, float]:
+    """Median ms per path, the paths timed round-robin: a shared machine's load drifts over
+    seconds, and interleaving lets every path see the same drift, so the ratios hold."""
+    for fn in paths.values():
+        fn()  # warm up (allocator, lazy init)
+    samples: dict[str, list[float]] = {name: [] for name in paths}
     for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - t0)
-    return statistics.median(samples) * 1e3
+        for name, fn in paths.items():
+            t0 = time.perf_counter()
+            fn()
+            samples[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(v) * 1e3 for name, v in samples.items()}
 
 
 def _quanto_step(hq: int, hkv: int, d: int, k, v, q):
@@ -180,10 +184,10 @@ def run(shapes: list[str], contexts: list[int], reps: int, with_quanto: bool) ->
     for shape in shapes:
         hq, hkv, d = SHAPES[shape]
         for t in contexts:
-            base = None
-            for name, fn in case_paths(hq, hkv, d, t, with_quanto).items():
-                ms = _time(fn, reps)
-                base = base or ms
+            paths = case_paths(hq, hkv, d, t, with_quanto)
+            times = _time_interleaved(paths, reps)
+            base = times["sdpa-fp32"]
+            for name, ms in times.items():
                 row = {"shape": shape, "context": t, "path": name, "ms": round(ms, 3)}
                 row["ratio_to_sdpa"] = round(ms / base, 3)
                 results.append(row)

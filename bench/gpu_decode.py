@@ -178,6 +178,26 @@ def bench_case(b: int, t: int, dev: str, do_bench) -> list[dict]:
     return rows
 
 
+def waves_sweep(dev: str, do_bench, b: int = 16, t: int = 32768) -> list[dict]:
+    """KV4 at batch b x context t for several programs-per-SM targets (`WAVES`): how many
+    splits the launcher should aim for, measured rather than guessed."""
+    q = torch.randn(b, HQ, 1, D, device=dev)
+    rope = rope_tables(t, dev)
+    seg = packed("kv4", b, t, dev)
+    rows, default = [], da.WAVES
+    try:
+        for waves in (1, 2, 4, 8, 16):
+            da.WAVES = waves
+            us = do_bench(lambda: decode_attention_triton(q, [seg], scaling=D**-0.5, rope=rope))
+            us *= 1e3
+            gbs = nbytes(seg) / us / 1e3
+            rows.append(dict(batch=b, context=t, path=f"kv4-waves{waves}", us=us, gbs=gbs))
+            print(f"b={b} T={t} kv4 WAVES={waves:<3d} {us:10.1f} us {gbs:7.0f} GB/s", flush=True)
+    finally:
+        da.WAVES = default
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--contexts", nargs="+", type=int, default=[4096, 32768, 131072])
@@ -198,6 +218,7 @@ def main() -> None:
         for t in args.contexts:
             rows += bench_case(b, t, dev, do_bench)
             torch.cuda.empty_cache()
+    rows += waves_sweep(dev, do_bench)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f, indent=2)
