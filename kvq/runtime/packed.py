@@ -134,26 +134,38 @@ def decode_packed(p: PackedRows) -> Tensor:
         if p.zero_point is not None:
             _apply(x, p.zero_point, "sub_")
     else:
-        x = p.table.float()[codes.long()]
+        # index_select with int32 indices: several times faster than table[codes.long()]
+        flat = torch.index_select(p.table.float(), 0, codes.reshape(-1).int())
+        x = flat.view(codes.shape)
     _apply(x, p.scale, "mul_")
     if p.offset is not None:
         _apply(x, p.offset, "add_")
     if p.slot_index is not None:
-        x = sparse.merge_exceptions(x, p.slot_index.long(), p.slot_value.float())
+        x = _merge_slots(x, p.slot_index, p.slot_value)
     if p.sparse_count is not None and p.sparse_index.numel():
         x = _merge_flat(x, p.sparse_count, p.sparse_index, p.sparse_value)
     return x
 
 
+def _merge_slots(x: Tensor, index: Tensor, value: Tensor) -> Tensor:
+    """Value slots [B, H, T, k] replace their coordinates of x in place (x is decode's own
+    fresh buffer). Rows with unused slots (index D) take the shared merge and its scratch
+    column."""
+    i = index.long()
+    if bool((i >= x.shape[-1]).any()):
+        return sparse.merge_exceptions(x, i, value.float())
+    return x.scatter_(-1, i, value.float())
+
+
 def _merge_flat(x: Tensor, count: Tensor, index: Tensor, value: Tensor) -> Tensor:
-    """Replace the coordinates named by flat entries (row, batch, head order) with their values."""
-    b, h, t, d = x.shape
+    """Replace the coordinates named by flat entries (row, batch, head order) with their
+    values, in place (x is decode's own fresh buffer)."""
+    b, h, t, _ = x.shape
     owner = torch.repeat_interleave(
         torch.arange(t * b * h, device=x.device), count.permute(2, 0, 1).reshape(-1).long()
-    )
-    out = x.permute(2, 0, 1, 3).reshape(t * b * h, d).clone()
-    out[owner, index.long()] = value.float()  # replace, not add
-    return out.view(t, b, h, d).permute(1, 2, 0, 3)
+    )  # entry -> its row, numbered in (row, batch, head) order
+    x[(owner // h) % b, owner % h, owner // (b * h), index.long()] = value.float()
+    return x
 
 
 # --- plane and pair order: the reference's fast CPU decode -----------------------------------
