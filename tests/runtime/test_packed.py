@@ -3,10 +3,10 @@
 import pytest
 import torch
 
-from kvq.quant import nuq, sparse
+from kvq.quant import nuq, packing, sparse
 from kvq.quant.schemes import QuantScheme
 from kvq.runtime.codecs import make_codec
-from kvq.runtime.packed import decode_packed, entry_pointers, row_pointers
+from kvq.runtime.packed import PackedRows, decode_packed, entry_pointers, row_pointers
 
 D = 64
 
@@ -105,3 +105,28 @@ def test_chunk_decoder_equals_canonical_within_rounding(name, pairs):
         plain = dec.decode(0, 9, bias=False).clone()
         plain.unflatten(-1, (bias.shape[-1], -1)).add_(bias[None, ..., None])
         torch.testing.assert_close(plain, dec.decode(0, 9))
+
+
+def test_value_slots_replace_in_place_and_unused_slots_are_ignored():
+    """Slots replace their coordinates; a slot holding the sentinel D (unused) changes nothing,
+    through the shared merge's scratch column."""
+    d = 8
+    codes = torch.arange(2 * 3 * d, dtype=torch.uint8).remainder(16).view(1, 2, 3, d)
+    table = torch.linspace(-1, 1, 16)
+    index = torch.tensor([[[1, 5], [0, 7], [2, 4]], [[6, 3], [1, 2], [5, 0]]], dtype=torch.uint8)
+    value = torch.full((1, 2, 3, 2), 9.0, dtype=torch.float16)
+
+    def decoded(idx):
+        p = PackedRows("lookup", d, packing.pack_bits(codes, 4), 4, scale=torch.ones(1, 2, 3, 1),
+                       table=table, slot_index=idx[None], slot_value=value)  # fmt: skip
+        return decode_packed(p)
+
+    dense = table[codes.long()]
+    full = decoded(index)
+    expect = dense.clone().scatter_(-1, index[None].long(), 9.0)
+    assert torch.equal(full, expect)
+    unused = index.clone()
+    unused[0, 1, 1] = d  # row (head 0, token 1): its second slot is unused
+    out = decoded(unused)
+    expect[0, 0, 1, 7] = dense[0, 0, 1, 7]
+    assert torch.equal(out, expect)
