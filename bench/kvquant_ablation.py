@@ -11,6 +11,7 @@ Steps (each adds one idea to the previous one):
   5. + Fisher-weighted k-means
   6. + 1% dense-and-sparse outliers
   7. + attention sink (first token exact)
+  8. + Q-Norm (decoded levels carry the originals' mean and std; kvq's default)
 then, unless --no-split, the full configuration with only K or only V quantized (the
 other kept exact): where the remaining error comes from.
 Prints perplexity ratio, KLD and top-1 agreement against the unquantized model,
@@ -116,7 +117,7 @@ def main() -> None:
                 model,
                 adapter,
                 cal.ids,
-                KVQuantOptions(bits=b, outliers=0.0, sink=0, fisher=False),
+                KVQuantOptions(bits=b, outliers=0.0, sink=0, fisher=False, qnorm=False),
                 Progress(),
                 None,
             ),
@@ -127,7 +128,7 @@ def main() -> None:
                 model,
                 adapter,
                 cal.ids,
-                KVQuantOptions(bits=b, outliers=0.0, sink=0),
+                KVQuantOptions(bits=b, outliers=0.0, sink=0, qnorm=False),
                 Progress(),
                 fisher(0),
             ),
@@ -138,7 +139,7 @@ def main() -> None:
                 model,
                 adapter,
                 cal.ids,
-                KVQuantOptions(bits=b, outliers=0.01, sink=0),
+                KVQuantOptions(bits=b, outliers=0.01, sink=0, qnorm=False),
                 Progress(),
                 fisher(0),
             ),
@@ -149,7 +150,18 @@ def main() -> None:
                 model,
                 adapter,
                 cal.ids,
-                KVQuantOptions(bits=b, outliers=0.01, sink=1),
+                KVQuantOptions(bits=b, outliers=0.01, sink=1, qnorm=False),
+                Progress(),
+                fisher(1),
+            ),
+        ),
+        (
+            "+ Q-Norm (kvq's default)",
+            lambda: calibrate_kvquant(
+                model,
+                adapter,
+                cal.ids,
+                KVQuantOptions(bits=b, outliers=0.01, sink=1, qnorm=True),
                 Progress(),
                 fisher(1),
             ),

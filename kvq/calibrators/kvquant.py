@@ -43,7 +43,9 @@ class KVQuantOptions:
     outliers: float = 0.01  # fraction of values kept exactly, split over both tails
     sink: int = 1
     fisher: bool = True
-    qnorm: bool = False
+    # Q-Norm (decode through levels with the originals' mean and std): on by default, it
+    # lowered perplexity at 2, 3 and 4 bits on Gemma 3 270M (WikiText-2, 16 x 512)
+    qnorm: bool = True
     nonuniform: bool = True  # False: uniform levels on the same normalised grid (ablation)
     key_stage: KeyStage = "pre-rope"
     # "fisher": the K outlier budget goes to the channels whose Fisher-weighted range it

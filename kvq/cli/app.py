@@ -137,7 +137,9 @@ def calibrate_kvquant(
     outliers: float = typer.Option(0.01, "--outliers", help="fraction kept exactly (sparse)"),
     sink: int = SINK,
     fisher: bool = typer.Option(True, "--fisher/--no-fisher", help="Fisher-weighted k-means"),
-    qnorm: bool = typer.Option(False, "--qnorm/--no-qnorm", help="Q-Norm level correction"),
+    qnorm: bool = typer.Option(
+        True, "--qnorm/--no-qnorm", help="Q-Norm level correction (mean/std of decoded values)"
+    ),
     seed: int = typer.Option(0, "--seed"),
     overwrite: bool = OVERWRITE,
     data_dir: str | None = DATA_DIR,

@@ -24,6 +24,17 @@ def test_codebooks_are_deterministic_and_fisher_changes_them():
     assert a.keys() == b.keys()
     assert all(torch.equal(a[n], b[n]) for n in a)
     assert not torch.equal(a["layers.0.key.codebook"], plain["layers.0.key.codebook"])
+    # Q-Norm is on by default: both sides carry corrected levels beside the codebook
+    assert {"layers.0.key.qnorm_levels", "layers.0.value.qnorm_levels"} <= a.keys()
+    _, off = calibrate_kvquant(
+        model,
+        ad,
+        _windows(),
+        KVQuantOptions(bits=2, outliers=0.02, qnorm=False),
+        Progress(),
+        fisher,
+    )
+    assert not any(n.endswith("qnorm_levels") for n in off)
 
 
 def test_sink_rows_are_excluded_from_statistics():
