@@ -272,7 +272,7 @@ def threshold_excess(x: Tensor, lower: Tensor, upper: Tensor) -> Tensor:
     return torch.clamp(lower.float() - xf, min=0) + torch.clamp(xf - upper.float(), min=0)
 
 
-def merge_exceptions(dense: Tensor, idx: Tensor, vals: Tensor) -> Tensor:
+def merge_exceptions(dense: Tensor, idx: Tensor, vals: Tensor, inplace: bool = False) -> Tensor:
     """Dense decoded values with the exception coordinates REPLACED by the sparse values.
 
     dense: [..., D] decoded dense path; idx: [..., k] int coordinates (D marks
@@ -280,6 +280,10 @@ def merge_exceptions(dense: Tensor, idx: Tensor, vals: Tensor) -> Tensor:
     promotion of dense's and vals' dtypes, so a stored value comes back
     bit-exactly. Duplicate real coordinates in one row raise KvqError (a
     scatter with duplicates would pick a value in no defined order).
+
+    inplace: dense is the caller's own scratch buffer; when no slot is unused and
+    the dtypes agree, the values are scattered straight into it (no copy) and it is
+    returned.
     """
     d = dense.shape[-1]
     if idx.shape != vals.shape or idx.shape[:-1] != dense.shape[:-1]:
@@ -296,6 +300,8 @@ def merge_exceptions(dense: Tensor, idx: Tensor, vals: Tensor) -> Tensor:
     if bool(((srt[..., 1:] == srt[..., :-1]) & (srt[..., 1:] < d)).any()):
         raise KvqError("duplicate exception index within one row")
     out_dtype = torch.promote_types(dense.dtype, vals.dtype)
+    if inplace and dense.dtype == out_dtype and bool((srt[..., -1] < d).all()):
+        return dense.scatter_(-1, i, vals.to(out_dtype))
     # One scratch column at position D soaks up every unused slot.
     scratch = dense.new_zeros((*dense.shape[:-1], 1), dtype=out_dtype)
     wide = torch.cat([dense.to(out_dtype), scratch], dim=-1)  # [..., D + 1]

@@ -141,20 +141,10 @@ def decode_packed(p: PackedRows) -> Tensor:
     if p.offset is not None:
         _apply(x, p.offset, "add_")
     if p.slot_index is not None:
-        x = _merge_slots(x, p.slot_index, p.slot_value)
+        x = sparse.merge_exceptions(x, p.slot_index.long(), p.slot_value.float(), inplace=True)
     if p.sparse_count is not None and p.sparse_index.numel():
         x = _merge_flat(x, p.sparse_count, p.sparse_index, p.sparse_value)
     return x
-
-
-def _merge_slots(x: Tensor, index: Tensor, value: Tensor) -> Tensor:
-    """Value slots [B, H, T, k] replace their coordinates of x in place (x is decode's own
-    fresh buffer). Rows with unused slots (index D) take the shared merge and its scratch
-    column."""
-    i = index.long()
-    if bool((i >= x.shape[-1]).any()):
-        return sparse.merge_exceptions(x, i, value.float())
-    return x.scatter_(-1, i, value.float())
 
 
 def _merge_flat(x: Tensor, count: Tensor, index: Tensor, value: Tensor) -> Tensor:

@@ -125,6 +125,13 @@ def test_merge_sentinel_slots_are_ignored():
     out = merge_exceptions(dense, idx, vals)
     assert out.tolist() == [[0.0, -5.0, 2.0, 3.0], [4.0, 5.0, 6.0, 7.0]]
     assert torch.equal(dense, torch.arange(8.0).reshape(2, 4))  # input not modified
+    # inplace: a buffer without unused slots is written and returned; with them, copied
+    full = torch.tensor([[1, 2, 3], [0, 1, 2]])
+    own = dense.clone()
+    assert merge_exceptions(own, full, vals, inplace=True) is own
+    assert own.tolist() == [[0.0, -5.0, 99.0, 98.0], [7.0, 7.0, 7.0, 7.0]]
+    assert torch.equal(merge_exceptions(dense, idx, vals, inplace=True), out)
+    assert torch.equal(dense, torch.arange(8.0).reshape(2, 4))
 
 
 def test_merge_keeps_full_precision_values():
