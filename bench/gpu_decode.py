@@ -165,7 +165,7 @@ def bench_case(b: int, t: int, dev: str, do_bench) -> list[dict]:
         us = do_bench(lambda s=seg: decode_attention_triton(q, [s], scaling=D**-0.5, rope=rope))
         us *= 1e3
         gbs = nbytes(seg) / us / 1e3
-        config = str(da._TUNED.best_config) if da._TUNED is not None else "?"
+        config = str(getattr(da.cuda_kernel(), "best_config", "?"))
         rows.append(
             dict(batch=b, context=t, path=kind, us=us, gbs=gbs, speedup=base / us, config=config)
         )

@@ -27,6 +27,7 @@ queries are the last Q rows (causal, bottom-right aligned).
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import weakref
@@ -358,9 +359,6 @@ def _splits(rows: int, programs: int, device: torch.device) -> int:
     return max(1, min(tiles, math.ceil(WAVES * sms / max(1, programs))))
 
 
-_TUNED = None  # the autotuned CUDA kernel, built on first use
-
-
 def tuned_kernel(do_bench=None):
     """The kernel under `triton.autotune`: row tile x warps, per head_dim, query rows and
     formats (the best launch differs between a 4-bit lookup and an 8-bit affine family).
@@ -386,14 +384,17 @@ def _fits(configs, named_args, **kwargs):
     return kept or configs[:1]
 
 
+@functools.cache
+def cuda_kernel():
+    """The autotuned kernel CUDA launches use, built once (it keeps the tuner's choices)."""
+    return tuned_kernel()
+
+
 def _launcher(device: torch.device, head_dim: int):
     """(kernel, launch options): autotuned on CUDA (the tuner picks BLOCK_T and warps); one
     fixed config elsewhere (the interpreter, where timing means nothing)."""
-    global _TUNED
     if device.type == "cuda":
-        if _TUNED is None:
-            _TUNED = tuned_kernel()
-        return _TUNED, {}
+        return cuda_kernel(), {}
     from kvq.runtime.kernels import _decode_attention_triton as kern
 
     return kern.decode_attention_kernel, {"BLOCK_T": 32 if head_dim > 128 else 64, "num_stages": 1}
