@@ -85,87 +85,30 @@ def main() -> None:
         return info.key, info.value
 
     b = args.bits
+
+    def kvquant(**options):
+        """A KVQuant step at --bits; Fisher sums (matching its sink) unless fisher=False."""
+        opts = KVQuantOptions(bits=b, **options)
+        return lambda: calibrate_kvquant(
+            model, adapter, cal.ids, opts, Progress(), fisher(opts.sink) if opts.fisher else None
+        )
+
+    def channel_scales(stage: str):
+        """Static per-channel INT K at --bits, full range, no sink; per-token V."""
+        opts = ChannelScalesOptions(
+            bits=b, key_stage=stage, clip_percentile=100.0, sink=0, value_group=None
+        )
+        return lambda: calibrate_channel_scales(model, adapter, cal.ids, opts, Progress())
+
     steps = [
         ("uniform post-RoPE per-token K", lambda: (per_token_policy(b, layers), {})),
-        (
-            "per-channel K (post-RoPE)",
-            lambda: calibrate_channel_scales(
-                model,
-                adapter,
-                cal.ids,
-                ChannelScalesOptions(
-                    bits=b, key_stage="post-rope", clip_percentile=100.0, sink=0, value_group=None
-                ),
-                Progress(),
-            ),
-        ),
-        (
-            "pre-RoPE per-channel K",
-            lambda: calibrate_channel_scales(
-                model,
-                adapter,
-                cal.ids,
-                ChannelScalesOptions(
-                    bits=b, key_stage="pre-rope", clip_percentile=100.0, sink=0, value_group=None
-                ),
-                Progress(),
-            ),
-        ),
-        (
-            "+ NUQ",
-            lambda: calibrate_kvquant(
-                model,
-                adapter,
-                cal.ids,
-                KVQuantOptions(bits=b, outliers=0.0, sink=0, fisher=False, qnorm=False),
-                Progress(),
-                None,
-            ),
-        ),
-        (
-            "+ Fisher weighting",
-            lambda: calibrate_kvquant(
-                model,
-                adapter,
-                cal.ids,
-                KVQuantOptions(bits=b, outliers=0.0, sink=0, qnorm=False),
-                Progress(),
-                fisher(0),
-            ),
-        ),
-        (
-            "+ 1% sparse",
-            lambda: calibrate_kvquant(
-                model,
-                adapter,
-                cal.ids,
-                KVQuantOptions(bits=b, outliers=0.01, sink=0, qnorm=False),
-                Progress(),
-                fisher(0),
-            ),
-        ),
-        (
-            "+ sink (1 token)",
-            lambda: calibrate_kvquant(
-                model,
-                adapter,
-                cal.ids,
-                KVQuantOptions(bits=b, outliers=0.01, sink=1, qnorm=False),
-                Progress(),
-                fisher(1),
-            ),
-        ),
-        (
-            "+ Q-Norm (kvq's default)",
-            lambda: calibrate_kvquant(
-                model,
-                adapter,
-                cal.ids,
-                KVQuantOptions(bits=b, outliers=0.01, sink=1, qnorm=True),
-                Progress(),
-                fisher(1),
-            ),
-        ),
+        ("per-channel K (post-RoPE)", channel_scales("post-rope")),
+        ("pre-RoPE per-channel K", channel_scales("pre-rope")),
+        ("+ NUQ", kvquant(outliers=0.0, sink=0, fisher=False, qnorm=False)),
+        ("+ Fisher weighting", kvquant(outliers=0.0, sink=0, qnorm=False)),
+        ("+ 1% sparse", kvquant(outliers=0.01, sink=0, qnorm=False)),
+        ("+ sink (1 token)", kvquant(outliers=0.01, sink=1, qnorm=False)),
+        ("+ Q-Norm (kvq's default)", kvquant(outliers=0.01, sink=1, qnorm=True)),
     ]
     results = []
 
