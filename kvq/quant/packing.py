@@ -81,3 +81,27 @@ def unpack_bits(packed: Tensor, bits: int, n: int) -> Tensor:
     word = (grouped << _shifts(8, nbytes, packed.device)).sum(-1)  # [..., U]
     codes = (word.unsqueeze(-1) >> _shifts(bits, per, packed.device)) & (2**bits - 1)
     return codes.to(torch.uint8).reshape(*lead, units * per)[..., :n].contiguous()
+
+
+def unpack_lookup(packed: Tensor, table: Tensor, bits: int, n: int) -> Tensor:
+    """table[unpack_bits(packed, bits, n)], exactly: packed uint8 [..., packed_len(n, bits)]
+    and a table of 2^bits values -> [..., n] in the table's dtype.
+
+    For 2, 4 and 8 bits (n a whole number of bytes) one gather per BYTE through a
+    [256, codes per byte] table of every byte's decoded codes: half (4 bits) or a quarter
+    (2 bits) of the gathers, and no unpacked uint8 or int64 index tensor in between.
+    """
+    if table.dim() != 1 or table.numel() != 2**bits:
+        raise KvqError(f"a {bits}-bit lookup needs a table of {2**bits} values")
+    per, nbytes = _unit(bits)
+    if nbytes != 1 or n % per:
+        return torch.index_select(table, 0, unpack_bits(packed, bits, n).reshape(-1).int()).view(
+            *packed.shape[:-1], n
+        )
+    if packed.dtype != torch.uint8 or packed.shape[-1] != n // per:
+        raise KvqError(f"{n} {bits}-bit codes pack into {n // per} uint8 bytes")
+    byte = torch.arange(256, device=table.device)[:, None]  # [256, 1]
+    slots = (byte >> _shifts(bits, per, table.device)) & (2**bits - 1)  # [256, per]
+    per_byte = table[slots]  # [256, per]: byte -> its codes, lowest bits first
+    index = packed.reshape(-1).int()  # int32 indices: index_select's fastest
+    return torch.index_select(per_byte, 0, index).view(*packed.shape[:-1], n)

@@ -126,17 +126,14 @@ def decode_packed(p: PackedRows) -> Tensor:
     """
     if p.kind == "full":
         return p.data.float()
-    codes = packing.unpack_bits(p.data, p.bits, p.head_dim)  # [B, H, T, D] uint8
     if p.kind == "affine":
-        x = codes.float()
+        x = packing.unpack_bits(p.data, p.bits, p.head_dim).float()  # [B, H, T, D]
         if p.zero:
             x.sub_(p.zero)
         if p.zero_point is not None:
             _apply(x, p.zero_point, "sub_")
-    else:
-        # index_select with int32 indices: several times faster than table[codes.long()]
-        flat = torch.index_select(p.table.float(), 0, codes.reshape(-1).int())
-        x = flat.view(codes.shape)
+    else:  # one gather per packed byte
+        x = packing.unpack_lookup(p.data, p.table.float(), p.bits, p.head_dim)
     _apply(x, p.scale, "mul_")
     if p.offset is not None:
         _apply(x, p.offset, "add_")

@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvq.errors import KvqError
-from kvq.quant.packing import pack_bits, packed_len, unpack_bits
+from kvq.quant.packing import pack_bits, packed_len, unpack_bits, unpack_lookup
 
 BITS = (2, 3, 4, 8)
 
@@ -25,6 +25,23 @@ def test_round_trip(bits, lead, n, seed):
     assert packed.dtype == torch.uint8
     assert packed.shape == (*lead, packed_len(n, bits))
     assert torch.equal(unpack_bits(packed, bits, n), codes)
+
+
+@pytest.mark.parametrize("bits", BITS)
+@settings(max_examples=25, deadline=None)
+@given(n=st.integers(0, 37), rows=st.integers(0, 3), seed=st.integers(0, 2**31 - 1))
+def test_unpack_lookup_is_table_of_codes(bits, n, rows, seed):
+    """The per-byte gather returns exactly table[codes], for whole and partial bytes."""
+    gen = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 2**bits, (rows, 2, n), generator=gen, dtype=torch.uint8)
+    table = torch.randn(2**bits, generator=gen)
+    out = unpack_lookup(pack_bits(codes, bits), table, bits, n)
+    assert torch.equal(out, table[codes.long()])
+
+
+def test_unpack_lookup_rejects_a_wrong_table():
+    with pytest.raises(KvqError, match="table of 16"):
+        unpack_lookup(torch.zeros(2, dtype=torch.uint8), torch.zeros(8), 4, 4)
 
 
 def test_packed_len():
