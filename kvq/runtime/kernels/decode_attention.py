@@ -61,10 +61,8 @@ def rotate(x: Tensor, positions: Tensor, rope: Rope) -> Tensor:
     x1, x2 = x[..., :half], x[..., half:]
     out = torch.empty_like(x)
     o1, o2 = out[..., :half], out[..., half:]
-    torch.mul(x1, cos, out=o1)
-    o1.sub_(x2 * sin)
-    torch.mul(x2, cos, out=o2)
-    o2.add_(x1 * sin)
+    torch.mul(x1, cos, out=o1).addcmul_(x2, sin, value=-1)  # no temporaries
+    torch.mul(x2, cos, out=o2).addcmul_(x1, sin)
     return out
 
 
