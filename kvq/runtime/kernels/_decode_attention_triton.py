@@ -31,13 +31,47 @@ def _codes(ptr, rows, chans, ok, stride_t, BITS: tl.constexpr):
 
 
 @triton.jit
-def _qparam(ptr, rows, chans, ok, chan_ok, q_t, other, QAXIS: tl.constexpr, GROUP: tl.constexpr):
-    """One qparam family as float32, broadcastable to [BT, BC]: per-row groups are gathered
-    per element; static per-channel qparams are one [BC] vector and per-head ones a scalar,
-    loaded once per tile instead of once per element."""
+def _codes_vec(ptr, rows, row_ok, stride_t, C0: tl.constexpr, NVALID: tl.constexpr,
+               BLOCK_C: tl.constexpr, BITS: tl.constexpr):  # fmt: skip
+    """int32 codes [BT, BLOCK_C] of channels C0 ... C0 + BLOCK_C - 1 (2/4/8 bits, C0 on a
+    byte boundary): one contiguous [BT, bytes] load, then the code slots of each byte
+    interleaved back into channel order. Each byte is loaded once, as a vector, instead of
+    once per code through a per-element gather."""
+    PER: tl.constexpr = 8 // BITS
+    byte = tl.arange(0, BLOCK_C // PER)
+    ok = row_ok[:, None] & (byte * PER < NVALID)[None, :]
+    addr = ptr + rows[:, None] * stride_t + (C0 // PER + byte)[None, :]
+    raw = tl.load(addr, mask=ok, other=0).to(tl.int32)  # [BT, BLOCK_C / PER]
+    M: tl.constexpr = (1 << BITS) - 1
+    if BITS == 4:
+        raw = tl.interleave(raw & M, raw >> 4)
+    elif BITS == 2:  # slots 0..3 = bits 0, 2, 4, 6: interleave (0, 2) with (1, 3)
+        raw = tl.interleave(
+            tl.interleave(raw & M, (raw >> 4) & M), tl.interleave((raw >> 2) & M, raw >> 6)
+        )
+    return raw
+
+
+@triton.jit
+def _qparam(ptr, rows, row_ok, chans, ok, chan_ok, q_t, other, QAXIS: tl.constexpr,
+            GROUP: tl.constexpr, C0: tl.constexpr, NVALID: tl.constexpr):  # fmt: skip
+    """One qparam family as float32, broadcastable to [BT, BC]. Per-row groups: one
+    [BT, groups] load broadcast over each group's channels (a per-element gather where
+    groups do not tile the block). Static per-channel qparams: one [BC] vector; per head:
+    a scalar. Each loaded once per tile, not once per element."""
+    BC: tl.constexpr = chans.shape[0]
     if QAXIS == 1:  # per row, groups of GROUP channels
-        q_off = rows[:, None] * q_t + (chans // GROUP)[None, :]
-        v = tl.load(ptr + q_off, mask=ok, other=other).to(tl.float32)
+        if C0 % GROUP == 0 and BC % GROUP == 0:
+            BT: tl.constexpr = rows.shape[0]
+            gi = tl.arange(0, BC // GROUP)
+            g_ok = row_ok[:, None] & (gi * GROUP < NVALID)[None, :]
+            addr = ptr + rows[:, None] * q_t + (C0 // GROUP + gi)[None, :]
+            v = tl.load(addr, mask=g_ok, other=other).to(tl.float32)  # [BT, groups]
+            v = tl.broadcast_to(v[:, :, None], (BT, BC // GROUP, GROUP))
+            v = tl.reshape(v, (BT, BC))
+        else:
+            q_off = rows[:, None] * q_t + (chans // GROUP)[None, :]
+            v = tl.load(ptr + q_off, mask=ok, other=other).to(tl.float32)
     elif QAXIS == 2:  # per channel (static)
         v = tl.load(ptr + chans, mask=chan_ok, other=other).to(tl.float32)[None, :]
     else:  # one per head (static)
@@ -76,23 +110,35 @@ def _decode_tile(
     HAS_ZP: tl.constexpr,
     SLOTS: tl.constexpr,
     FLAT: tl.constexpr,
+    C0: tl.constexpr,
+    NVALID: tl.constexpr,
 ):
-    """Decoded float32 [BT, BC] for rows x chans; pointers already point at (batch, head)."""
+    """Decoded float32 [BT, BC] for rows x chans (chans = C0 + arange(BC), the first NVALID
+    of them real); pointers already point at (batch, head)."""
     ok = row_ok[:, None] & chan_ok[None, :]
     if KIND == 0:
         x = tl.load(data + rows[:, None] * d_t + chans[None, :], mask=ok, other=0.0)
         x = x.to(tl.float32)
     else:
-        c = _codes(data, rows, chans, ok, d_t, BITS)
+        if BITS == 3:  # codes straddle bytes: per-element gather
+            c = _codes(data, rows, chans, ok, d_t, BITS)
+        elif C0 % (8 // BITS) == 0 and NVALID % (8 // BITS) == 0:
+            c = _codes_vec(data, rows, row_ok, d_t, C0, NVALID, chans.shape[0], BITS)
+        else:
+            c = _codes(data, rows, chans, ok, d_t, BITS)
         if KIND == 1:  # noqa: SIM108 (constexpr branches, not a runtime choice)
             x = c.to(tl.float32) - zero
         else:
             x = tl.load(table + c, mask=ok, other=0.0)
         if HAS_ZP:
-            x = x - _qparam(zp, rows, chans, ok, chan_ok, q_t, 0.0, QAXIS, GROUP)
-        x = x * _qparam(scale, rows, chans, ok, chan_ok, q_t, 1.0, QAXIS, GROUP)
+            x = x - _qparam(
+                zp, rows, row_ok, chans, ok, chan_ok, q_t, 0.0, QAXIS, GROUP, C0, NVALID
+            )
+        x = x * _qparam(scale, rows, row_ok, chans, ok, chan_ok, q_t, 1.0, QAXIS, GROUP, C0, NVALID)
         if HAS_OFF:
-            x = x + _qparam(offset, rows, chans, ok, chan_ok, q_t, 0.0, QAXIS, GROUP)
+            x = x + _qparam(
+                offset, rows, row_ok, chans, ok, chan_ok, q_t, 0.0, QAXIS, GROUP, C0, NVALID
+            )
     for s in tl.static_range(SLOTS):
         idx = tl.load(slot_i + rows * s_t + s, mask=row_ok, other=-1).to(tl.int32)
         val = tl.load(slot_v + rows * s_t + s, mask=row_ok, other=0.0).to(tl.float32)
@@ -272,12 +318,12 @@ def decode_attention_kernel(
         k1 = _decode_tile(
             kd, ksc, kof, kzp, k_table, ksi, ksv, kcn, kep, k_eidx, k_eval,
             kd_t, kq_t, ks_t, kc_t, kp_t, k_zero, t, t_ok, j, j_ok,
-            K_KIND, K_BITS, K_QAXIS, K_GROUP, K_HAS_OFF, K_HAS_ZP, K_SLOTS, K_FLAT,
+            K_KIND, K_BITS, K_QAXIS, K_GROUP, K_HAS_OFF, K_HAS_ZP, K_SLOTS, K_FLAT, 0, HALF,
         )  # fmt: skip
         k2 = _decode_tile(
             kd, ksc, kof, kzp, k_table, ksi, ksv, kcn, kep, k_eidx, k_eval,
             kd_t, kq_t, ks_t, kc_t, kp_t, k_zero, t, t_ok, HALF + j, j_ok,
-            K_KIND, K_BITS, K_QAXIS, K_GROUP, K_HAS_OFF, K_HAS_ZP, K_SLOTS, K_FLAT,
+            K_KIND, K_BITS, K_QAXIS, K_GROUP, K_HAS_OFF, K_HAS_ZP, K_SLOTS, K_FLAT, HALF, HALF,
         )  # fmt: skip
         if PRE_ROPE:
             p_t = tl.load(pos + b * pos_b + t, mask=t_ok, other=0)
@@ -308,7 +354,7 @@ def decode_attention_kernel(
         v = _decode_tile(
             vd, vsc, vof, vzp, v_table, vsi, vsv, vcn, vep, v_eidx, v_eval,
             vd_t, vq_t, vs_t, vc_t, vp_t, v_zero, t, t_ok, dcol, d_ok,
-            V_KIND, V_BITS, V_QAXIS, V_GROUP, V_HAS_OFF, V_HAS_ZP, V_SLOTS, V_FLAT,
+            V_KIND, V_BITS, V_QAXIS, V_GROUP, V_HAS_OFF, V_HAS_ZP, V_SLOTS, V_FLAT, 0, D,
         )  # fmt: skip
         acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PRECISION)
         m_i = m_new

@@ -176,11 +176,13 @@ def test_pre_rope_keys_with_fp_sink_segment_share_one_softmax():
     assert (out - alone).abs().max() > 1e-3
 
 
+@pytest.mark.parametrize("d", [64, 96])
 @pytest.mark.parametrize("kind", ["int4-g16", "int8-sym", "int2-int3", "int4-channel"])
-def test_pre_rope_keys_rotate_in_pair_order(kind):
+def test_pre_rope_keys_rotate_in_pair_order(kind, d):
     """Pre-RoPE keys decode in pair order and rotate as complex numbers in the reference;
-    batch rows at different positions read the tables through a gather."""
-    b, d = 2, 64
+    batch rows at different positions read the tables through a gather. head_dim 96 pads
+    the kernel's channel blocks (48 of 64 per half, 96 of 128 values): its byte loads mask."""
+    b = 2
     k, v = _data(b, 2, 45, d, seed=8)
     kp, vp = _codec_segment(kind, k, v, pre_rope=True)
     positions = torch.arange(45)[None] + torch.tensor([[0], [7]])  # left padding in batch 0
