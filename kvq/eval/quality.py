@@ -69,6 +69,12 @@ class QualityResult:
         return out
 
 
+# decode protocol: windows teacher-forced together, as many as keep the baseline logits of
+# the scored positions within this budget. A decode step reads every weight once (Gemma 3's
+# 262k x 640 embedding alone is 670 MB in fp32), so a batch of windows costs about one.
+DECODE_LOGITS_BUDGET = 1 << 30  # bytes
+
+
 @torch.no_grad()
 def evaluate(
     model,
@@ -78,35 +84,48 @@ def evaluate(
     progress: Progress,
 ) -> QualityResult:
     """Score `windows` ([N, L] ids) with the quantized cache from `make_cache()`."""
+    if protocol == "decode":
+        return _evaluate_decode(model, windows, make_cache, progress)
     totals = QualityTotals()
     ledger = None
-    n, length = windows.shape
-    start = 0 if protocol == "prefill" else length // 2
-    with progress.stage(f"eval ({protocol})", total=n) as bar:
-        for i in range(n):
+    with progress.stage(f"eval ({protocol})", total=windows.shape[0]) as bar:
+        for i in range(windows.shape[0]):
             ids = windows[i : i + 1].to(model.device)
-            base = model(ids, use_cache=False).logits[0, start:-1].float()  # [P, V]
+            base = model(ids, use_cache=False).logits[0, :-1].float()  # [L - 1, V]
             cache = make_cache()
-            quant = _quantized_logits(model, ids, cache, protocol)[start:-1]
-            _accumulate(totals, base, quant, ids[0, start + 1 :])
+            quant = model(ids, cache=cache, use_cache=True).logits[0, :-1].float()
+            _accumulate(totals, base, quant, ids[0, 1:])
             ledger = cache.nbytes()
             bar.advance()
     return QualityResult(totals=totals, ledger=ledger)
 
 
-def _quantized_logits(model, ids: Tensor, cache, protocol: str) -> Tensor:
-    """Logits [L, V] of the window through the quantized cache."""
-    if protocol == "prefill":
-        return model(ids, cache=cache, use_cache=True).logits[0].float()
-    half = ids.shape[1] // 2
-    parts = [model(ids[:, :half], cache=cache, use_cache=True).logits[0].float()]
-    for t in range(half, ids.shape[1]):
-        parts.append(model(ids[:, t : t + 1], cache=cache, use_cache=True).logits[0].float())
-    return torch.cat(parts)
+def _evaluate_decode(model, windows: Tensor, make_cache, progress: Progress) -> QualityResult:
+    """Prefill the first half of each window into the cache, then teacher-force the rest one
+    token at a time, a batch of windows at once; score the teacher-forced positions."""
+    totals = QualityTotals()
+    ledger = None
+    n, length = windows.shape
+    half = length // 2
+    scored = length - 1 - half  # positions half ... L - 2 predict tokens half + 1 ... L - 1
+    vocab = model.get_output_embeddings().weight.shape[0]
+    batch = max(1, min(n, DECODE_LOGITS_BUDGET // max(1, 4 * scored * vocab)))
+    with progress.stage("eval (decode)", total=n * scored) as bar:  # window-steps
+        for a in range(0, n, batch):
+            ids = windows[a : a + batch].to(model.device)  # [B, L]
+            base = model(ids, use_cache=False, logits_to_keep=scored + 1).logits  # [B, S + 1, V]
+            cache = make_cache()
+            model(ids[:, :half], cache=cache, use_cache=True, logits_to_keep=1)
+            for t in range(half, length - 1):
+                quant = model(ids[:, t : t + 1], cache=cache, use_cache=True).logits[:, 0]
+                _accumulate(totals, base[:, t - half].float(), quant.float(), ids[:, t + 1])
+                bar.advance(ids.shape[0])
+            ledger = cache.nbytes()
+    return QualityResult(totals=totals, ledger=ledger)
 
 
 def _accumulate(totals: QualityTotals, base: Tensor, quant: Tensor, targets: Tensor) -> None:
-    """base, quant: [P, V] logits predicting targets [P]."""
+    """base, quant: [P, V] logits predicting targets [P] (P: positions, or windows)."""
     for a in range(0, base.shape[0], 128):  # bounded memory with a 262k vocabulary
         lb = torch.log_softmax(base[a : a + 128], -1)
         lq = torch.log_softmax(quant[a : a + 128], -1)

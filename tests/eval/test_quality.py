@@ -38,3 +38,17 @@ def test_quantized_cache_moves_the_numbers_and_saves_bytes():
     assert res["ppl"]["ratio"] != 1.0
     assert res["bytes"]["ratio"] < 0.5
     assert res["bytes"]["kv_bytes_per_token"] < res["bytes"]["fp16_bytes_per_token"]
+
+
+def test_decode_batches_windows_like_one_at_a_time(monkeypatch):
+    """Teacher-forcing windows together scores what one window at a time scores."""
+    from kvq.eval import quality
+
+    model, windows, make = _setup("int4")
+    batched = evaluate(model, windows, make, "decode", Progress()).totals
+    monkeypatch.setattr(quality, "DECODE_LOGITS_BUDGET", 1)  # one window per batch
+    single = evaluate(model, windows, make, "decode", Progress()).totals
+    assert batched.tokens == single.tokens == 2 * 9
+    assert math.isclose(batched.nll_quant, single.nll_quant, rel_tol=1e-4)
+    assert math.isclose(batched.kl, single.kl, rel_tol=1e-3, abs_tol=1e-6)
+    assert batched.kl > 1e-5  # the quantized cache is really in the loop
