@@ -196,6 +196,34 @@ def plane_decodable(p: PackedRows, pairs: bool = False) -> bool:
     return (p.head_dim // groups) % per == 0 and (not pairs or groups % 2 == 0 or groups == 1)
 
 
+def lookup_pairs_decodable(p: PackedRows) -> bool:
+    """Whether `ChunkDecoder(pairs=True)` decodes lookup rows `p` (static NUQ keys, flat
+    exceptions allowed) in natural pair order; else it falls back to channel order."""
+    return (
+        p.kind == "lookup"
+        and p.bits in (4, 8)
+        and p.qaxis in ("channel", "head")
+        and p.slot_index is None
+        and p.head_dim % (16 // p.bits) == 0  # whole bytes in each half
+        and sys.byteorder == "little"
+    )
+
+
+def _pair_bytes(packed: Tensor, bits: int, word: Tensor) -> Tensor:
+    """Packed rows [..., n] -> bytes [..., n] whose codes, in order, are the channels in
+    natural pair order: byte j of the first half (channels j*per ...) and byte j of the
+    second half (their partners) are shuffled so that each output byte holds
+    (channel, partner) code pairs, then interleaved through the int16 `word` buffer."""
+    half = packed.shape[-1] // 2
+    a, b = packed[..., :half], packed[..., half:]
+    if bits == 4:  # (a.lo, b.lo) then (a.hi, b.hi)
+        low = torch.bitwise_left_shift(b, 4).bitwise_or_(a & 0x0F)
+        high = torch.bitwise_right_shift(a, 4).bitwise_or_(b & 0xF0)
+        a, b = low, high
+    word.copy_(b).bitwise_left_shift_(8)
+    return word.bitwise_or_(a).view(torch.uint8)  # little endian: a_0, b_0, a_1, b_1, ...
+
+
 class ChunkDecoder:
     """Decodes row ranges of one PackedRows for attention, hoisting per-segment work.
 
@@ -204,18 +232,33 @@ class ChunkDecoder:
     zero_point) * scale): the same affine map as `decode_packed`, reassociated, so equal to
     it within fp32 rounding (a few ulp) rather than bit-identical, in a few passes over
     buffers reused from chunk to chunk. The permutation and qparams are prepared once per
-    segment. Anything else decodes through `decode_packed`, in channel order (one plane).
+    segment. Static 4/8-bit lookup keys (NUQ, FP8) with pairs=True decode in natural pair
+    order (channel i, then i + D/2, ...: the one-plane pair layout): one gather per byte through a table of each byte's
+    levels, the exact exceptions merged at their pair positions. Anything else decodes
+    through `decode_packed`, in channel order (one plane).
     """
 
     def __init__(self, p: PackedRows, pairs: bool = False):
         self.p = p
         no_exceptions = p.slot_index is None and p.sparse_count is None
         fast = plane_decodable(p, pairs) and no_exceptions
-        self.pairs = pairs and fast
+        self.lookup = pairs and not fast and lookup_pairs_decodable(p)
+        self.pairs = pairs and (fast or self.lookup)
         self.perm = layout_perm(p.head_dim, p.bits, pairs, p.data.device) if fast else None
+        if self.lookup:  # natural pair order: the one-plane (8-bit) pair layout
+            self.perm = layout_perm(p.head_dim, 8, True, p.data.device)
         self.inverse = None if self.perm is None else torch.argsort(self.perm)
         self.planes = 8 // p.bits if fast else 1
         self.static = self.rows = self.row_biases = None
+        if self.lookup:  # per channel [H, D] or per head [H] -> [1, 1, H, 1, D | 1]
+            self.per_byte = packing.byte_table(p.table.float(), p.bits)  # [256, codes/byte]
+            qp = [p.scale.float(), torch.zeros_like(p.scale, dtype=torch.float32)]
+            if p.offset is not None:
+                qp[1] = p.offset.float()
+            if p.scale.dim() == 1:
+                self.static = tuple(t.view(1, 1, -1, 1, 1) for t in qp)
+            else:
+                self.static = tuple(self.to_planes(t[None, :, None]) for t in qp)
         if fast:
             scale, bias = self._scale_bias(p.scale, p.offset, p.zero_point)
         if fast and p.qaxis == "row":
@@ -253,6 +296,8 @@ class ChunkDecoder:
         p = self.p
         if self.perm is None:
             return decode_packed(p.narrow(start, stop))[None]
+        if self.lookup:
+            return self._decode_lookup(start, stop)
         per, mask = self.planes, (1 << p.bits) - 1
         packed = p.data[:, :, start:stop]  # [B, H, C, D/per] uint8
         b, h, c, n = packed.shape
@@ -284,6 +329,24 @@ class ChunkDecoder:
         grouped.mul_(scale)
         if bias or self.row_biases is None:
             grouped.add_(shift)
+        return x
+
+    def _decode_lookup(self, start: int, stop: int) -> Tensor:
+        """Static lookup rows [start, stop) -> [1, B, H, C, D] in natural pair order:
+        level * scale + offset (fused, so within an ulp of `decode_packed`), exceptions
+        replacing their coordinates."""
+        p = self.p
+        packed = p.data[:, :, start:stop]  # [B, H, C, D/per] uint8
+        b, h, c, n = packed.shape
+        word = packed.new_empty((b, h, c, n // 2), dtype=torch.int16)
+        index = _pair_bytes(packed, p.bits, word).reshape(-1).int()
+        x = packing.gather_rows(self.per_byte, index).view(1, b, h, c, p.head_dim)
+        x = torch.addcmul(self.static[1], x, self.static[0], out=x)
+        if p.sparse_count is not None:
+            rows = p.narrow(start, stop)
+            if rows.sparse_index.numel():
+                pos = self.inverse[rows.sparse_index.long()]  # channel -> pair position
+                _merge_flat(x[0], rows.sparse_count, pos, rows.sparse_value)
         return x
 
     def row_bias(self, start: int, stop: int) -> Tensor | None:

@@ -81,14 +81,25 @@ def test_entry_pointers_follow_row_batch_head_order():
     assert row_pointers(count).tolist() == [0, 4, 5, 7]
 
 
-@pytest.mark.parametrize("pairs", [False, True], ids=["planes", "pairs"])
-@pytest.mark.parametrize("name", ["int4-token-g16", "int8-token-sym", "int2-channel"])
+@pytest.mark.parametrize(
+    "name, pairs",
+    [
+        (name, pairs)
+        for name in ("int4-token-g16", "int8-token-sym", "int2-channel")
+        for pairs in (False, True)
+    ]
+    + [("nuq4-key", True)],  # static lookup keys: natural pair order, exceptions merged
+)
 def test_chunk_decoder_equals_canonical_within_rounding(name, pairs):
     from kvq.runtime.packed import ChunkDecoder
 
     scheme, state = SCHEMES[name]
+    x = _rows(4, t=9)
+    if state is None:
+        state = _nuq_state(x, 0.05)
     codec = make_codec(scheme, D, torch.float32, state, "layers.0.key")
-    packed = codec.packed(*codec.encode(_rows(4, t=9)))
+    packed = codec.packed(*codec.encode(x))
+    assert packed.sparse_count is None or packed.sparse_index.numel() > 0
     dec = ChunkDecoder(packed, pairs=pairs)
     assert dec.pairs == pairs
     if pairs:  # pair order: each RoPE pair (c, c + D/2) side by side

@@ -137,7 +137,8 @@ def decode_attention_reference(
         qk = keys.to_planes(q.reshape(b, hkv, group * q_len, d) * scaling)
         if state is not None:
             state = (*state[:2], values.to_planes(state[2]))
-        turn = _PairRotation(rope, seg.key.bits, seg.positions) if keys.pairs else None
+        # pair layouts differ only in their plane count (see `layout_perm`)
+        turn = _PairRotation(rope, 8 // keys.planes, seg.positions) if keys.pairs else None
         # one decode query sees every cached row: no mask to apply
         seg_mask = None
         if mask is not None or q_len > 1:

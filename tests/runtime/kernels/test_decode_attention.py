@@ -177,7 +177,7 @@ def test_pre_rope_keys_with_fp_sink_segment_share_one_softmax():
 
 
 @pytest.mark.parametrize("d", [64, 96])
-@pytest.mark.parametrize("kind", ["int4-g16", "int8-sym", "int2-int3", "int4-channel"])
+@pytest.mark.parametrize("kind", ["int4-g16", "int8-sym", "int2-int3", "int4-channel", "nuq4"])
 def test_pre_rope_keys_rotate_in_pair_order(kind, d):
     """Pre-RoPE keys decode in pair order and rotate as complex numbers in the reference;
     batch rows at different positions read the tables through a gather. head_dim 96 pads
@@ -223,6 +223,9 @@ def test_fp8_per_head_and_qserve_floating_offset():
 
     vp = PackedRows("affine", d, packing.pack_bits(vcodes, 4), 4, scale=s, zero_point=zp)
     _check(torch.randn(b, 4, 1, d), [Segment(kp, vp)])
+    # pre-RoPE fp8 keys: the reference decodes them in natural pair order (8-bit lookup)
+    pre = PackedRows(**{**kp.__dict__, "pre_rope": True})
+    _check(torch.randn(b, 4, 1, d), [Segment(pre, vp, torch.arange(t)[None] + 5)], rope=_rope(d))
 
 
 def test_dispatch_falls_back_for_long_query_blocks(monkeypatch):
