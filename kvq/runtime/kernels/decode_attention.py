@@ -6,7 +6,8 @@ backends have the same signature:
 
 * `decode_attention_reference`: pure torch. Decodes a chunk of rows at a time
   (`ChunkDecoder`: the affine map of the shared `decode_packed`, in bit planes;
-  pre-RoPE keys with RoPE pairs side by side, rotated by one complex multiply)
+  pre-RoPE keys, affine or static lookup (NUQ, FP8), with RoPE pairs side by
+  side, rotated by one complex multiply)
   and folds it into an online softmax, so the cache is never materialised in
   fp32.
 * `decode_attention_triton`: flash-decoding. Programs split each segment's rows
