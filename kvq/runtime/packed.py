@@ -233,9 +233,9 @@ class ChunkDecoder:
     it within fp32 rounding (a few ulp) rather than bit-identical, in a few passes over
     buffers reused from chunk to chunk. The permutation and qparams are prepared once per
     segment. Static 4/8-bit lookup keys (NUQ, FP8) with pairs=True decode in natural pair
-    order (channel i, then i + D/2, ...: the one-plane pair layout): one gather per byte through a table of each byte's
-    levels, the exact exceptions merged at their pair positions. Anything else decodes
-    through `decode_packed`, in channel order (one plane).
+    order (channel i, then i + D/2, ...: the one-plane pair layout): one gather per byte
+    through a table of each byte's levels, the exact exceptions merged at their pair
+    positions. Anything else decodes through `decode_packed`, in channel order (one plane).
     """
 
     def __init__(self, p: PackedRows, pairs: bool = False):
