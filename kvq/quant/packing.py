@@ -94,10 +94,9 @@ def unpack_lookup(packed: Tensor, table: Tensor, bits: int, n: int) -> Tensor:
     if table.dim() != 1 or table.numel() != 2**bits:
         raise KvqError(f"a {bits}-bit lookup needs a table of {2**bits} values")
     per, nbytes = _unit(bits)
-    if nbytes != 1 or n % per:
-        return torch.index_select(table, 0, unpack_bits(packed, bits, n).reshape(-1).int()).view(
-            *packed.shape[:-1], n
-        )
+    if nbytes != 1 or n % per:  # 3 bits, or a part-filled last byte: one gather per code
+        codes = unpack_bits(packed, bits, n)
+        return torch.index_select(table, 0, codes.reshape(-1).int()).view(codes.shape)
     if packed.dtype != torch.uint8 or packed.shape[-1] != n // per:
         raise KvqError(f"{n} {bits}-bit codes pack into {n // per} uint8 bytes")
     index = packed.reshape(-1).int()  # int32 indices: index_select's fastest

@@ -68,8 +68,9 @@ class PackedRows:
             return "none"
         return {4: "row", 2: "channel", 1: "head"}[self.scale.dim()]
 
-    def narrow(self, start: int, stop: int) -> PackedRows:
-        """Rows [start, stop) (views; flat entries sliced by the prefix sum of counts)."""
+    def narrow(self, start: int, stop: int, pointers: Tensor | None = None) -> PackedRows:
+        """Rows [start, stop) (views; flat entries sliced by the prefix sum of counts).
+        pointers: `row_pointers(sparse_count)`, for a caller narrowing many times."""
 
         def cut(t: Tensor | None) -> Tensor | None:
             return None if t is None else t[:, :, start:stop]
@@ -87,7 +88,7 @@ class PackedRows:
         )
         if self.sparse_count is None:
             return out
-        ptr = row_pointers(self.sparse_count)
+        ptr = row_pointers(self.sparse_count) if pointers is None else pointers
         a, b = int(ptr[start]), int(ptr[stop])
         return replace(
             out, sparse_index=self.sparse_index[a:b], sparse_value=self.sparse_value[a:b]
@@ -209,19 +210,25 @@ def lookup_pairs_decodable(p: PackedRows) -> bool:
     )
 
 
+def _interleave(a: Tensor, b: Tensor, word: Tensor) -> Tensor:
+    """uint8 [..., m] and [..., m] -> [..., 2m] bytes a_0, b_0, a_1, b_1, ... through the
+    int16 buffer `word` [..., m]: a little-endian int16 holds its low byte first."""
+    word.copy_(b).bitwise_left_shift_(8)
+    return word.bitwise_or_(a).view(torch.uint8)
+
+
 def _pair_bytes(packed: Tensor, bits: int, word: Tensor) -> Tensor:
-    """Packed rows [..., n] -> bytes [..., n] whose codes, in order, are the channels in
-    natural pair order: byte j of the first half (channels j*per ...) and byte j of the
-    second half (their partners) are shuffled so that each output byte holds
-    (channel, partner) code pairs, then interleaved through the int16 `word` buffer."""
+    """Packed rows [..., n] (4 or 8 bits) -> bytes [..., n] whose codes, in order, are the
+    channels in natural pair order: byte j of the first half (channels j*per ...) and byte
+    j of the second half (their partners) are shuffled so that each output byte holds
+    (channel, partner) code pairs, then interleaved."""
     half = packed.shape[-1] // 2
     a, b = packed[..., :half], packed[..., half:]
     if bits == 4:  # (a.lo, b.lo) then (a.hi, b.hi)
         low = torch.bitwise_left_shift(b, 4).bitwise_or_(a & 0x0F)
         high = torch.bitwise_right_shift(a, 4).bitwise_or_(b & 0xF0)
         a, b = low, high
-    word.copy_(b).bitwise_left_shift_(8)
-    return word.bitwise_or_(a).view(torch.uint8)  # little endian: a_0, b_0, a_1, b_1, ...
+    return _interleave(a, b, word)
 
 
 class ChunkDecoder:
@@ -250,16 +257,11 @@ class ChunkDecoder:
         self.inverse = None if self.perm is None else torch.argsort(self.perm)
         self.planes = 8 // p.bits if fast else 1
         self.static = self.rows = self.row_biases = None
-        if self.lookup:  # per channel [H, D] or per head [H] -> [1, 1, H, 1, D | 1]
+        # flat entries of each row, for narrowing chunk after chunk
+        self.pointers = None if p.sparse_count is None else row_pointers(p.sparse_count)
+        if self.lookup:
             self.per_byte = packing.byte_table(p.table.float(), p.bits)  # [256, codes/byte]
-            qp = [p.scale.float(), torch.zeros_like(p.scale, dtype=torch.float32)]
-            if p.offset is not None:
-                qp[1] = p.offset.float()
-            if p.scale.dim() == 1:
-                self.static = tuple(t.view(1, 1, -1, 1, 1) for t in qp)
-            else:
-                self.static = tuple(self.to_planes(t[None, :, None]) for t in qp)
-        if fast:
+        if fast or self.lookup:
             scale, bias = self._scale_bias(p.scale, p.offset, p.zero_point)
         if fast and p.qaxis == "row":
             # [B, H, T, G] -> [B, H, T, G/halves, 1, halves]: a plane viewed as [..., C,
@@ -271,9 +273,9 @@ class ChunkDecoder:
             )
             if not pairs:  # [B, H, T, G]: whole groups of plane positions, see row_bias
                 self.row_biases = bias
-        elif fast and scale.dim() == 1:  # per head: [1, 1, H, 1, 1]
+        elif (fast or self.lookup) and scale.dim() == 1:  # per head: [1, 1, H, 1, 1]
             self.static = tuple(t.view(1, 1, -1, 1, 1) for t in (scale, bias))
-        elif fast:  # per channel [H, D] -> [planes, 1, H, 1, D/planes]
+        elif fast or self.lookup:  # per channel [H, D] -> [planes, 1, H, 1, D/planes]
             self.static = tuple(self.to_planes(t[None, :, None]) for t in (scale, bias))
         self._buffers = None  # reused from chunk to chunk; the first chunk is the largest
 
@@ -295,7 +297,7 @@ class ChunkDecoder:
         for a caller that folds `row_bias` into its sums instead."""
         p = self.p
         if self.perm is None:
-            return decode_packed(p.narrow(start, stop))[None]
+            return decode_packed(p.narrow(start, stop, self.pointers))[None]
         if self.lookup:
             return self._decode_lookup(start, stop)
         per, mask = self.planes, (1 << p.bits) - 1
@@ -312,8 +314,7 @@ class ChunkDecoder:
         if c != x.shape[3]:  # the last, shorter chunk
             codes, x, word = (None if t is None else t[..., :c, :] for t in self._buffers)
         if self.pairs:  # byte i of the first half next to byte i of the second half
-            word.copy_(packed[..., n // 2 :]).bitwise_left_shift_(8)
-            packed = word.bitwise_or_(packed[..., : n // 2]).view(torch.uint8)
+            packed = _interleave(packed[..., : n // 2], packed[..., n // 2 :], word)
         for k in range(per):  # slot k of every byte: cheap uint8 shifts and masks
             if k == 0:
                 torch.bitwise_and(packed, mask, out=codes[0])
@@ -343,7 +344,7 @@ class ChunkDecoder:
         x = packing.gather_rows(self.per_byte, index).view(1, b, h, c, p.head_dim)
         x = torch.addcmul(self.static[1], x, self.static[0], out=x)
         if p.sparse_count is not None:
-            rows = p.narrow(start, stop)
+            rows = p.narrow(start, stop, self.pointers)
             if rows.sparse_index.numel():
                 pos = self.inverse[rows.sparse_index.long()]  # channel -> pair position
                 _merge_flat(x[0], rows.sparse_count, pos, rows.sparse_value)

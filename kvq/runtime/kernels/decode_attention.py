@@ -138,8 +138,7 @@ def decode_attention_reference(
         qk = keys.to_planes(q.reshape(b, hkv, group * q_len, d) * scaling)
         if state is not None:
             state = (*state[:2], values.to_planes(state[2]))
-        # pair layouts differ only in their plane count (see `layout_perm`)
-        turn = _PairRotation(rope, 8 // keys.planes, seg.positions) if keys.pairs else None
+        turn = _PairRotation(rope, keys.planes, seg.positions) if keys.pairs else None
         # one decode query sees every cached row: no mask to apply
         seg_mask = None
         if mask is not None or q_len > 1:
@@ -211,8 +210,8 @@ class _PairRotation:
     partners sit side by side as (real, imaginary), so rotate-half RoPE is one complex
     multiply by cos + i sin instead of four half-width passes with temporaries."""
 
-    def __init__(self, rope: Rope, bits: int, positions: Tensor):
-        self.table = _pair_table(rope, bits)  # [planes, P, D/(2 planes)] complex64
+    def __init__(self, rope: Rope, planes: int, positions: Tensor):
+        self.table = _pair_table(rope, planes)  # [planes, P, D/(2 planes)] complex64
         self.positions = positions  # [B, T]
         self.first = _run_start(positions, self.table.shape[1])  # checked once per segment
 
@@ -230,26 +229,27 @@ def _complex(x: Tensor) -> Tensor:
     return torch.view_as_complex(x.unflatten(-1, (-1, 2)))
 
 
-# id(cos table) -> (weak reference to it, {bits: pair table}); dropped with the table
+# id(cos table) -> (weak reference to it, {planes: pair table}); dropped with the table
 _PAIR_TABLES: dict[int, tuple[weakref.ref, dict]] = {}
 
 
-def _pair_table(rope: Rope, bits: int) -> Tensor:
+def _pair_table(rope: Rope, planes: int) -> Tensor:
     """cos + i sin as [planes, P, D/(2 planes)] complex64: plane k, pair i rotates the pair
-    (real, imaginary) that `layout_perm(D, bits, pairs=True)` puts at plane k, positions
-    2i and 2i + 1. Cached per table: a layer reuses its tables across decode steps."""
+    (real, imaginary) that the pair layout of that many planes, `layout_perm(D, 8 // planes,
+    pairs=True)`, puts at plane k, positions 2i and 2i + 1 (natural pair order is the
+    one-plane layout). Cached per table: a layer reuses its tables across decode steps."""
     key = id(rope[0])
     entry = _PAIR_TABLES.get(key)
     if entry is None or entry[0]() is not rope[0]:
         entry = (weakref.ref(rope[0], lambda _, k=key: _PAIR_TABLES.pop(k, None)), {})
         _PAIR_TABLES[key] = entry
     cached = entry[1]
-    if bits not in cached:
+    if planes not in cached:
         cos, sin = rope
-        freq = layout_perm(2 * cos.shape[-1], bits, True, cos.device)[0::2]  # [D/2]
+        freq = layout_perm(2 * cos.shape[-1], 8 // planes, True, cos.device)[0::2]  # [D/2]
         table = torch.complex(cos.float(), sin.float())[:, freq]
-        cached[bits] = table.unflatten(-1, (8 // bits, -1)).transpose(0, 1).contiguous()
-    return cached[bits]
+        cached[planes] = table.unflatten(-1, (planes, -1)).transpose(0, 1).contiguous()
+    return cached[planes]
 
 
 def _causal(q_len: int, total: int, device) -> Tensor:
