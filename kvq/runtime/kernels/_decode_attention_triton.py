@@ -6,7 +6,8 @@ key can be rotated with its partner channel in registers) and V, and keeps the
 online-softmax state for its R padded query rows (the G query heads of the KV
 head times the Q query positions). Scores are in base 2 (the launcher folds
 log2(e) into the softmax scale). Partial (max, denominator, numerator) go to
-memory for the reduction pass.
+memory, every segment's splits into one set of buffers, for the reduction pass
+(`combine_partials_kernel`, one launch for the whole call).
 """
 
 from __future__ import annotations
@@ -231,6 +232,8 @@ def decode_attention_kernel(
     col_base,
     total,
     rows_per_split,
+    split_base,
+    split_total,
     k_zero,
     v_zero,
     scaling,
@@ -264,7 +267,6 @@ def decode_attention_kernel(
 ):
     bh = tl.program_id(0)
     split = tl.program_id(1)
-    n_splits = tl.num_programs(1)
     b = bh // HKV
     h = bh % HKV
     HALF: tl.constexpr = D // 2
@@ -359,7 +361,40 @@ def decode_attention_kernel(
         acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PRECISION)
         m_i = m_new
 
-    out = (bh * n_splits + split) * R + r
+    # this segment's splits sit at split_base ... in partials shared by all segments
+    out = (bh * split_total + split_base + split) * R + r
     tl.store(m_out + out, m_i)
     tl.store(l_out + out, l_i)
     tl.store(acc_out + out[:, None] * D + dcol[None, :], acc, mask=d_ok[None, :])
+
+
+@triton.jit
+def combine_partials_kernel(m, den, acc, out, S, R: tl.constexpr, D: tl.constexpr,
+                            BLOCK_S: tl.constexpr, BLOCK_R: tl.constexpr,
+                            BLOCK_D: tl.constexpr):  # fmt: skip
+    """The reduction pass: one program per (batch x KV head, block of query rows) merges
+    the S splits' (max, denominator, numerator), max in log2 units, into one softmax.
+    m, den [BH, S, R]; acc [BH, S, R, D]; out [BH, R, D] (all contiguous float32)."""
+    bh = tl.program_id(0)
+    r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
+    r_ok = r < R
+    dcol = tl.arange(0, BLOCK_D)
+    d_ok = dcol < D
+    top = tl.full([BLOCK_R], float("-inf"), tl.float32)
+    for s0 in range(0, S, BLOCK_S):
+        s = s0 + tl.arange(0, BLOCK_S)
+        ok = (s < S)[:, None] & r_ok[None, :]
+        mv = tl.load(m + (bh * S + s)[:, None] * R + r[None, :], mask=ok, other=float("-inf"))
+        top = tl.maximum(top, tl.max(mv, axis=0))
+    top = tl.where(top == float("-inf"), 0.0, top)  # no split saw a key: weights are 0
+    num = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
+    total = tl.zeros([BLOCK_R], tl.float32)
+    for s in range(0, S):
+        row = (bh * S + s) * R + r
+        w = tl.exp2(tl.load(m + row, mask=r_ok, other=float("-inf")) - top)
+        total += tl.load(den + row, mask=r_ok, other=0.0) * w
+        ok = r_ok[:, None] & d_ok[None, :]
+        num += tl.load(acc + row[:, None] * D + dcol[None, :], mask=ok, other=0.0) * w[:, None]
+    res = num / tl.maximum(total, 1.1754943508222875e-38)[:, None]  # fp32 tiny
+    o = out + (bh * R + r)[:, None] * D + dcol[None, :]
+    tl.store(o, res, mask=r_ok[:, None] & d_ok[None, :])

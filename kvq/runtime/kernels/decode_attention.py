@@ -312,25 +312,27 @@ def decode_attention_triton(
     mask_u8 = None
     if mask is not None:
         mask_u8 = mask.expand(b, 1, q_len, total)[:, 0].to(torch.uint8).contiguous()  # [B, Q, K]
-    partials = []
-    col = 0
+    plans, col = [], 0  # (segment, its first mask column, splits, rows per split)
     for seg in segments:
         if seg.rows:
-            partials.append(
-                _segment_partials(
-                    q, seg, rope, mask_u8, col, total, scaling, softcap, rows_pad, group
-                )
-            )
+            plans.append((seg, col, *_split_plan(seg.rows, b * hkv, q.device)))
         col += seg.rows
-    m = torch.cat([p[0] for p in partials], dim=2)  # [B, H_kv, S, R]
-    lse = torch.cat([p[1] for p in partials], dim=2)
-    acc = torch.cat([p[2] for p in partials], dim=2)  # [B, H_kv, S, R, D]
-    out = combine_partials(m, lse, acc)  # [B, H_kv, R, D]
+    # every segment's splits write into one set of partials: one reduction, no concatenation
+    splits = sum(p[2] for p in plans)
+    m = torch.empty((b, hkv, splits, rows_pad), device=q.device)
+    den = torch.empty_like(m)
+    acc = torch.empty((b, hkv, splits, rows_pad, d), device=q.device)
+    first = 0
+    for seg, col, n, rows_per_split in plans:
+        partials = (m, den, acc, first, n, rows_per_split)
+        _segment_partials(q, seg, rope, mask_u8, col, total, scaling, softcap, partials, group)
+        first += n
+    out = combine_partials_triton(m, den, acc)  # [B, H_kv, R, D]
     out = out[:, :, : group * q_len].reshape(b, hkv, group, q_len, d)
     return out.reshape(b, hq, q_len, d)
 
 
-def combine_partials(m: Tensor, denom: Tensor, acc: Tensor) -> Tensor:
+def combine_partials_reference(m: Tensor, denom: Tensor, acc: Tensor) -> Tensor:
     """The reduction pass: merge per-split (max, denominator, numerator) into one softmax.
 
     m, denom: [B, H, S, R] (max in log2 units); acc: [B, H, S, R, D] -> [B, H, R, D].
@@ -341,6 +343,27 @@ def combine_partials(m: Tensor, denom: Tensor, acc: Tensor) -> Tensor:
     num = (acc * w[..., None]).sum(dim=2)
     den = (denom * w).sum(dim=2)
     return num / den.clamp_min(torch.finfo(torch.float32).tiny)[..., None]
+
+
+def combine_partials_triton(m: Tensor, denom: Tensor, acc: Tensor) -> Tensor:
+    """Same contract as `combine_partials_reference`, in one launch (about a dozen torch
+    calls otherwise, each a kernel launch on CUDA: at short contexts the launches cost
+    more than the attention itself)."""
+    import triton
+
+    from kvq.runtime.kernels import _decode_attention_triton as kern
+
+    b, h, s, r = m.shape
+    d = acc.shape[-1]
+    m, denom, acc = (t.float().contiguous() for t in (m, denom, acc))
+    out = torch.empty((b, h, r, d), device=m.device)
+    block_r = min(16, triton.next_power_of_2(r))
+    grid = (b * h, triton.cdiv(r, block_r))
+    kern.combine_partials_kernel[grid](
+        m, denom, acc, out, s, R=r, D=d, BLOCK_S=16, BLOCK_R=block_r,
+        BLOCK_D=triton.next_power_of_2(d),
+    )  # fmt: skip
+    return out
 
 
 # split boundaries fall on multiples of the largest row tile the autotuner may pick
@@ -357,6 +380,19 @@ def _splits(rows: int, programs: int, device: torch.device) -> int:
         return min(tiles, 4)
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     return max(1, min(tiles, math.ceil(WAVES * sms / max(1, programs))))
+
+
+def _split_plan(rows: int, programs: int, device: torch.device) -> tuple[int, int]:
+    """(splits, rows per split) of one segment; splits start on ROW_ALIGN boundaries."""
+    splits = _splits(rows, programs, device)
+    rows_per_split = math.ceil(math.ceil(rows / splits) / ROW_ALIGN) * ROW_ALIGN
+    return math.ceil(rows / rows_per_split), rows_per_split
+
+
+@functools.cache
+def _dummy(device: torch.device) -> Tensor:
+    """A one-element tensor standing in for absent optional inputs (never read)."""
+    return torch.zeros(1, device=device)
 
 
 def tuned_kernel(do_bench=None):
@@ -462,20 +498,16 @@ def _family_args(p: PackedRows, dummy: Tensor):
     return tensors, strides, consts
 
 
-def _segment_partials(q, seg, rope, mask_u8, col, total, scaling, softcap, rows_pad, group):
+def _segment_partials(q, seg, rope, mask_u8, col, total, scaling, softcap, partials, group):
+    """Launch the kernel over one segment; it writes its splits' partial states at
+    split `first` ... of partials = (m, den, acc, first, splits, rows per split)."""
     import triton
 
     b, hq, q_len, d = q.shape
     hkv = seg.key.data.shape[1]
-    splits = _splits(seg.rows, b * hkv, q.device)
-    rows_per_split = math.ceil(math.ceil(seg.rows / splits) / ROW_ALIGN) * ROW_ALIGN
-    splits = math.ceil(seg.rows / rows_per_split)
+    m, den, acc, first, splits, rows_per_split = partials
     kernel, launch = _launcher(q.device, d)
-    dev = q.device
-    m = torch.empty((b, hkv, splits, rows_pad), device=dev)
-    den = torch.empty_like(m)
-    acc = torch.empty((b, hkv, splits, rows_pad, d), device=dev)
-    dummy = torch.zeros(1, device=dev)
+    dummy = _dummy(q.device)
     k_t, k_s, k_c = _family_args(seg.key, dummy)
     v_t, v_s, v_c = _family_args(seg.value, dummy)
     pre_rope = seg.key.pre_rope
@@ -509,13 +541,15 @@ def _segment_partials(q, seg, rope, mask_u8, col, total, scaling, softcap, rows_
         col,
         total,
         rows_per_split,
+        first,
+        m.shape[2],
         float(seg.key.zero),
         float(seg.value.zero),
         float(scaling),
         float(softcap or 0.0),
         Q=q_len,
         G=group,
-        R=rows_pad,
+        R=m.shape[3],
         D=d,
         BLOCK_D=triton.next_power_of_2(d),
         BLOCK_HALF=triton.next_power_of_2(d // 2),
@@ -526,7 +560,6 @@ def _segment_partials(q, seg, rope, mask_u8, col, total, scaling, softcap, rows_
         **{f"K_{k}": v for k, v in k_c.items()},
         **{f"V_{k}": v for k, v in v_c.items()},
     )
-    return m, den, acc
 
 
 # --- dispatch -----------------------------------------------------------------------------

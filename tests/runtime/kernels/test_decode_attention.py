@@ -18,6 +18,8 @@ from kvq.quant.schemes import QuantScheme
 from kvq.runtime.codecs import make_codec
 from kvq.runtime.kernels.decode_attention import (
     Segment,
+    combine_partials_reference,
+    combine_partials_triton,
     decode_attention,
     decode_attention_reference,
     decode_attention_triton,
@@ -226,6 +228,28 @@ def test_fp8_per_head_and_qserve_floating_offset():
     # pre-RoPE fp8 keys: the reference decodes them in natural pair order (8-bit lookup)
     pre = PackedRows(**{**kp.__dict__, "pre_rope": True})
     _check(torch.randn(b, 4, 1, d), [Segment(pre, vp, torch.arange(t)[None] + 5)], rope=_rope(d))
+
+
+@pytest.mark.parametrize("splits, rows, d", [(1, 16, 64), (19, 32, 96)])
+def test_combine_kernel_matches_reference(splits, rows, d):
+    """The reduction pass: over one tile of splits and over two (19 > 16), two query-row
+    blocks, a head_dim that is not a power of two, splits that saw no keys (m = -inf) and
+    a row that saw none at all (output 0)."""
+    g = torch.Generator().manual_seed(3)
+    b, h = 2, 3
+    m = torch.randn(b, h, splits, rows, generator=g) * 8  # log2 units
+    den = torch.rand(b, h, splits, rows, generator=g) * 30 + 1
+    acc = torch.randn(b, h, splits, rows, d, generator=g) * den[..., None]
+    m[0, 1, : max(1, splits - 2), 5] = float("-inf")  # splits without keys for this row
+    m[1, 2, :, 3] = float("-inf")  # no key anywhere for this row
+    den[1, 2, :, 3] = 0.0
+    acc[1, 2, :, 3] = 0.0
+    m, den, acc = _to((m, den, acc), DEVICE)
+    ref = combine_partials_reference(m, den, acc)
+    out = combine_partials_triton(m, den, acc)
+    assert out.shape == ref.shape == (b, h, rows, d)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+    assert torch.equal(out[1, 2, 3], torch.zeros_like(out[1, 2, 3]))
 
 
 def test_dispatch_falls_back_for_long_query_blocks(monkeypatch):
