@@ -174,6 +174,8 @@ def _calibrate(
     from kvq.cli.render import print_calibration_summary
     from kvq.pipeline import calibrate_job
 
+    _quiet_transformers()
+
     with RichProgress() as progress:
         artifact = calibrate_job(
             method,
@@ -234,11 +236,18 @@ def run_eval(
     backend: str | None = BACKEND,
 ) -> None:
     """Perplexity, KL divergence and bytes of the quantized cache vs the unquantized model."""
+    from kvq.eval.inputs import check_cache_source, check_protocol, parse_tasks
+
+    _positive(windows=windows, seqlen=seqlen)
+    parse_tasks(tasks)
+    check_protocol(protocol)
+    check_cache_source(artifact, policy, backend)
+
     from kvq.cli.progress import RichProgress
     from kvq.cli.render import print_eval
     from kvq.eval.run import run_eval_job
 
-    _positive(windows=windows, seqlen=seqlen)
+    _quiet_transformers()
     with RichProgress() as progress:
         report = run_eval_job(
             model,
@@ -269,13 +278,21 @@ def generate(
     backend: str | None = BACKEND,
 ) -> None:
     """Greedy generation through the quantized cache."""
-    from kvq.eval.run import generate_text
+    from kvq.eval.inputs import check_cache_source
 
     _positive(max_new_tokens=max_new_tokens)
-    text, ledger = generate_text(model, artifact, policy, prompt, max_new_tokens, backend)
-    typer.echo(text)
+    check_cache_source(artifact, policy, backend)
+
+    from kvq.eval.run import generate_text
+
+    _quiet_transformers()
+    gen = generate_text(model, artifact, policy, prompt, max_new_tokens, backend)
+    typer.echo(gen.text)
+    ledger = gen.ledger
     typer.echo(
-        f"[cache: {ledger.total} bytes for {ledger.tokens} tokens, {ledger.ratio:.3f} x fp16]",
+        f"[{gen.new_tokens} new tokens in {gen.seconds:.1f} s "
+        f"({gen.new_tokens / max(gen.seconds, 1e-9):.1f} tokens/s, prefill included); "
+        f"cache: {ledger.total} bytes for {ledger.tokens} tokens, {ledger.ratio:.3f} x fp16]",
         err=True,
     )
 
@@ -293,8 +310,10 @@ def _write_json(path: Path, obj) -> None:
     tmp.replace(path)
 
 
-def main() -> None:
-    # kvq draws its own progress; keep transformers' bars and deprecation chatter out
+def _quiet_transformers() -> None:
+    """kvq draws its own progress: keep transformers' bars and deprecation chatter out.
+    Called by the commands that load a model, not at startup: importing transformers
+    takes a second, which --help and input errors should not wait for."""
     import warnings
 
     from transformers.utils import logging as hf_logging
@@ -302,4 +321,7 @@ def main() -> None:
     hf_logging.disable_progress_bar()
     hf_logging.set_verbosity_error()
     warnings.filterwarnings("ignore", category=FutureWarning)
+
+
+def main() -> None:
     app()

@@ -23,8 +23,6 @@ from torch import Tensor
 from kvq.manifests.ledger import ByteLedger
 from kvq.progress import Progress
 
-PROTOCOLS = ("prefill", "decode")
-
 
 @dataclass
 class QualityTotals:

@@ -3,28 +3,18 @@
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from kvq.errors import KvqError
-from kvq.eval.quality import PROTOCOLS, evaluate
+from kvq.eval.inputs import check_cache_source, check_protocol, parse_tasks
+from kvq.eval.quality import evaluate
 from kvq.manifests.ledger import ByteLedger
 from kvq.models.loading import load_model
 from kvq.pipeline import cache_for, load_artifact, load_windows
 from kvq.progress import Progress
-from kvq.quant.schemes import NAMED_POLICIES, named_policy
-from kvq.runtime.kernels.backend import check_choice, resolve_backend
-
-TASKS = ("ppl", "kld", "bytes")
-
-
-def parse_tasks(tasks: str) -> tuple[str, ...]:
-    chosen = tuple(t.strip() for t in tasks.split(",") if t.strip())
-    unknown = [t for t in chosen if t not in TASKS]
-    if unknown or not chosen:
-        raise KvqError(f"unknown task(s) {unknown or tasks!r}; choose from {', '.join(TASKS)}")
-    return chosen
+from kvq.runtime.kernels.backend import resolve_backend
 
 
 def run_eval_job(
@@ -42,15 +32,8 @@ def run_eval_job(
     backend: str | None = None,
 ) -> dict:
     chosen = parse_tasks(tasks)
-    check_choice(backend or "auto")
-    if protocol not in PROTOCOLS:
-        raise KvqError(f"--protocol must be one of {', '.join(PROTOCOLS)}, got {protocol!r}")
-    if (artifact_path is None) == (policy is None):
-        raise KvqError("give exactly one of --artifact or --policy")
-    if policy is not None and policy not in NAMED_POLICIES:
-        named_policy(policy, 1)  # raises the one-line "unknown policy" error
-    if artifact_path is not None and not Path(artifact_path).exists():
-        raise KvqError(f"artifact {artifact_path} does not exist")
+    check_protocol(protocol)
+    check_cache_source(artifact_path, policy, backend)
     start = time.perf_counter()
     with progress.stage("load model"):
         loaded = load_model(model_spec)
@@ -86,6 +69,14 @@ def run_eval_job(
     }
 
 
+@dataclass(frozen=True)
+class Generation:
+    text: str  # the new tokens, decoded
+    new_tokens: int
+    seconds: float  # prefill + decode, model loading excluded
+    ledger: ByteLedger  # the cache after the last step
+
+
 @torch.no_grad()
 def generate_text(
     model_spec: str,
@@ -94,16 +85,18 @@ def generate_text(
     prompt: str,
     max_new_tokens: int,
     backend: str | None = None,
-) -> tuple[str, ByteLedger]:
-    if (artifact_path is None) == (policy is None):
-        raise KvqError("give exactly one of --artifact or --policy")
+) -> Generation:
+    check_cache_source(artifact_path, policy, backend)
     loaded = load_model(model_spec)
     artifact = load_artifact(artifact_path, loaded) if artifact_path is not None else None
     resolve_backend(backend, loaded.model.device)
     cache = cache_for(loaded, artifact=artifact, policy=policy, backend=backend)
     inputs = loaded.tokenizer(prompt, return_tensors="pt")
+    start = time.perf_counter()
     out = loaded.model.generate(
         **inputs, cache=cache, max_new_tokens=max_new_tokens, do_sample=False
     )
-    text = loaded.tokenizer.decode(out[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
-    return text, cache.nbytes()
+    seconds = time.perf_counter() - start
+    new = out[0, inputs["input_ids"].shape[1] :]  # [N]
+    text = loaded.tokenizer.decode(new, skip_special_tokens=True)
+    return Generation(text, int(new.numel()), seconds, cache.nbytes())

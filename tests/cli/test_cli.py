@@ -173,6 +173,22 @@ def test_generate(artifact, llama_dir):
         4,
     )
     assert result.exit_code == 0, result.output + result.stderr
+    assert "4 new tokens in" in result.stderr and "tokens/s" in result.stderr
+
+
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["--policy", "nope"], "unknown policy"),
+        (["--artifact", "/no/such/artifact"], "does not exist"),
+        (["--policy", "int4", "--backend", "cuda"], "backend"),
+    ],
+)
+def test_generate_refuses_bad_input_before_loading_the_model(args, needle):
+    # the model path does not exist either: the error must be about the input checked first
+    result = _run("generate", "--model", "/no/such/model", "--prompt", "x", *args)
+    _one_line_error(result, needle)
+    assert "/no/such/model" not in result.stderr
 
 
 def test_artifact_for_another_model_is_refused(artifact, tiny_model_dir, shared_data):
@@ -239,3 +255,17 @@ def test_backend_option(llama_dir, shared_data, monkeypatch):
     _one_line_error(_run(*base, *small, "--backend", "triton"), "needs CUDA")
     ok = _run(*base, *small, "--backend", "reference")
     assert ok.exit_code == 0, ok.output + ok.stderr
+
+
+def test_cli_starts_without_torch():
+    """--help and input errors must not wait for torch and transformers (seconds to import):
+    the command line and its input checks import neither."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, kvq, kvq.cli.app, kvq.eval.inputs; "
+        "heavy = [m for m in ('torch', 'transformers') if m in sys.modules]; "
+        "assert not heavy, heavy"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)

@@ -8,11 +8,12 @@ An explicit `triton` on CPU tensors is allowed only under Triton's interpreter
 from __future__ import annotations
 
 import os
-from typing import Literal
-
-import torch
+from typing import TYPE_CHECKING, Literal
 
 from kvq.errors import KvqError
+
+if TYPE_CHECKING:
+    import torch
 
 Backend = Literal["triton", "reference"]
 CHOICES = ("auto", "triton", "reference")
@@ -43,6 +44,8 @@ def resolve_backend(requested: str | None = None, device: torch.device | str = "
 
     requested: "auto", "triton", "reference" or None (read `KVQ_BACKEND`, default auto).
     """
+    import torch  # here, not at the top: the CLI checks a choice before importing torch
+
     name = check_choice(requested or os.environ.get(ENV) or "auto")
     on_cuda = torch.device(device).type == "cuda"
     if name == "reference":

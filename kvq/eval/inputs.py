@@ -1,0 +1,40 @@
+"""Checks of `kvq run-eval` and `kvq generate` input that need no model and no torch.
+
+They run before the heavy imports and the model load (seconds together), so a typo is
+reported at once; the library jobs run them too.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from kvq.errors import KvqError
+from kvq.quant.schemes import NAMED_POLICIES, named_policy
+from kvq.runtime.kernels.backend import check_choice
+
+TASKS = ("ppl", "kld", "bytes")
+PROTOCOLS = ("prefill", "decode")
+
+
+def parse_tasks(tasks: str) -> tuple[str, ...]:
+    chosen = tuple(t.strip() for t in tasks.split(",") if t.strip())
+    unknown = [t for t in chosen if t not in TASKS]
+    if unknown or not chosen:
+        raise KvqError(f"unknown task(s) {unknown or tasks!r}; choose from {', '.join(TASKS)}")
+    return chosen
+
+
+def check_protocol(protocol: str) -> None:
+    if protocol not in PROTOCOLS:
+        raise KvqError(f"--protocol must be one of {', '.join(PROTOCOLS)}, got {protocol!r}")
+
+
+def check_cache_source(artifact_path: Path | None, policy: str | None, backend: str | None):
+    """Exactly one of an existing artifact or a known policy name, and a known backend."""
+    check_choice(backend or "auto")
+    if (artifact_path is None) == (policy is None):
+        raise KvqError("give exactly one of --artifact or --policy")
+    if policy is not None and policy not in NAMED_POLICIES:
+        named_policy(policy, 1)  # raises the one-line "unknown policy" error
+    if artifact_path is not None and not Path(artifact_path).exists():
+        raise KvqError(f"artifact {artifact_path} does not exist")
