@@ -17,8 +17,8 @@ from torch import Tensor
 from kvq.calibrators.channel_scales import ChannelScalesOptions, calibrate_channel_scales
 from kvq.calibrators.fisher import fisher_cached
 from kvq.calibrators.kvquant import KVQuantOptions, calibrate_kvquant
-from kvq.data import load_text, sample_windows
-from kvq.data.windows import TokenWindows
+from kvq.data.text import TextSource, load_text
+from kvq.data.windows import TokenWindows, sample_windows
 from kvq.errors import KvqError
 from kvq.exporters.artifact import Artifact, check_model_compatible, read_artifact, write_artifact
 from kvq.manifests.ledger import ByteLedger
@@ -35,14 +35,26 @@ from kvq.quant.schemes import CachePolicy, named_policy
 from kvq.runtime.cache import QuantizedKVCache, build_cache
 
 
-def load_windows(
-    loaded: LoadedModel, dataset: str, n: int, seqlen: int, seed: int, data_dir: str | None
-) -> TokenWindows:
+def read_corpus(dataset: str, n: int, seqlen: int, data_dir: str | None) -> tuple[str, TextSource]:
+    """The text to sample n windows of seqlen tokens from, checked before any model loads."""
     if n <= 0:
         raise KvqError(f"number of windows must be positive, got {n}")
     if seqlen < 2:
         raise KvqError(f"--seqlen must be at least 2, got {seqlen}")
-    text, source = load_text(dataset, data_dir=data_dir)
+    return load_text(dataset, data_dir=data_dir)
+
+
+def load_windows(
+    loaded: LoadedModel,
+    dataset: str,
+    n: int,
+    seqlen: int,
+    seed: int,
+    data_dir: str | None,
+    corpus: tuple[str, TextSource] | None = None,
+) -> TokenWindows:
+    """n windows of seqlen tokens of `dataset`; `corpus`: its `read_corpus`, if read already."""
+    text, source = corpus or read_corpus(dataset, n, seqlen, data_dir)
     return sample_windows(loaded.tokenizer, text, source, n=n, seqlen=seqlen, seed=seed)
 
 
@@ -76,10 +88,11 @@ def calibrate_job(
     """Load, sample, run `fit`, measure the ledger on a real cache, write the artifact atomically."""
     if out.exists() and not overwrite:
         raise KvqError(f"output {out} exists; pass --overwrite to replace it")
+    corpus = read_corpus(dataset, samples, seqlen, data_dir)  # a bad dataset fails before the load
     with progress.stage("load model"):
         loaded = load_model(model_spec)
     with progress.stage("sample windows"):
-        windows = load_windows(loaded, dataset, samples, seqlen, seed, data_dir)
+        windows = load_windows(loaded, dataset, samples, seqlen, seed, data_dir, corpus)
     policy, tensors = fit(loaded, windows, progress)
     with progress.stage("measure ledger"):
         static = {n: t for n, t in tensors.items() if n.startswith("layers.")}

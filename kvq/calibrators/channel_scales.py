@@ -10,44 +10,15 @@ encoded with it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch import Tensor
 
 from kvq.calibrators.capture import capture, run_windows
+from kvq.calibrators.options import ChannelScalesOptions  # noqa: F401 (re-exported)
 from kvq.errors import KvqError
 from kvq.progress import Progress
 from kvq.quant import affine
-from kvq.quant.schemes import CachePolicy, KeyStage, LayerPolicy, QuantScheme
-
-
-@dataclass(frozen=True)
-class ChannelScalesOptions:
-    bits: int = 4
-    key_stage: KeyStage = "pre-rope"
-    clip_percentile: float = 99.9  # per tail; 100 keeps min/max (99.9 measured best KLD at INT4)
-    sink: int = 1
-    value_group: int | None = 32  # channels per V qparam group (None: whole head)
-
-    def __post_init__(self) -> None:
-        if self.bits not in (2, 3, 4, 8):
-            raise KvqError(f"--bits must be one of 2, 3, 4, 8, got {self.bits}")
-        if not 50.0 < self.clip_percentile <= 100.0:
-            raise KvqError(f"--clip-percentile must be in (50, 100], got {self.clip_percentile}")
-        if self.sink < 0:
-            raise KvqError(f"--sink must be >= 0, got {self.sink}")
-        if self.key_stage not in ("pre-rope", "post-rope"):
-            raise KvqError(f"--key-stage must be pre-rope or post-rope, got {self.key_stage!r}")
-
-    def as_dict(self) -> dict[str, str | int | float | bool | None]:
-        return {
-            "bits": self.bits,
-            "key_stage": self.key_stage,
-            "clip_percentile": self.clip_percentile,
-            "sink": self.sink,
-            "value_group": self.value_group,
-        }
+from kvq.quant.schemes import CachePolicy, LayerPolicy, QuantScheme
 
 
 def channel_ranges(samples: Tensor, percentile: float) -> tuple[Tensor, Tensor]:

@@ -24,65 +24,16 @@ Sink positions are excluded from every statistic: the runtime keeps them exact.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch import Tensor
 
 from kvq.calibrators.capture import capture, run_windows
+from kvq.calibrators.options import KVQuantOptions  # noqa: F401 (re-exported)
 from kvq.errors import KvqError
 from kvq.progress import Progress
 from kvq.quant import nuq, sparse
-from kvq.quant.schemes import CachePolicy, KeyStage, LayerPolicy, QuantScheme
+from kvq.quant.schemes import CachePolicy, LayerPolicy, QuantScheme
 from kvq.runtime.nuq_codecs import VALUE_SPLIT
-
-
-@dataclass(frozen=True)
-class KVQuantOptions:
-    bits: int = 4
-    outliers: float = 0.01  # fraction of values kept exactly, split over both tails
-    sink: int = 1
-    fisher: bool = True
-    # Q-Norm (decode through levels with the originals' mean and std): on by default, it
-    # lowered perplexity at 2, 3 and 4 bits on Gemma 3 270M (WikiText-2, 16 x 512)
-    qnorm: bool = True
-    nonuniform: bool = True  # False: uniform levels on the same normalised grid (ablation)
-    key_stage: KeyStage = "pre-rope"
-    # "fisher": the K outlier budget goes to the channels whose Fisher-weighted range it
-    # shrinks most (`sparse.allocated_thresholds`); "uniform": the same quantile in every
-    # channel (the paper). Without Fisher sums the allocation is uniform.
-    key_outliers: str = "fisher"
-    # True: the K thresholds are fitted for `outliers` of NEW text, not of the calibration
-    # text itself: thresholds fitted on the first half of the calibration windows flag more
-    # than `outliers` of the second half (unseen text is wider), so the fraction is scaled
-    # by nominal / held-out rate (at most down to a quarter) before the final fit.
-    key_heldout: bool = True
-    seed: int = 0
-    max_samples: int = 200_000  # per codebook fit
-
-    def __post_init__(self) -> None:
-        if self.bits not in (2, 3, 4):
-            raise KvqError(f"--bits must be 2, 3 or 4 for kvquant, got {self.bits}")
-        if not 0.0 <= self.outliers < 0.5:
-            raise KvqError(f"--outliers must be a fraction in [0, 0.5), got {self.outliers}")
-        if self.sink < 0:
-            raise KvqError(f"--sink must be >= 0, got {self.sink}")
-        if self.key_outliers not in ("fisher", "uniform"):
-            raise KvqError(f"key_outliers must be 'fisher' or 'uniform', got {self.key_outliers!r}")
-
-    def as_dict(self) -> dict[str, str | int | float | bool | None]:
-        return {
-            "bits": self.bits,
-            "outliers": self.outliers,
-            "sink": self.sink,
-            "fisher": self.fisher,
-            "qnorm": self.qnorm,
-            "nonuniform": self.nonuniform,
-            "key_stage": self.key_stage,
-            "key_outliers": self.key_outliers,
-            "key_heldout": self.key_heldout,
-            "seed": self.seed,
-        }
 
 
 def capture_kv(

@@ -100,8 +100,8 @@ def calibrate_channel_scales(
     data_dir: str | None = DATA_DIR,
 ) -> None:
     """Static per-channel K scales (pre-RoPE by default); V per token at append."""
-    from kvq.calibrators.channel_scales import ChannelScalesOptions
-    from kvq.pipeline import channel_scales_fit
+    from kvq.calibrators.options import ChannelScalesOptions
+    from kvq.eval.inputs import check_dataset
 
     _positive(samples=samples, seqlen=seqlen)
     options = ChannelScalesOptions(
@@ -111,6 +111,9 @@ def calibrate_channel_scales(
         sink=sink,
         value_group=v_group or None,
     )
+    check_dataset(dataset, data_dir)
+    from kvq.pipeline import channel_scales_fit  # torch and transformers: after the checks
+
     _calibrate(
         "channel-scales",
         channel_scales_fit(options),
@@ -145,13 +148,16 @@ def calibrate_kvquant(
     data_dir: str | None = DATA_DIR,
 ) -> None:
     """KVQuant: pre-RoPE per-channel K, per-token V, Fisher-weighted NUQ, sparse outliers, sinks."""
-    from kvq.calibrators.kvquant import KVQuantOptions
-    from kvq.pipeline import kvquant_fit
+    from kvq.calibrators.options import KVQuantOptions
+    from kvq.eval.inputs import check_dataset
 
     _positive(samples=samples, seqlen=seqlen)
     options = KVQuantOptions(
         bits=bits, outliers=outliers, sink=sink, fisher=fisher, qnorm=qnorm, seed=seed
     )
+    check_dataset(dataset, data_dir)
+    from kvq.pipeline import kvquant_fit  # torch and transformers: after the checks
+
     _calibrate(
         "kvquant",
         kvquant_fit(options),
@@ -236,12 +242,13 @@ def run_eval(
     backend: str | None = BACKEND,
 ) -> None:
     """Perplexity, KL divergence and bytes of the quantized cache vs the unquantized model."""
-    from kvq.eval.inputs import check_cache_source, check_protocol, parse_tasks
+    from kvq.eval.inputs import check_cache_source, check_dataset, check_protocol, parse_tasks
 
     _positive(windows=windows, seqlen=seqlen)
     parse_tasks(tasks)
     check_protocol(protocol)
     check_cache_source(artifact, policy, backend)
+    check_dataset(dataset, data_dir)
 
     from kvq.cli.progress import RichProgress
     from kvq.cli.render import print_eval

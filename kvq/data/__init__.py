@@ -1,6 +1,1 @@
-"""kvq.data: text sources and reproducible token windows for calibration and evaluation."""
-
-from kvq.data.text import TextSource, load_text
-from kvq.data.windows import TokenWindows, sample_windows
-
-__all__ = ["TextSource", "TokenWindows", "load_text", "sample_windows"]
+"""kvq.data: text sources (`text`, no torch) and reproducible token windows (`windows`)."""

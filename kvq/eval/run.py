@@ -12,7 +12,7 @@ from kvq.eval.inputs import check_cache_source, check_protocol, parse_tasks
 from kvq.eval.quality import evaluate
 from kvq.manifests.ledger import ByteLedger
 from kvq.models.loading import load_model
-from kvq.pipeline import cache_for, load_artifact, load_windows
+from kvq.pipeline import cache_for, load_artifact, load_windows, read_corpus
 from kvq.progress import Progress
 from kvq.runtime.kernels.backend import resolve_backend
 
@@ -34,6 +34,7 @@ def run_eval_job(
     chosen = parse_tasks(tasks)
     check_protocol(protocol)
     check_cache_source(artifact_path, policy, backend)
+    corpus = read_corpus(dataset, windows, seqlen, data_dir)  # a bad dataset fails before the load
     start = time.perf_counter()
     with progress.stage("load model"):
         loaded = load_model(model_spec)
@@ -42,7 +43,7 @@ def run_eval_job(
         with progress.stage("load artifact"):
             artifact = load_artifact(artifact_path, loaded)
     with progress.stage("sample windows"):
-        tw = load_windows(loaded, dataset, windows, seqlen, seed, data_dir)
+        tw = load_windows(loaded, dataset, windows, seqlen, seed, data_dir, corpus)
     resolve_backend(backend, loaded.model.device)  # fail fast: e.g. triton without CUDA
     cache_for(loaded, artifact=artifact, policy=policy)  # fail fast on an unusable policy
     result = evaluate(

@@ -264,8 +264,22 @@ def test_cli_starts_without_torch():
     import sys
 
     code = (
-        "import sys, kvq, kvq.cli.app, kvq.eval.inputs; "
+        "import sys, kvq, kvq.cli.app, kvq.eval.inputs, kvq.calibrators.options; "
         "heavy = [m for m in ('torch', 'transformers') if m in sys.modules]; "
         "assert not heavy, heavy"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["run-eval", "--policy", "int4"],
+        ["calibrate", "kvquant", "--out", "unused-out"],
+        ["calibrate", "channel-scales", "--out", "unused-out"],
+    ],
+)
+def test_missing_dataset_is_refused_before_loading_the_model(command):
+    result = _run(*command, "--model", "/no/such/model", "--dataset", "/no/such/text.txt")
+    _one_line_error(result, "dataset file", "does not exist")
+    assert "/no/such/model" not in result.stderr

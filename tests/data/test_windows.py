@@ -8,8 +8,8 @@ import json
 import pytest
 import torch
 
-from kvq.data import TextSource, TokenWindows, load_text, sample_windows
-from kvq.data.windows import ids_fingerprint
+from kvq.data.text import TextSource, load_text
+from kvq.data.windows import TokenWindows, ids_fingerprint, sample_windows
 from kvq.errors import KvqError
 from tests.conftest import tiny_tokenizer
 
