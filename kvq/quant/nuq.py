@@ -18,6 +18,8 @@ Codes are uint8 and left unpacked here; see `kvq.quant.packing`.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 from torch import Tensor
 
@@ -177,7 +179,18 @@ def fit_codebook(
 # --- encode / decode ------------------------------------------------------------------
 
 
+# id(codebook) -> (weak reference, its version counter when checked, float32 levels): a
+# layer's codebook is static, and checking it costs two device syncs, on every append and
+# decode step otherwise. An in-place edit bumps the version and so is checked again.
+_CHECKED: dict[int, tuple[weakref.ref, int, Tensor]] = {}
+
+
 def _check_codebook(codebook: Tensor) -> Tensor:
+    """codebook as float32 [L], after checking it once: 1-D, 2..256 finite, strictly
+    increasing levels."""
+    hit = _CHECKED.get(id(codebook))
+    if hit is not None and hit[0]() is codebook and hit[1] == codebook._version:
+        return hit[2]
     if codebook.dim() != 1 or not 2 <= codebook.numel() <= 2**MAX_BITS:
         raise KvqError(
             f"codebook must be 1-D with 2..{2**MAX_BITS} levels, got shape {tuple(codebook.shape)}"
@@ -186,6 +199,9 @@ def _check_codebook(codebook: Tensor) -> Tensor:
     check_finite(cb, "codebook")
     if not bool((cb[1:] > cb[:-1]).all()):
         raise KvqError("codebook levels must be strictly increasing")
+    key = id(codebook)
+    ref = weakref.ref(codebook, lambda _, k=key, checked=_CHECKED: checked.pop(k, None))
+    _CHECKED[key] = (ref, codebook._version, cb)
     return cb
 
 

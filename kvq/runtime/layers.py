@@ -193,7 +193,8 @@ class KvqLayer(CacheLayerMixin):
         """cos/sin tables covering every stored position (pre-RoPE keys only); grown on demand."""
         if self.policy.key_stage != "pre-rope" or not state.visible:
             return None
-        top = max(int(s.row_positions().max()) for s in (state.sink, state.main) if s.length)
+        tops = [s.row_positions().max() for s in (state.sink, state.main) if s.length]
+        top = int(torch.stack(tops).max())  # one device sync, not one per store
         if self._rope is None or self._rope[0].shape[0] <= top:
             self._rope = self.rope_table(max(1024, 1 << top.bit_length()))
         return self._rope

@@ -209,3 +209,18 @@ def test_normalize_encode_decode_pipeline():
     xh = denormalize(nuq_decode(nuq_encode(normalize(x, scale, center), cb), cb), scale, center)
     bound = (_half_gap(cb) + 1e-5) * scale.float() + 1e-5
     assert bool(((xh - x).abs() <= bound).all())
+
+
+def test_codebook_check_is_cached_but_sees_in_place_edits():
+    """A static codebook is checked once (the check syncs a GPU on every append otherwise),
+    yet an in-place edit after that first check is still caught."""
+    cb = uniform_codebook(2)
+    x = torch.linspace(-1, 1, 9)
+    first = nuq_encode(x, cb)
+    assert torch.equal(nuq_encode(x, cb), first)
+    cb[2] = cb[1]  # no longer strictly increasing
+    with pytest.raises(KvqError, match="strictly increasing"):
+        nuq_encode(x, cb)
+    cb[2] = float("nan")
+    with pytest.raises(KvqError, match="codebook"):
+        nuq_decode(torch.zeros(3, dtype=torch.uint8), cb)

@@ -361,10 +361,16 @@ def _check_nuq_key(x, codes_out, count_out, start, codebook, bits, scale, center
     return cb, *statics
 
 
-def _key_entries(x: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
-    """Flat (channel index, fp16 value) entries in (row, batch, head, channel) order."""
+def _key_entries(x: Tensor, mask: Tensor, check: bool = False) -> tuple[Tensor, Tensor]:
+    """Flat (channel index, fp16 value) entries in (row, batch, head, channel) order.
+    check: also refuse non-finite rows, in the same device sync as the count check."""
     count = mask.sum(-1)
-    if count.numel() and int(count.max()) > 255:
+    top = count.amax().float() if count.numel() else count.new_zeros((), dtype=torch.float32)
+    bad = ~torch.isfinite(x).all() if check else torch.zeros((), dtype=torch.bool)
+    top, bad = torch.stack([top, bad.to(top)]).tolist()  # the one sync before nonzero's
+    if bad:
+        check_finite(x, "key rows")
+    if top > 255:
         raise KvqError("more than 255 key outliers in one row; raise the calibration fraction")
     m = mask.permute(2, 0, 1, 3)
     channel = m.nonzero()[:, 3]
@@ -804,6 +810,24 @@ def _check_stored(what: str, stored: Tensor, scale: bool) -> None:
         )
 
 
+def _verify(x: Tensor, what: str, stored: tuple[tuple[str, Tensor, bool], ...]) -> None:
+    """After a launch: the input rows were finite and every stored qparam (name, rows, is a
+    scale) obeys `_check_stored`, tested with one device sync on the happy path instead of
+    one per condition (an append runs per layer and step; on CUDA each sync stalls the
+    launch queue). On failure the separate checks run in order and raise their message.
+    The rows written past the cache's length are not visible until the append commits."""
+    flags = [torch.isfinite(x).all()]
+    for _, t, scale in stored:
+        back = t.float()
+        ok = torch.isfinite(back).all()
+        flags.append(ok & (back >= torch.finfo(t.dtype).tiny).all() if scale else ok)
+    if bool(torch.stack(flags).all()):
+        return
+    check_finite(x, what)
+    for name, t, scale in stored:
+        _check_stored(name, t, scale)
+
+
 def _or(t: Tensor | None, fallback: Tensor) -> Tensor:
     """A stand-in pointer for an absent tensor (the kernel never touches it)."""
     return fallback if t is None else t
@@ -824,7 +848,6 @@ def append_int_token_triton(
     b, h, t, d = x.shape
     if not x.numel():
         return
-    check_finite(x, "input")
     per, ng = _per(bits), d // g
     if ng > 1 and g % per:
         raise KvqError(f"Triton packs {bits}-bit codes per group: G must be a multiple of {per}")
@@ -838,9 +861,10 @@ def append_int_token_triton(
         SYM=bool(symmetric), DT=_STORAGE[scale_out.dtype],
     )  # fmt: skip
     rows = _rows(x, start)
-    _check_stored("scale", scale_out[:, :, rows], scale=True)
+    stored = (("scale", scale_out[:, :, rows], True),)
     if not symmetric:
-        _check_stored("offset", offset_out[:, :, rows], scale=False)
+        stored += (("offset", offset_out[:, :, rows], False),)
+    _verify(x, "input", stored)
 
 
 def append_int_qserve_triton(
@@ -851,7 +875,6 @@ def append_int_qserve_triton(
     b, h, t, d = x.shape
     if not x.numel():
         return
-    check_finite(x, "input")
     bd = _block(d, 8)
     _launch(
         "_int_qserve_kernel", b * h * t, bd,
@@ -860,8 +883,11 @@ def append_int_qserve_triton(
         D=d, BD=bd,
     )  # fmt: skip
     rows = _rows(x, start)
-    _check_stored("QServe scale", scale_out[:, :, rows], scale=True)
-    _check_stored("QServe offset -min/scale", offset_out[:, :, rows], scale=False)
+    stored = (
+        ("QServe scale", scale_out[:, :, rows], True),
+        ("QServe offset -min/scale", offset_out[:, :, rows], False),
+    )
+    _verify(x, "input", stored)
 
 
 def append_int_channel_triton(
@@ -942,7 +968,6 @@ def append_nuq_value_triton(
     b, h, t, d = x.shape
     if not x.numel():
         return
-    check_finite(x, "value rows")
     per = _per(bits)
     bd = _block(d, per)
     idx = _or(index_out if k else None, codes_out)
@@ -956,8 +981,8 @@ def append_nuq_value_triton(
         RANGE=split == "range",
     )  # fmt: skip
     rows = _rows(x, start)
-    _check_stored("center", center_out[:, :, rows], scale=False)
-    _check_stored("scale", scale_out[:, :, rows], scale=True)
+    stored = (("center", center_out[:, :, rows], False), ("scale", scale_out[:, :, rows], True))
+    _verify(x, "value rows", stored)
 
 
 def append_nuq_key_triton(
@@ -983,8 +1008,9 @@ def append_nuq_key_triton(
     b, h, t, d = x.shape
     if not x.numel():
         return _no_entries(x)
-    check_finite(x, "key rows")
     outliers = lower is not None
+    if not outliers:
+        check_finite(x, "key rows")
     per = _per(bits)
     bd = _block(d, per)
     mask = torch.empty((b, h, t, d) if outliers else (1,), dtype=torch.uint8, device=x.device)
@@ -999,7 +1025,7 @@ def append_nuq_key_triton(
     )  # fmt: skip
     if not outliers:
         return _no_entries(x)
-    return _key_entries(x, mask.bool())
+    return _key_entries(x, mask.bool(), check=True)  # checks the rows are finite, too
 
 
 # ======================================================================================

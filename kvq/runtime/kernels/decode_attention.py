@@ -241,7 +241,8 @@ def _pair_table(rope: Rope, planes: int) -> Tensor:
     key = id(rope[0])
     entry = _PAIR_TABLES.get(key)
     if entry is None or entry[0]() is not rope[0]:
-        entry = (weakref.ref(rope[0], lambda _, k=key: _PAIR_TABLES.pop(k, None)), {})
+        drop = lambda _, k=key, tables=_PAIR_TABLES: tables.pop(k, None)  # noqa: E731
+        entry = (weakref.ref(rope[0], drop), {})
         _PAIR_TABLES[key] = entry
     cached = entry[1]
     if planes not in cached:

@@ -446,6 +446,33 @@ def test_nuq_key(bits, d, fraction):
         assert not flat and r_entries[0].numel() == 0
 
 
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the interpreter's numpy on NaN
+@pytest.mark.parametrize("fraction", [0.05, 0.0])
+def test_nuq_rows_refuse_nan_on_both_paths(fraction):
+    """The Triton launchers check finiteness after the launch, in the same device sync as
+    their other checks: a NaN row is still refused with the reference's message."""
+    d, bits = 64, 3
+    x = _x(d, seed=2)
+    x[0, 1, 2, 5] = float("nan")
+    state = _key_state(bits, d, fraction)
+    for fn in (A.append_nuq_key_reference, A.append_nuq_key_triton):
+        codes = torch.zeros(B, H, CAP, packing.packed_len(d, bits), dtype=torch.uint8)
+        count = torch.zeros(B, H, CAP, dtype=torch.uint8)
+        with pytest.raises(KvqError, match="key rows contains NaN"):
+            _call(fn, x, codes, count, START, state["codebook"], bits, state["scale"],
+                  state["center"], state.get("lower"), state.get("upper"))  # fmt: skip
+    for fn in (A.append_nuq_value_reference, A.append_nuq_value_triton):
+        bufs = [
+            torch.zeros(B, H, CAP, packing.packed_len(d, bits), dtype=torch.uint8),
+            torch.zeros(B, H, CAP).half(),
+            torch.zeros(B, H, CAP).half(),
+            torch.zeros(B, H, CAP, 4, dtype=torch.uint8),
+            torch.zeros(B, H, CAP, 4).half(),
+        ]
+        with pytest.raises(KvqError, match="value rows contains NaN"):
+            _call(fn, x, *bufs, START, nuq.uniform_codebook(bits), bits, fraction)
+
+
 # --- dispatch -------------------------------------------------------------------------
 
 
