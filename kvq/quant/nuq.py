@@ -179,18 +179,19 @@ def fit_codebook(
 # --- encode / decode ------------------------------------------------------------------
 
 
-# id(codebook) -> (weak reference, its version counter when checked, float32 levels): a
-# layer's codebook is static, and checking it costs two device syncs, on every append and
-# decode step otherwise. An in-place edit bumps the version and so is checked again.
-_CHECKED: dict[int, tuple[weakref.ref, int, Tensor]] = {}
+# id(codebook) -> (weak reference, its version counter when checked, float32 levels,
+# decision boundaries): a layer's codebook is static, and checking it costs two device
+# syncs, on every append and decode step otherwise. An in-place edit bumps the version and
+# so is checked again.
+_CHECKED: dict[int, tuple[weakref.ref, int, Tensor, Tensor]] = {}
 
 
-def _check_codebook(codebook: Tensor) -> Tensor:
-    """codebook as float32 [L], after checking it once: 1-D, 2..256 finite, strictly
-    increasing levels."""
+def _checked(codebook: Tensor) -> tuple[Tensor, Tensor]:
+    """(levels float32 [L], decision boundaries float32 [L - 1]) of a codebook checked once:
+    1-D, 2..256 finite, strictly increasing levels."""
     hit = _CHECKED.get(id(codebook))
     if hit is not None and hit[0]() is codebook and hit[1] == codebook._version:
-        return hit[2]
+        return hit[2], hit[3]
     if codebook.dim() != 1 or not 2 <= codebook.numel() <= 2**MAX_BITS:
         raise KvqError(
             f"codebook must be 1-D with 2..{2**MAX_BITS} levels, got shape {tuple(codebook.shape)}"
@@ -199,10 +200,23 @@ def _check_codebook(codebook: Tensor) -> Tensor:
     check_finite(cb, "codebook")
     if not bool((cb[1:] > cb[:-1]).all()):
         raise KvqError("codebook levels must be strictly increasing")
+    mids = (cb[:-1] + cb[1:]) * 0.5  # [L - 1] midpoints between neighbouring levels
     key = id(codebook)
     ref = weakref.ref(codebook, lambda _, k=key, checked=_CHECKED: checked.pop(k, None))
-    _CHECKED[key] = (ref, codebook._version, cb)
-    return cb
+    _CHECKED[key] = (ref, codebook._version, cb, mids)
+    return cb, mids
+
+
+def _check_codebook(codebook: Tensor) -> Tensor:
+    """codebook as float32 [L], checked (see `_checked`)."""
+    return _checked(codebook)[0]
+
+
+def decision_boundaries(codebook: Tensor) -> Tensor:
+    """The midpoints between neighbouring levels, float32 [L - 1]: `nuq_encode` maps x to
+    the number of boundaries below it (ties to the lower level). Computed once per codebook;
+    the Triton encoders search the same tensor."""
+    return _checked(codebook)[1]
 
 
 def nuq_encode(x_norm: Tensor, codebook: Tensor) -> Tensor:
@@ -213,9 +227,8 @@ def nuq_encode(x_norm: Tensor, codebook: Tensor) -> Tensor:
     lower level, deterministically. Values beyond the end levels (including
     outside [-1, 1]) take the end codes.
     """
-    cb = _check_codebook(codebook)
+    mids = decision_boundaries(codebook)
     check_finite(x_norm, "normalised input")
-    mids = (cb[:-1] + cb[1:]) * 0.5  # [L - 1]
     return torch.bucketize(x_norm.float(), mids, right=False).to(torch.uint8)
 
 

@@ -139,6 +139,11 @@ def _check_codebook(codebook: Tensor, bits: int, device: torch.device) -> Tensor
     return nuq._check_codebook(codebook).to(device)
 
 
+def _mids(codebook: Tensor, device: torch.device) -> Tensor:
+    """`nuq.nuq_encode`'s decision boundaries [L - 1] on `device` (computed once per codebook)."""
+    return nuq.decision_boundaries(codebook).to(device).contiguous()
+
+
 def _rows(x: Tensor, start: int) -> slice:
     return slice(start, start + x.shape[2])
 
@@ -942,11 +947,6 @@ def append_fp8_triton(
     )  # fmt: skip
 
 
-def _mids(cb: Tensor) -> Tensor:
-    # the decision boundaries of `nuq.nuq_encode`, computed the same way
-    return ((cb[:-1] + cb[1:]) * 0.5).contiguous()
-
-
 def append_nuq_value_triton(
     x: Tensor,
     codes_out: Tensor,
@@ -961,7 +961,7 @@ def append_nuq_value_triton(
     split: str = "tails",
 ) -> None:
     """Triton twin of `append_nuq_value_reference` (same arguments, same bytes)."""
-    cb, k = _check_nuq_value(
+    _, k = _check_nuq_value(
         x, codes_out, scale_out, center_out, index_out, value_out, start, codebook, bits,
         fraction, split,
     )  # fmt: skip
@@ -974,7 +974,8 @@ def append_nuq_value_triton(
     val = _or(value_out if k else None, codes_out)
     _launch(
         "_nuq_value_kernel", b * h * t, bd,
-        x, codes_out, scale_out, center_out, idx, val, _mids(cb), start, h, t, b * h * t,
+        x, codes_out, scale_out, center_out, idx, val, _mids(codebook, x.device), start, h, t,
+        b * h * t,
         *x.stride(), *codes_out.stride(), *scale_out.stride(), *center_out.stride(),
         *idx.stride(), *val.stride(),
         D=d, BD=bd, K=k, BITS=bits, PER=per, DT=_STORAGE[scale_out.dtype],
@@ -1002,7 +1003,7 @@ def append_nuq_key_triton(
     The kernel writes codes, counts and a per-element outlier mask; the flat
     entries are compacted from the mask in torch.
     """
-    cb, scale, center, lower, upper = _check_nuq_key(
+    _, scale, center, lower, upper = _check_nuq_key(
         x, codes_out, count_out, start, codebook, bits, scale, center, lower, upper
     )
     b, h, t, d = x.shape
@@ -1018,7 +1019,8 @@ def append_nuq_key_triton(
     lw, up = _or(lower, scale), _or(upper, scale)
     _launch(
         "_nuq_key_kernel", b * h * t, bd,
-        x, codes_out, cnt, mask, _mids(cb), scale, center, lw, up, start, h, t, b * h * t,
+        x, codes_out, cnt, mask, _mids(codebook, x.device), scale, center, lw, up, start, h, t,
+        b * h * t,
         *x.stride(), *codes_out.stride(), *cnt.stride(),
         *scale.stride(), *center.stride(), *lw.stride(), *up.stride(),
         D=d, BD=bd, BITS=bits, PER=per, OUTLIERS=outliers,
