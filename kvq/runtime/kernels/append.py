@@ -487,6 +487,20 @@ def _units(R: tl.constexpr, n_units):
     return u, u < n_units
 
 
+def _finite(v):
+    # NaN fails the comparison, so this is False for NaN and +-inf alike
+    return tl.abs(v.to(tl.float32)) < float("inf")
+
+
+def _flag_rows(bad_ptr, u, valid, x, m, s, other, TINY: tl.constexpr):
+    # 1 where a unit cannot be stored as the reference would: a non-finite input, a
+    # stored scale that is not a finite normal number (below TINY), or a non-finite
+    # `other` stored qparam (offset or center); the launcher reads these with one sync
+    rows_ok = tl.min(tl.where(m, _finite(x), True).to(tl.int32), axis=1) != 0
+    ok = rows_ok & _finite(s) & (s.to(tl.float32) >= TINY) & _finite(other)
+    tl.store(bad_ptr + u, (~ok).to(tl.uint8), mask=valid)
+
+
 def _pack_store(codes, row_ptr, so, valid, L: tl.constexpr, BL: tl.constexpr,
                 BITS: tl.constexpr, PER: tl.constexpr):  # fmt: skip
     # codes: int32 [R, BL], codes of L channels per unit (0 beyond L); row_ptr: [R] the
@@ -507,12 +521,12 @@ def _pack_store(codes, row_ptr, so, valid, L: tl.constexpr, BL: tl.constexpr,
         tl.store(row_ptr[:, None] + q * so, word.to(tl.uint8), mask=ok)
 
 
-def _int_token_kernel(x_ptr, codes_ptr, scale_ptr, offset_ptr, start, H, T, n_units,
+def _int_token_kernel(x_ptr, codes_ptr, scale_ptr, offset_ptr, bad_ptr, start, H, T, n_units,
                       sxb, sxh, sxt, sxd, scb, sch, sct, scd,
                       ssb, ssh, sst, ssd, sob, soh, sot, sod,
                       NG: tl.constexpr, G: tl.constexpr, BL: tl.constexpr, R: tl.constexpr,
                       BITS: tl.constexpr, PER: tl.constexpr, GBYTES: tl.constexpr,
-                      SYM: tl.constexpr, DT: tl.constexpr):  # fmt: skip
+                      SYM: tl.constexpr, DT: tl.constexpr, TINY: tl.constexpr):  # fmt: skip
     # one unit = one group of G channels of one (batch, head, row)
     u, valid = _units(R, n_units)
     g = u % NG
@@ -530,6 +544,7 @@ def _int_token_kernel(x_ptr, codes_ptr, scale_ptr, offset_ptr, start, H, T, n_un
         q = _rint(tl.math.div_rn(x, s.to(tl.float32)[:, None]))
         top = (1 << (BITS - 1)) - 1
         q = tl.minimum(tl.maximum(q, -top), top) + (1 << (BITS - 1))
+        off = s  # no offset: the scale stands in for the flag's second qparam
     else:
         lo = tl.where(valid, tl.min(tl.where(m, x, float("inf")), axis=1), 0.0)
         hi = tl.where(valid, tl.max(tl.where(m, x, float("-inf")), axis=1), 0.0)
@@ -545,6 +560,7 @@ def _int_token_kernel(x_ptr, codes_ptr, scale_ptr, offset_ptr, start, H, T, n_un
         q = _rint(tl.math.div_rn(x - of[:, None], s.to(tl.float32)[:, None]))
         q = tl.minimum(tl.maximum(q, 0.0), (1 << BITS) - 1)
     tl.store(scale_ptr + b * ssb + h * ssh + (start + t) * sst + g * ssd, s, mask=valid)
+    _flag_rows(bad_ptr, u, valid, x, m, s, off, TINY)
     codes = tl.where(m, q.to(tl.int32), 0)
     crow = codes_ptr + b * scb + h * sch + (start + t) * sct + g * GBYTES * scd
     _pack_store(codes, crow, scd, valid, G, BL, BITS, PER)
@@ -556,9 +572,10 @@ def _row_units(R: tl.constexpr, n_units, H, T):
     return u, valid, u // (T * H), (u // T) % H, u % T
 
 
-def _int_qserve_kernel(x_ptr, codes_ptr, scale_ptr, offset_ptr, start, H, T, n_units,
-                       sxb, sxh, sxt, sxd, scb, sch, sct, scd, ssb, ssh, sst, sob, soh, sot,
-                       D: tl.constexpr, BD: tl.constexpr, R: tl.constexpr):  # fmt: skip
+def _int_qserve_kernel(x_ptr, codes_ptr, scale_ptr, offset_ptr, bad_ptr, start, H, T,
+                       n_units, sxb, sxh, sxt, sxd, scb, sch, sct, scd, ssb, ssh, sst, sob,
+                       soh, sot, D: tl.constexpr, BD: tl.constexpr, R: tl.constexpr,
+                       TINY: tl.constexpr):  # fmt: skip
     u, valid, b, h, t = _row_units(R, n_units, H, T)
     d = tl.arange(0, BD)[None, :]
     m = valid[:, None] & (d < D)
@@ -573,6 +590,7 @@ def _int_qserve_kernel(x_ptr, codes_ptr, scale_ptr, offset_ptr, start, H, T, n_u
     off = tl.math.div_rn(0.0 - lo, sf).to(tl.float16)
     tl.store(scale_ptr + b * ssb + h * ssh + (start + t) * sst, s, mask=valid)
     tl.store(offset_ptr + b * sob + h * soh + (start + t) * sot, off, mask=valid)
+    _flag_rows(bad_ptr, u, valid, x, m, s, off, TINY)
     q = _rint(tl.math.div_rn(x, sf[:, None]) + off.to(tl.float32)[:, None])
     q = tl.minimum(tl.maximum(q, 0.0), 15.0)
     codes = tl.where(m, q.to(tl.int32), 0)
@@ -656,11 +674,11 @@ def _pick(x, avail, offs, LOW: tl.constexpr):
 
 
 def _nuq_value_kernel(x_ptr, codes_ptr, scale_ptr, center_ptr, index_ptr, value_ptr, mids_ptr,
-                      start, H, T, n_units, sxb, sxh, sxt, sxd, scb, sch, sct, scd,
+                      bad_ptr, start, H, T, n_units, sxb, sxh, sxt, sxd, scb, sch, sct, scd,
                       ssb, ssh, sst, seb, seh, sec, sib, sih, sit, sis, svb, svh, svt, svs,
                       D: tl.constexpr, BD: tl.constexpr, R: tl.constexpr, K: tl.constexpr,
                       BITS: tl.constexpr, PER: tl.constexpr, DT: tl.constexpr,
-                      RANGE: tl.constexpr):  # fmt: skip
+                      RANGE: tl.constexpr, TINY: tl.constexpr):  # fmt: skip
     u, valid, b, h, t = _row_units(R, n_units, H, T)
     d = tl.arange(0, BD)[None, :]
     m = valid[:, None] & (d < D)
@@ -710,6 +728,7 @@ def _nuq_value_kernel(x_ptr, codes_ptr, scale_ptr, center_ptr, index_ptr, value_
     s = _round_up(tl.where(hi > lo, half, 1.0), DT)
     tl.store(scale_ptr + b * ssb + h * ssh + (start + t) * sst, s, mask=valid)
     tl.store(center_ptr + b * seb + h * seh + (start + t) * sec, center, mask=valid)
+    _flag_rows(bad_ptr, u, valid, x, m, s, center, TINY)
     xn = tl.math.div_rn(x - c[:, None], s.to(tl.float32)[:, None])
     codes = _nuq_codes(xn, mids_ptr, m, BITS)
     crow = codes_ptr + b * scb + h * sch + (start + t) * sct
@@ -758,6 +777,8 @@ _JIT = (
     "_fp8_kernel",
     "_nuq_codes",
     "_pick",
+    "_finite",
+    "_flag_rows",
     "_nuq_value_kernel",
     "_nuq_key_kernel",
 )
@@ -815,22 +836,26 @@ def _check_stored(what: str, stored: Tensor, scale: bool) -> None:
         )
 
 
-def _verify(x: Tensor, what: str, stored: tuple[tuple[str, Tensor, bool], ...]) -> None:
-    """After a launch: the input rows were finite and every stored qparam (name, rows, is a
-    scale) obeys `_check_stored`, tested with one device sync on the happy path instead of
-    one per condition (an append runs per layer and step; on CUDA each sync stalls the
-    launch queue). On failure the separate checks run in order and raise their message.
-    The rows written past the cache's length are not visible until the append commits."""
-    flags = [torch.isfinite(x).all()]
-    for _, t, scale in stored:
-        back = t.float()
-        ok = torch.isfinite(back).all()
-        flags.append(ok & (back >= torch.finfo(t.dtype).tiny).all() if scale else ok)
-    if bool(torch.stack(flags).all()):
+def _flags(n_units: int, device: torch.device) -> Tensor:
+    """Per-unit flags a kernel sets where a row cannot be stored (see `_refuse_flagged`)."""
+    return torch.empty(n_units, dtype=torch.uint8, device=device)
+
+
+def _refuse_flagged(
+    bad: Tensor, x: Tensor, what: str, stored: tuple[tuple[str, Tensor, bool], ...]
+) -> None:
+    """After a launch: the kernel flagged every unit whose input was not finite or whose
+    stored qparams (name, rows, is a scale) break `_check_stored`. Reading the flags is one
+    op and one device sync on the happy path (an append runs per layer and step; on CUDA
+    every sync stalls the launch queue, and every op is a launch). On a flag the separate
+    checks run in order and raise their own message. The rows written past the cache's
+    length are not visible until the append commits."""
+    if not bool(bad.any()):
         return
     check_finite(x, what)
     for name, t, scale in stored:
         _check_stored(name, t, scale)
+    raise KvqError(f"{what}: the append kernel flagged a row that the checks accept")
 
 
 def _or(t: Tensor | None, fallback: Tensor) -> Tensor:
@@ -858,18 +883,20 @@ def append_int_token_triton(
         raise KvqError(f"Triton packs {bits}-bit codes per group: G must be a multiple of {per}")
     bl = _block(g, per)
     off = _or(offset_out, scale_out)
+    bad = _flags(b * h * t * ng, x.device)
     _launch(
         "_int_token_kernel", b * h * t * ng, bl,
-        x, codes_out, scale_out, off, start, h, t, b * h * t * ng,
+        x, codes_out, scale_out, off, bad, start, h, t, b * h * t * ng,
         *x.stride(), *codes_out.stride(), *scale_out.stride(), *off.stride(),
         NG=ng, G=g, BL=bl, BITS=bits, PER=per, GBYTES=packing.packed_len(g, bits) if ng > 1 else 0,
         SYM=bool(symmetric), DT=_STORAGE[scale_out.dtype],
+        TINY=torch.finfo(scale_out.dtype).tiny,
     )  # fmt: skip
     rows = _rows(x, start)
     stored = (("scale", scale_out[:, :, rows], True),)
     if not symmetric:
         stored += (("offset", offset_out[:, :, rows], False),)
-    _verify(x, "input", stored)
+    _refuse_flagged(bad, x, "input", stored)
 
 
 def append_int_qserve_triton(
@@ -881,18 +908,19 @@ def append_int_qserve_triton(
     if not x.numel():
         return
     bd = _block(d, 8)
+    bad = _flags(b * h * t, x.device)
     _launch(
         "_int_qserve_kernel", b * h * t, bd,
-        x, codes_out, scale_out, offset_out, start, h, t, b * h * t,
+        x, codes_out, scale_out, offset_out, bad, start, h, t, b * h * t,
         *x.stride(), *codes_out.stride(), *scale_out.stride(), *offset_out.stride(),
-        D=d, BD=bd,
+        D=d, BD=bd, TINY=torch.finfo(torch.float16).tiny,
     )  # fmt: skip
     rows = _rows(x, start)
     stored = (
         ("QServe scale", scale_out[:, :, rows], True),
         ("QServe offset -min/scale", offset_out[:, :, rows], False),
     )
-    _verify(x, "input", stored)
+    _refuse_flagged(bad, x, "input", stored)
 
 
 def append_int_channel_triton(
@@ -972,18 +1000,19 @@ def append_nuq_value_triton(
     bd = _block(d, per)
     idx = _or(index_out if k else None, codes_out)
     val = _or(value_out if k else None, codes_out)
+    bad = _flags(b * h * t, x.device)
     _launch(
         "_nuq_value_kernel", b * h * t, bd,
-        x, codes_out, scale_out, center_out, idx, val, _mids(codebook, x.device), start, h, t,
-        b * h * t,
+        x, codes_out, scale_out, center_out, idx, val, _mids(codebook, x.device), bad, start,
+        h, t, b * h * t,
         *x.stride(), *codes_out.stride(), *scale_out.stride(), *center_out.stride(),
         *idx.stride(), *val.stride(),
         D=d, BD=bd, K=k, BITS=bits, PER=per, DT=_STORAGE[scale_out.dtype],
-        RANGE=split == "range",
+        RANGE=split == "range", TINY=torch.finfo(scale_out.dtype).tiny,
     )  # fmt: skip
     rows = _rows(x, start)
     stored = (("center", center_out[:, :, rows], False), ("scale", scale_out[:, :, rows], True))
-    _verify(x, "value rows", stored)
+    _refuse_flagged(bad, x, "value rows", stored)
 
 
 def append_nuq_key_triton(
