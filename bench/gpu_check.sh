@@ -11,6 +11,6 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 echo "== parity: decode attention on CUDA (append kernels: KVQ_TEST_CUDA=1 pytest tests/runtime/kernels/test_append.py)"
 KVQ_TRITON_DOT=ieee timeout 150 python3 -m pytest -q -p no:cacheprovider tests/runtime/kernels/test_decode_attention.py 2>&1 | tail -15
 echo "== decode attention benchmark"
-timeout 200 python3 bench/gpu_decode.py --json "$OUT/gpu_decode.json" 2>&1 | tail -40
+timeout 230 python3 bench/gpu_decode.py --json "$OUT/gpu_decode.json" 2>&1 | tail -45
 echo "== A8 producer benchmark"
 timeout 50 python3 bench/a8_gpu.py --json "$OUT/a8_gpu.json" 2>&1 | tail -20

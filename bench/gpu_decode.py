@@ -198,6 +198,42 @@ def waves_sweep(dev: str, do_bench, b: int = 16, t: int = 32768) -> list[dict]:
     return rows
 
 
+def dots_sweep(dev: str, do_bench, b: int = 16, t: int = 32768) -> list[dict]:
+    """KV4 and NUQ4 at batch b x context t with tf32 dots and with fp16 operands
+    (`KVQ_TRITON_DOT`): the max abs error against the reference on a small case, then the
+    time. fp16 halves the registers the decoded tiles take; tf32 keeps fp32 tiles."""
+    q = torch.randn(b, HQ, 1, D, device=dev)
+    rope = rope_tables(t, dev)
+    small_rope = rope_tables(1000, dev)
+    rows, default = [], da.DOT_PRECISION
+    try:
+        for mode in ("tf32", "fp16"):
+            da.DOT_PRECISION = mode
+            for kind in ("kv4", "nuq4"):
+                small = packed(kind, 2, 1000, dev, seed=1)
+                qs = torch.randn(2, HQ, 1, D, device=dev)
+                ref = decode_attention_reference(qs, [small], scaling=D**-0.5, rope=small_rope)
+                out = decode_attention_triton(qs, [small], scaling=D**-0.5, rope=small_rope)
+                err = (out - ref).abs().max().item()
+                seg = packed(kind, b, t, dev)
+                us = 1e3 * do_bench(
+                    lambda s=seg: decode_attention_triton(q, [s], scaling=D**-0.5, rope=rope)
+                )
+                gbs = nbytes(seg) / us / 1e3
+                rows.append(
+                    dict(batch=b, context=t, path=f"{kind}-{mode}", us=us, gbs=gbs, max_err=err)
+                )
+                print(
+                    f"b={b} T={t} {kind} dots={mode:5s} {us:10.1f} us {gbs:7.0f} GB/s  "
+                    f"max abs err {err:.1e}",
+                    flush=True,
+                )
+                del seg
+    finally:
+        da.DOT_PRECISION = default
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--contexts", nargs="+", type=int, default=[4096, 32768, 131072])
@@ -219,6 +255,7 @@ def main() -> None:
             rows += bench_case(b, t, dev, do_bench)
             torch.cuda.empty_cache()
     rows += waves_sweep(dev, do_bench)
+    rows += dots_sweep(dev, do_bench)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f, indent=2)

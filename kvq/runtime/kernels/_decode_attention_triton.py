@@ -248,6 +248,7 @@ def decode_attention_kernel(
     PRE_ROPE: tl.constexpr,
     HAS_MASK: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    HALF_DOTS: tl.constexpr,
     K_KIND: tl.constexpr,
     K_BITS: tl.constexpr,
     K_QAXIS: tl.constexpr,
@@ -334,8 +335,12 @@ def decode_attention_kernel(
             c = tl.load(cos + rope_off, mask=rope_ok, other=1.0)
             s = tl.load(sin + rope_off, mask=rope_ok, other=0.0)
             k1, k2 = k1 * c - k2 * s, k2 * c + k1 * s
-        scores = tl.dot(q1, tl.trans(k1), input_precision=DOT_PRECISION)
-        scores += tl.dot(q2, tl.trans(k2), input_precision=DOT_PRECISION)  # [R, BLOCK_T]
+        if HALF_DOTS:  # fp16 operands, fp32 accumulation: half the registers, fp16 MMA
+            scores = tl.dot(q1.to(tl.float16), tl.trans(k1.to(tl.float16)))
+            scores += tl.dot(q2.to(tl.float16), tl.trans(k2.to(tl.float16)))
+        else:
+            scores = tl.dot(q1, tl.trans(k1), input_precision=DOT_PRECISION)
+            scores += tl.dot(q2, tl.trans(k2), input_precision=DOT_PRECISION)  # [R, BLOCK_T]
         if softcap > 0:  # softcap * tanh(s / softcap), tanh(x) = 2 * sigmoid(2x) - 1
             scores = softcap * (2.0 * tl.sigmoid(2.0 * scores / softcap) - 1.0) * LOG2E
 
@@ -358,7 +363,11 @@ def decode_attention_kernel(
             vd_t, vq_t, vs_t, vc_t, vp_t, v_zero, t, t_ok, dcol, d_ok,
             V_KIND, V_BITS, V_QAXIS, V_GROUP, V_HAS_OFF, V_HAS_ZP, V_SLOTS, V_FLAT, 0, D,
         )  # fmt: skip
-        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PRECISION)
+        if HALF_DOTS:
+            pv = tl.dot(p.to(tl.float16), v.to(tl.float16))
+        else:
+            pv = tl.dot(p, v, input_precision=DOT_PRECISION)
+        acc = acc * alpha[:, None] + pv
         m_i = m_new
 
     # this segment's splits sit at split_base ... in partials shared by all segments

@@ -264,8 +264,11 @@ _KIND = {"full": 0, "affine": 1, "lookup": 2}
 _QAXIS = {"none": 0, "row": 1, "channel": 2, "head": 3}
 # tensor cores: tf32 products (10-bit mantissa, like fp16) with fp32 accumulation; exact
 # fp32 ("ieee") would make a decode kernel compute-bound on CUDA cores. Parity tests on
-# CUDA set KVQ_TRITON_DOT=ieee to compare against the fp32 reference tightly.
+# CUDA set KVQ_TRITON_DOT=ieee to compare against the fp32 reference tightly. "fp16" casts
+# the decoded tiles, queries and probabilities to fp16 before each dot (fp32 accumulation):
+# the same mantissa as tf32 at half the registers; bench/gpu_decode.py times both.
 DOT_PRECISION = os.environ.get("KVQ_TRITON_DOT", "tf32")
+DOT_MODES = ("tf32", "ieee", "fp16")
 MAX_QUERY_ROWS = 64  # G * Q rows per program; longer query blocks (prefill) use the reference
 
 
@@ -390,6 +393,16 @@ def _split_plan(rows: int, programs: int, device: torch.device) -> tuple[int, in
     return math.ceil(rows / rows_per_split), rows_per_split
 
 
+def _dot_mode(device: torch.device) -> str:
+    """`DOT_PRECISION` on CUDA (read at each call, so a benchmark can switch it); exact fp32
+    dots under the CPU interpreter, where the parity tests compare against the reference."""
+    if DOT_PRECISION not in DOT_MODES:
+        raise KvqError(
+            f"KVQ_TRITON_DOT must be one of {', '.join(DOT_MODES)}, got {DOT_PRECISION!r}"
+        )
+    return DOT_PRECISION if device.type == "cuda" else "ieee"
+
+
 @functools.cache
 def _dummy(device: torch.device) -> Tensor:
     """A one-element tensor standing in for absent optional inputs (never read)."""
@@ -410,6 +423,7 @@ def tuned_kernel(do_bench=None):
         for w in (4, 8)
     ]
     key = ["D", "R", "PRE_ROPE", "K_KIND", "K_BITS", "K_FLAT", "V_KIND", "V_BITS", "V_SLOTS"]
+    key.append("HALF_DOTS")
     return triton.autotune(
         configs, key=key, prune_configs_by={"early_config_prune": _fits}, do_bench=do_bench
     )(kern.decode_attention_kernel)
@@ -508,6 +522,7 @@ def _segment_partials(q, seg, rope, mask_u8, col, total, scaling, softcap, parti
     hkv = seg.key.data.shape[1]
     m, den, acc, first, splits, rows_per_split = partials
     kernel, launch = _launcher(q.device, d)
+    dots = _dot_mode(q.device)
     dummy = _dummy(q.device)
     k_t, k_s, k_c = _family_args(seg.key, dummy)
     v_t, v_s, v_c = _family_args(seg.value, dummy)
@@ -556,7 +571,8 @@ def _segment_partials(q, seg, rope, mask_u8, col, total, scaling, softcap, parti
         BLOCK_HALF=triton.next_power_of_2(d // 2),
         PRE_ROPE=pre_rope,
         HAS_MASK=mask_u8 is not None,
-        DOT_PRECISION=DOT_PRECISION if q.is_cuda else "ieee",
+        DOT_PRECISION="ieee" if dots == "fp16" else dots,
+        HALF_DOTS=dots == "fp16",
         **launch,
         **{f"K_{k}": v for k, v in k_c.items()},
         **{f"V_{k}": v for k, v in v_c.items()},

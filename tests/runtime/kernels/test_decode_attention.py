@@ -252,6 +252,25 @@ def test_combine_kernel_matches_reference(splits, rows, d):
     assert torch.equal(out[1, 2, 3], torch.zeros_like(out[1, 2, 3]))
 
 
+@pytest.mark.parametrize("kind", ["int4-channel", "nuq4"])
+def test_fp16_dots_stay_within_fp16_rounding(kind, monkeypatch):
+    """KVQ_TRITON_DOT=fp16 (fp16 operands, fp32 accumulation) on pre-RoPE keys, forced on
+    under the interpreter: within the tf32 tolerance of the reference, and not identical to
+    the exact-dot kernel (so the fp16 branch really ran)."""
+    from kvq.runtime.kernels import decode_attention as da
+
+    k, v = _data(1, 2, 70, 128, seed=9)
+    kp, vp = _codec_segment(kind, k, v, pre_rope=True)
+    q = torch.randn(1, 4, 1, 128)
+    args = (q, [Segment(kp, vp, torch.arange(70)[None])])
+    exact = decode_attention_triton(*args, scaling=128**-0.5, rope=_rope(128))
+    monkeypatch.setattr(da, "_dot_mode", lambda device: "fp16")
+    half = decode_attention_triton(*args, scaling=128**-0.5, rope=_rope(128))
+    ref = decode_attention_reference(*args, scaling=128**-0.5, rope=_rope(128))
+    assert (half - ref).abs().max().item() < 2e-2
+    assert not torch.equal(half, exact)
+
+
 def test_dispatch_falls_back_for_long_query_blocks(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     k, v = _data(1, 1, 20, 32, seed=6)
