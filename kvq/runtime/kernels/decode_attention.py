@@ -410,17 +410,20 @@ def _dummy(device: torch.device) -> Tensor:
 
 
 def tuned_kernel(do_bench=None):
-    """The kernel under `triton.autotune`: row tile x warps, per head_dim, query rows and
+    """The kernel under `triton.autotune`: row tile x warps x stages, per head_dim, query rows and
     formats (the best launch differs between a 4-bit lookup and an 8-bit affine family).
     `do_bench` replaces Triton's CUDA-event timer (tests run it under the interpreter)."""
     import triton
 
     from kvq.runtime.kernels import _decode_attention_triton as kern
 
+    # num_stages 2 lets Triton's pipeliner load the next tile's codes while this one is
+    # decoded and multiplied (where the loop allows it); the tuner times both
     configs = [
-        triton.Config({"BLOCK_T": t}, num_warps=w, num_stages=1)
+        triton.Config({"BLOCK_T": t}, num_warps=w, num_stages=stages)
         for t in (32, 64, 128)
         for w in (4, 8)
+        for stages in (1, 2)
     ]
     key = ["D", "R", "PRE_ROPE", "K_KIND", "K_BITS", "K_FLAT", "V_KIND", "V_BITS", "V_SLOTS"]
     key.append("HALF_DOTS")
