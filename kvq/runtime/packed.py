@@ -339,7 +339,9 @@ class ChunkDecoder:
         p = self.p
         packed = p.data[:, :, start:stop]  # [B, H, C, D/per] uint8
         b, h, c, n = packed.shape
-        word = packed.new_empty((b, h, c, n // 2), dtype=torch.int16)
+        if self._buffers is None or self._buffers[0].shape[2] < c:  # the first chunk
+            self._buffers = (packed.new_empty((b, h, c, n // 2), dtype=torch.int16),)
+        word = self._buffers[0][:, :, :c]  # reused from chunk to chunk
         index = _pair_bytes(packed, p.bits, word).reshape(-1).int()
         x = packing.gather_rows(self.per_byte, index).view(1, b, h, c, p.head_dim)
         x = torch.addcmul(self.static[1], x, self.static[0], out=x)
