@@ -6,8 +6,9 @@ each representation, parity with the pure-torch reference is checked first on
 a small real encode (raises on mismatch); timings then use random codes of the
 right layout (time does not depend on code values; NUQ4 has 1% key exceptions).
 
-Prints microseconds, achieved GB/s (bytes of codes + qparams + exceptions read)
-and the share of the HBM peak; `--json FILE` writes the rows.
+Prints microseconds, the host time per call (launcher Python and launches, which is
+the step time when it exceeds the kernel's), achieved GB/s (bytes of codes + qparams +
+exceptions read) and the share of the HBM peak; `--json FILE` writes the rows.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import time
 
 import torch
 import torch.nn.functional as F
@@ -153,6 +155,19 @@ def _sdpa_fp16(q, t: int, dev: str, do_bench) -> tuple[float, float]:
     return us, (k16.nbytes + v16.nbytes) / us / 1e3
 
 
+def host_us(fn, calls: int = 20) -> float:
+    """Microseconds of host time per call, the GPU left to run behind: the launcher's Python,
+    torch calls and kernel launches. When it exceeds the kernel time, it is the step time."""
+    fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    host = (time.perf_counter() - start) / calls * 1e6
+    torch.cuda.synchronize()
+    return host
+
+
 def bench_case(b: int, t: int, dev: str, do_bench) -> list[dict]:
     """fp16 SDPA, then each packed layout, at batch b and context t."""
     q = torch.randn(b, HQ, 1, D, device=dev)
@@ -162,15 +177,28 @@ def bench_case(b: int, t: int, dev: str, do_bench) -> list[dict]:
     print(f"b={b:<3d} T={t:<7d} sdpa-fp16 {base:10.1f} us {gbs:7.0f} GB/s", flush=True)
     for kind in ("kv8", "kv4", "fp8", "nuq4"):
         seg = packed(kind, b, t, dev)
-        us = do_bench(lambda s=seg: decode_attention_triton(q, [s], scaling=D**-0.5, rope=rope))
-        us *= 1e3
+
+        def call(s=seg):
+            return decode_attention_triton(q, [s], scaling=D**-0.5, rope=rope)
+
+        us = do_bench(call) * 1e3
+        host = host_us(call)
         gbs = nbytes(seg) / us / 1e3
         config = str(getattr(da.cuda_kernel(), "best_config", "?"))
         rows.append(
-            dict(batch=b, context=t, path=kind, us=us, gbs=gbs, speedup=base / us, config=config)
+            dict(
+                batch=b,
+                context=t,
+                path=kind,
+                us=us,
+                host_us=host,
+                gbs=gbs,
+                speedup=base / us,
+                config=config,
+            )
         )
         print(
-            f"b={b:<3d} T={t:<7d} {kind:9s} {us:10.1f} us {gbs:7.0f} GB/s "
+            f"b={b:<3d} T={t:<7d} {kind:9s} {us:10.1f} us (host {host:6.1f} us) {gbs:7.0f} GB/s "
             f"({100 * gbs / PEAK_GBS:4.1f}% of peak)  {base / us:5.2f}x vs fp16 sdpa  [{config}]",
             flush=True,
         )
