@@ -18,13 +18,12 @@ Codes are uint8 and left unpacked here; see `kvq.quant.packing`.
 
 from __future__ import annotations
 
-import weakref
-
 import torch
 from torch import Tensor
 
 from kvq.errors import KvqError
 from kvq.quant.qparams import check_finite, dtype_name, store_scale
+from kvq.tensor_memo import Memo, memoised
 
 MAX_BITS = 8  # codes are uint8
 
@@ -179,19 +178,18 @@ def fit_codebook(
 # --- encode / decode ------------------------------------------------------------------
 
 
-# id(codebook) -> (weak reference, its version counter when checked, float32 levels,
-# decision boundaries): a layer's codebook is static, and checking it costs two device
-# syncs, on every append and decode step otherwise. An in-place edit bumps the version and
-# so is checked again.
-_CHECKED: dict[int, tuple[weakref.ref, int, Tensor, Tensor]] = {}
+# a layer's codebook is static, and checking it costs two device syncs, on every append and
+# decode step otherwise: checked once per codebook tensor (again after an in-place edit)
+_CHECKED: Memo = {}
 
 
 def _checked(codebook: Tensor) -> tuple[Tensor, Tensor]:
     """(levels float32 [L], decision boundaries float32 [L - 1]) of a codebook checked once:
     1-D, 2..256 finite, strictly increasing levels."""
-    hit = _CHECKED.get(id(codebook))
-    if hit is not None and hit[0]() is codebook and hit[1] == codebook._version:
-        return hit[2], hit[3]
+    return memoised(_CHECKED, codebook, lambda: _check_levels(codebook))
+
+
+def _check_levels(codebook: Tensor) -> tuple[Tensor, Tensor]:
     if codebook.dim() != 1 or not 2 <= codebook.numel() <= 2**MAX_BITS:
         raise KvqError(
             f"codebook must be 1-D with 2..{2**MAX_BITS} levels, got shape {tuple(codebook.shape)}"
@@ -200,11 +198,7 @@ def _checked(codebook: Tensor) -> tuple[Tensor, Tensor]:
     check_finite(cb, "codebook")
     if not bool((cb[1:] > cb[:-1]).all()):
         raise KvqError("codebook levels must be strictly increasing")
-    mids = (cb[:-1] + cb[1:]) * 0.5  # [L - 1] midpoints between neighbouring levels
-    key = id(codebook)
-    ref = weakref.ref(codebook, lambda _, k=key, checked=_CHECKED: checked.pop(k, None))
-    _CHECKED[key] = (ref, codebook._version, cb, mids)
-    return cb, mids
+    return cb, (cb[:-1] + cb[1:]) * 0.5  # [L - 1] midpoints between neighbouring levels
 
 
 def _check_codebook(codebook: Tensor) -> Tensor:

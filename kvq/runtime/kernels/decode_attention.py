@@ -31,7 +31,6 @@ from __future__ import annotations
 import functools
 import math
 import os
-import weakref
 from dataclasses import dataclass
 
 import torch
@@ -40,6 +39,7 @@ from torch import Tensor
 from kvq.errors import KvqError
 from kvq.runtime.kernels.backend import ENV, resolve_backend
 from kvq.runtime.packed import ChunkDecoder, PackedRows, entry_pointers, layout_perm
+from kvq.tensor_memo import Memo, memoised
 
 Rope = tuple[Tensor, Tensor]  # cos, sin tables [P, D/2] float32, indexed by RoPE position
 
@@ -229,8 +229,8 @@ def _complex(x: Tensor) -> Tensor:
     return torch.view_as_complex(x.unflatten(-1, (-1, 2)))
 
 
-# id(cos table) -> (weak reference to it, {planes: pair table}); dropped with the table
-_PAIR_TABLES: dict[int, tuple[weakref.ref, dict]] = {}
+# cos table -> {planes: pair table}, kept while the table lives
+_PAIR_TABLES: Memo = {}
 
 
 def _pair_table(rope: Rope, planes: int) -> Tensor:
@@ -238,13 +238,7 @@ def _pair_table(rope: Rope, planes: int) -> Tensor:
     (real, imaginary) that the pair layout of that many planes, `layout_perm(D, 8 // planes,
     pairs=True)`, puts at plane k, positions 2i and 2i + 1 (natural pair order is the
     one-plane layout). Cached per table: a layer reuses its tables across decode steps."""
-    key = id(rope[0])
-    entry = _PAIR_TABLES.get(key)
-    if entry is None or entry[0]() is not rope[0]:
-        drop = lambda _, k=key, tables=_PAIR_TABLES: tables.pop(k, None)  # noqa: E731
-        entry = (weakref.ref(rope[0], drop), {})
-        _PAIR_TABLES[key] = entry
-    cached = entry[1]
+    cached = memoised(_PAIR_TABLES, rope[0], dict)  # planes -> table
     if planes not in cached:
         cos, sin = rope
         freq = layout_perm(2 * cos.shape[-1], 8 // planes, True, cos.device)[0::2]  # [D/2]
