@@ -17,7 +17,7 @@ from torch import Tensor
 from kvq.calibrators.channel_scales import ChannelScalesOptions, calibrate_channel_scales
 from kvq.calibrators.fisher import fisher_cached
 from kvq.calibrators.kvquant import KVQuantOptions, calibrate_kvquant
-from kvq.data.text import TextSource, load_text
+from kvq.data.text import TextSource, read_corpus
 from kvq.data.windows import TokenWindows, sample_windows
 from kvq.errors import KvqError
 from kvq.exporters.artifact import Artifact, check_model_compatible, read_artifact, write_artifact
@@ -33,15 +33,6 @@ from kvq.models.loading import LoadedModel, load_model
 from kvq.progress import Progress
 from kvq.quant.schemes import CachePolicy, named_policy
 from kvq.runtime.cache import QuantizedKVCache, build_cache
-
-
-def read_corpus(dataset: str, n: int, seqlen: int, data_dir: str | None) -> tuple[str, TextSource]:
-    """The text to sample n windows of seqlen tokens from, checked before any model loads."""
-    if n <= 0:
-        raise KvqError(f"number of windows must be positive, got {n}")
-    if seqlen < 2:
-        raise KvqError(f"--seqlen must be at least 2, got {seqlen}")
-    return load_text(dataset, data_dir=data_dir)
 
 
 def load_windows(
@@ -84,11 +75,14 @@ def calibrate_job(
     overwrite: bool,
     data_dir: str | None,
     progress: Progress,
+    corpus: tuple[str, TextSource] | None = None,
 ) -> Artifact:
-    """Load, sample, run `fit`, measure the ledger on a real cache, write the artifact atomically."""
+    """Load, sample, run `fit`, measure the ledger on a real cache, write the artifact atomically.
+    corpus: `read_corpus` of the dataset when the caller has read it already."""
     if out.exists() and not overwrite:
         raise KvqError(f"output {out} exists; pass --overwrite to replace it")
-    corpus = read_corpus(dataset, samples, seqlen, data_dir)  # a bad dataset fails before the load
+    # a bad dataset fails before the model load
+    corpus = corpus or read_corpus(dataset, samples, seqlen, data_dir)
     with progress.stage("load model"):
         loaded = load_model(model_spec)
     with progress.stage("sample windows"):

@@ -101,7 +101,7 @@ def calibrate_channel_scales(
 ) -> None:
     """Static per-channel K scales (pre-RoPE by default); V per token at append."""
     from kvq.calibrators.options import ChannelScalesOptions
-    from kvq.eval.inputs import check_dataset
+    from kvq.data.text import read_corpus
 
     _positive(samples=samples, seqlen=seqlen)
     options = ChannelScalesOptions(
@@ -111,7 +111,7 @@ def calibrate_channel_scales(
         sink=sink,
         value_group=v_group or None,
     )
-    check_dataset(dataset, data_dir)
+    corpus = read_corpus(dataset, samples, seqlen, data_dir)
     from kvq.pipeline import channel_scales_fit  # torch and transformers: after the checks
 
     _calibrate(
@@ -126,6 +126,7 @@ def calibrate_channel_scales(
         out,
         overwrite,
         data_dir,
+        corpus,
     )
 
 
@@ -149,13 +150,13 @@ def calibrate_kvquant(
 ) -> None:
     """KVQuant: pre-RoPE per-channel K, per-token V, Fisher-weighted NUQ, sparse outliers, sinks."""
     from kvq.calibrators.options import KVQuantOptions
-    from kvq.eval.inputs import check_dataset
+    from kvq.data.text import read_corpus
 
     _positive(samples=samples, seqlen=seqlen)
     options = KVQuantOptions(
         bits=bits, outliers=outliers, sink=sink, fisher=fisher, qnorm=qnorm, seed=seed
     )
-    check_dataset(dataset, data_dir)
+    corpus = read_corpus(dataset, samples, seqlen, data_dir)
     from kvq.pipeline import kvquant_fit  # torch and transformers: after the checks
 
     _calibrate(
@@ -170,11 +171,12 @@ def calibrate_kvquant(
         out,
         overwrite,
         data_dir,
+        corpus,
     )
 
 
 def _calibrate(
-    method, fit, options, model, dataset, samples, seqlen, seed, out, overwrite, data_dir
+    method, fit, options, model, dataset, samples, seqlen, seed, out, overwrite, data_dir, corpus
 ) -> None:
     from kvq.cli.progress import RichProgress
     from kvq.cli.render import print_calibration_summary
@@ -196,6 +198,7 @@ def _calibrate(
             overwrite,
             data_dir,
             progress,
+            corpus,
         )
     print_calibration_summary(artifact, out)
 
@@ -242,13 +245,14 @@ def run_eval(
     backend: str | None = BACKEND,
 ) -> None:
     """Perplexity, KL divergence and bytes of the quantized cache vs the unquantized model."""
-    from kvq.eval.inputs import check_cache_source, check_dataset, check_protocol, parse_tasks
+    from kvq.data.text import read_corpus
+    from kvq.eval.inputs import check_cache_source, check_protocol, parse_tasks
 
     _positive(windows=windows, seqlen=seqlen)
     parse_tasks(tasks)
     check_protocol(protocol)
     check_cache_source(artifact, policy, backend)
-    check_dataset(dataset, data_dir)
+    corpus = read_corpus(dataset, windows, seqlen, data_dir)
 
     from kvq.cli.progress import RichProgress
     from kvq.cli.render import print_eval
@@ -269,6 +273,7 @@ def run_eval(
             data_dir,
             progress,
             backend,
+            corpus,
         )
     print_eval(report)
     if json_out is not None:

@@ -44,6 +44,16 @@ def load_text(spec: str, data_dir: str | None = None) -> tuple[str, TextSource]:
     return text, TextSource(spec=spec, path=path, sha256=_sha256(text))
 
 
+def read_corpus(spec: str, n: int, seqlen: int, data_dir: str | None) -> tuple[str, TextSource]:
+    """`load_text(spec)` to sample n windows of seqlen tokens from, after checking n and
+    seqlen: read before any model loads (no torch here), so bad input fails at once."""
+    if n <= 0:
+        raise KvqError(f"number of windows must be positive, got {n}")
+    if seqlen < 2:
+        raise KvqError(f"--seqlen must be at least 2, got {seqlen}")
+    return load_text(spec, data_dir=data_dir)
+
+
 def _sha256(text: str) -> str:
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
 

@@ -1,14 +1,14 @@
 """Checks of command-line input that need no model and no torch.
 
 They run before the heavy imports and the model load (seconds together), so a typo is
-reported at once; the library jobs run them too.
+reported at once; the library jobs run them too. The dataset is checked by reading it
+(`kvq.data.text.read_corpus`), and the text read is handed to the job.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from kvq.data.text import load_text
 from kvq.errors import KvqError
 from kvq.quant.schemes import NAMED_POLICIES, named_policy
 from kvq.runtime.kernels.backend import check_choice
@@ -39,9 +39,3 @@ def check_cache_source(artifact_path: Path | None, policy: str | None, backend: 
         named_policy(policy, 1)  # raises the one-line "unknown policy" error
     if artifact_path is not None and not Path(artifact_path).exists():
         raise KvqError(f"artifact {artifact_path} does not exist")
-
-
-def check_dataset(dataset: str, data_dir: str | None) -> None:
-    """The dataset can be read (a file, or wikitext2 where --data-dir or the cache has it).
-    Reading it takes milliseconds; the job reads it again after its heavy imports."""
-    load_text(dataset, data_dir=data_dir)

@@ -8,11 +8,12 @@ from pathlib import Path
 
 import torch
 
+from kvq.data.text import TextSource, read_corpus
 from kvq.eval.inputs import check_cache_source, check_protocol, parse_tasks
 from kvq.eval.quality import evaluate
 from kvq.manifests.ledger import ByteLedger
 from kvq.models.loading import load_model
-from kvq.pipeline import cache_for, load_artifact, load_windows, read_corpus
+from kvq.pipeline import cache_for, load_artifact, load_windows
 from kvq.progress import Progress
 from kvq.runtime.kernels.backend import resolve_backend
 
@@ -30,11 +31,14 @@ def run_eval_job(
     data_dir: str | None,
     progress: Progress,
     backend: str | None = None,
+    corpus: tuple[str, TextSource] | None = None,
 ) -> dict:
+    """corpus: `read_corpus` of the dataset when the caller has read it already."""
     chosen = parse_tasks(tasks)
     check_protocol(protocol)
     check_cache_source(artifact_path, policy, backend)
-    corpus = read_corpus(dataset, windows, seqlen, data_dir)  # a bad dataset fails before the load
+    # a bad dataset fails before the model load
+    corpus = corpus or read_corpus(dataset, windows, seqlen, data_dir)
     start = time.perf_counter()
     with progress.stage("load model"):
         loaded = load_model(model_spec)
