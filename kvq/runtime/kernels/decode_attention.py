@@ -296,12 +296,46 @@ def decode_attention_triton(
     chunk_rows: int | None = None,
 ) -> Tensor:
     """Same contract as `decode_attention_reference`; `chunk_rows` is unused here."""
-    import triton
-
     total = _check(query, segments, rope, mask)
     reason = triton_unsupported(query, segments, mask)
     if reason:
         raise KvqError(f"triton decode attention: {reason}")
+    b, hq, q_len, d = query.shape
+    hkv = segments[0].key.data.shape[1]
+    group = hq // hkv
+    kernel, launch = _launcher(query.device, d)
+    calls, (m, den, acc) = kernel_calls(
+        query, segments, scaling=scaling, rope=rope, mask=mask, softcap=softcap,
+        dots=_dot_mode(query.device), total=total,
+    )  # fmt: skip
+    for grid, args, consts in calls:
+        kernel[grid](*args, **consts, **launch)
+    out = combine_partials_triton(m, den, acc)  # [B, H_kv, R, D]
+    out = out[:, :, : group * q_len].reshape(b, hkv, group, q_len, d)
+    return out.reshape(b, hq, q_len, d)
+
+
+def kernel_calls(
+    query: Tensor,
+    segments: list[Segment],
+    *,
+    scaling: float,
+    rope: Rope | None = None,
+    mask: Tensor | None = None,
+    softcap: float | None = None,
+    dots: str = "tf32",
+    total: int | None = None,
+) -> tuple[list[tuple[tuple[int, int], tuple, dict]], tuple[Tensor, Tensor, Tensor]]:
+    """The decode kernel's launches for this call, without launching: ([(grid, positional
+    args, constexprs) per non-empty segment], the partials (max, denominator, numerator)
+    they write). `decode_attention_triton` launches them; `kernels.offline` compiles them
+    for a GPU that this machine does not have. dots: a `DOT_MODES` entry."""
+    import triton
+
+    if dots not in DOT_MODES:
+        raise KvqError(f"dots must be one of {', '.join(DOT_MODES)}, got {dots!r}")
+    if total is None:
+        total = _check(query, segments, rope, mask)
     b, hq, q_len, d = query.shape
     hkv = segments[0].key.data.shape[1]
     group = hq // hkv
@@ -320,14 +354,16 @@ def decode_attention_triton(
     m = torch.empty((b, hkv, splits, rows_pad), device=q.device)
     den = torch.empty_like(m)
     acc = torch.empty((b, hkv, splits, rows_pad, d), device=q.device)
-    first = 0
+    calls, first = [], 0
     for seg, col, n, rows_per_split in plans:
         partials = (m, den, acc, first, n, rows_per_split)
-        _segment_partials(q, seg, rope, mask_u8, col, total, scaling, softcap, partials, group)
+        calls.append(
+            _segment_call(
+                q, seg, rope, mask_u8, col, total, scaling, softcap, partials, group, dots
+            )
+        )
         first += n
-    out = combine_partials_triton(m, den, acc)  # [B, H_kv, R, D]
-    out = out[:, :, : group * q_len].reshape(b, hkv, group, q_len, d)
-    return out.reshape(b, hq, q_len, d)
+    return calls, (m, den, acc)
 
 
 def combine_partials_reference(m: Tensor, denom: Tensor, acc: Tensor) -> Tensor:
@@ -403,31 +439,45 @@ def _dummy(device: torch.device) -> Tensor:
     return torch.zeros(1, device=device)
 
 
-def tuned_kernel(do_bench=None):
-    """The kernel under `triton.autotune`: row tile x warps x stages, per head_dim, query rows and
-    formats (the best launch differs between a 4-bit lookup and an 8-bit affine family).
-    `do_bench` replaces Triton's CUDA-event timer (tests run it under the interpreter)."""
+def autotune_configs():
+    """Launch configurations the tuner times: row tile x warps x stages (`_fits` then
+    drops row tiles too large for the head_dim at hand)."""
     import triton
-
-    from kvq.runtime.kernels import _decode_attention_triton as kern
 
     # num_stages 2 lets Triton's pipeliner load the next tile's codes while this one is
     # decoded and multiplied (where the loop allows it); the tuner times both
-    configs = [
+    return [
         triton.Config({"BLOCK_T": t}, num_warps=w, num_stages=stages)
         for t in (32, 64, 128)
         for w in (4, 8)
         for stages in (1, 2)
     ]
-    key = ["D", "R", "PRE_ROPE", "K_KIND", "K_BITS", "K_FLAT", "V_KIND", "V_BITS", "V_SLOTS"]
-    key.append("HALF_DOTS")
+
+
+AUTOTUNE_KEY = ["D", "R", "PRE_ROPE", "K_KIND", "K_BITS", "K_FLAT", "V_KIND", "V_BITS"]
+AUTOTUNE_KEY += ["V_SLOTS", "HALF_DOTS"]
+
+
+def tuned_kernel(do_bench=None):
+    """The kernel under `triton.autotune` over `autotune_configs`, per head_dim, query rows
+    and formats (the best launch differs between a 4-bit lookup and an 8-bit affine family).
+    `do_bench` replaces Triton's CUDA-event timer (tests run it under the interpreter)."""
+    import triton
+
+    from kvq.runtime.kernels import _decode_attention_triton as kern
+
     return triton.autotune(
-        configs, key=key, prune_configs_by={"early_config_prune": _fits}, do_bench=do_bench
+        autotune_configs(),
+        key=AUTOTUNE_KEY,
+        prune_configs_by={"early_config_prune": _fits},
+        do_bench=do_bench,
     )(kern.decode_attention_kernel)
 
 
 def _fits(configs, named_args, **kwargs):
-    """Drop row tiles whose [BLOCK_T, BLOCK_D] fp32 value tile would spill registers."""
+    """Drop row tiles whose [BLOCK_T, BLOCK_D] fp32 value tile exceeds 64 x 128: those
+    spill registers or leave too few warps resident to be worth timing (what each kept
+    configuration costs: bench/kernel_resources.py)."""
     kept = [c for c in configs if c.kwargs["BLOCK_T"] * kwargs["BLOCK_D"] <= 64 * 128]
     return kept or configs[:1]
 
@@ -510,16 +560,15 @@ def _family_args(p: PackedRows, dummy: Tensor):
     return tensors, strides, consts
 
 
-def _segment_partials(q, seg, rope, mask_u8, col, total, scaling, softcap, partials, group):
-    """Launch the kernel over one segment; it writes its splits' partial states at
-    split `first` ... of partials = (m, den, acc, first, splits, rows per split)."""
+def _segment_call(q, seg, rope, mask_u8, col, total, scaling, softcap, partials, group, dots):
+    """(grid, args, constexprs) of the kernel over one segment; it writes its splits'
+    partial states at split `first` ... of partials = (m, den, acc, first, splits, rows
+    per split)."""
     import triton
 
     b, hq, q_len, d = q.shape
     hkv = seg.key.data.shape[1]
     m, den, acc, first, splits, rows_per_split = partials
-    kernel, launch = _launcher(q.device, d)
-    dots = _dot_mode(q.device)
     dummy = _dummy(q.device)
     k_t, k_s, k_c = _family_args(seg.key, dummy)
     v_t, v_s, v_c = _family_args(seg.value, dummy)
@@ -533,7 +582,7 @@ def _segment_partials(q, seg, rope, mask_u8, col, total, scaling, softcap, parti
         pos_stride = 0
     msk = mask_u8 if mask_u8 is not None else dummy
     m_strides = mask_u8.stride()[:2] if mask_u8 is not None else (0, 0)
-    kernel[(b * hkv, splits)](
+    args = (
         q,
         *q.stride()[:3],
         *k_t,
@@ -560,6 +609,8 @@ def _segment_partials(q, seg, rope, mask_u8, col, total, scaling, softcap, parti
         float(seg.value.zero),
         float(scaling),
         float(softcap or 0.0),
+    )
+    consts = dict(
         Q=q_len,
         G=group,
         R=m.shape[3],
@@ -570,10 +621,10 @@ def _segment_partials(q, seg, rope, mask_u8, col, total, scaling, softcap, parti
         HAS_MASK=mask_u8 is not None,
         DOT_PRECISION="ieee" if dots == "fp16" else dots,
         HALF_DOTS=dots == "fp16",
-        **launch,
         **{f"K_{k}": v for k, v in k_c.items()},
         **{f"V_{k}": v for k, v in v_c.items()},
     )
+    return (b * hkv, splits), args, consts
 
 
 # --- dispatch -----------------------------------------------------------------------------

@@ -1,0 +1,147 @@
+"""The decode kernel compiled for sm_90 on this CPU-only machine (kvq.runtime.kernels.offline).
+
+The kernels run under the interpreter everywhere else in the tests; these compile the real
+launches for an H100/H200 with the ptxas Triton ships, and check what only a compile shows:
+that dots become tensor-core instructions, and that the register budget of the layouts the
+runtime uses keeps enough warps resident without spilling.
+
+Compiling needs a process whose triton was imported without TRITON_INTERPRET=1 (the test
+session sets it), so the compiles run in one child process: this file run as a script.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections import Counter
+
+import pytest
+import torch
+
+from kvq.runtime.kernels import _decode_attention_triton as kern
+from kvq.runtime.kernels.decode_attention import Segment, kernel_calls
+from kvq.runtime.kernels.offline import KernelResources, compile_offline
+from kvq.runtime.packed import PackedRows
+
+
+def _half(*shape, lo=0.01, hi=0.05):
+    return (torch.rand(*shape) * (hi - lo) + lo).half()
+
+
+def _codes(b, h, t, nbytes):
+    return torch.randint(0, 256, (b, h, t, nbytes), dtype=torch.uint8)
+
+
+def _int4_segment(b, hkv, t, d, pre_rope):
+    """Static per-channel INT4 keys, INT4 values per token in groups of 32: the layout of a
+    channel-scales artifact (pre-RoPE keys by default, post-RoPE with --key-stage)."""
+    key = PackedRows(
+        "affine", d, _codes(b, hkv, t, d // 2), 4,
+        scale=_half(hkv, d), offset=-_half(hkv, d, lo=1.0, hi=1.2), pre_rope=pre_rope,
+    )  # fmt: skip
+    value = PackedRows(
+        "affine", d, _codes(b, hkv, t, d // 2), 4,
+        scale=_half(b, hkv, t, d // 32), offset=-_half(b, hkv, t, d // 32, lo=1.0, hi=1.2),
+    )  # fmt: skip
+    return Segment(key, value, torch.arange(t).expand(b, t))
+
+
+def _nuq4_segment(b, hkv, t, d):
+    """KVQuant: codebook keys (pre-RoPE) with 2 exact exceptions per row, codebook values
+    per token with 2 exception slots."""
+    levels = torch.linspace(-1, 1, 16)
+    n = b * hkv * t * 2
+    key = PackedRows(
+        "lookup", d, _codes(b, hkv, t, d // 2), 4, scale=_half(hkv, d), offset=_half(hkv, d),
+        table=levels, sparse_count=torch.full((b, hkv, t), 2, dtype=torch.uint8),
+        sparse_index=torch.tensor([3, d - 5], dtype=torch.uint8).repeat(n // 2),
+        sparse_value=_half(n), pre_rope=True,
+    )  # fmt: skip
+    slots = torch.tensor([1, d // 2], dtype=torch.uint8).expand(b, hkv, t, 2).contiguous()
+    value = PackedRows(
+        "lookup", d, _codes(b, hkv, t, d // 2), 4, scale=_half(b, hkv, t, 1),
+        offset=_half(b, hkv, t, 1), table=levels, slot_index=slots,
+        slot_value=_half(b, hkv, t, 2),
+    )  # fmt: skip
+    return Segment(key, value, torch.arange(t).expand(b, t))
+
+
+def _resources(seg, hq, dots="tf32", **options):
+    b, d, t = seg.key.data.shape[0], seg.key.head_dim, seg.key.rows
+    query = torch.randn(b, hq, 1, d)
+    inv = 1.0 / 10000.0 ** (torch.arange(0, d, 2).float() / d)
+    ang = torch.arange(t).float()[:, None] * inv
+    calls, _ = kernel_calls(query, [seg], scaling=d**-0.5, rope=(ang.cos(), ang.sin()), dots=dots)
+    ((_, args, consts),) = calls
+    opts = {"num_warps": 8, "num_stages": 1, **options}
+    return compile_offline(kern.decode_attention_kernel, args, consts, options=opts)
+
+
+CASES = {  # name -> (segment, query heads)
+    "int4-pre-d128": lambda: (_int4_segment(16, 2, 256, 128, pre_rope=True), 8),
+    "int4-pre-gemma": lambda: (_int4_segment(16, 1, 256, 256, pre_rope=True), 4),
+    "int4-post-gemma": lambda: (_int4_segment(16, 1, 256, 256, pre_rope=False), 4),
+    "nuq4-d128": lambda: (_nuq4_segment(16, 2, 256, 128), 8),
+}
+JOBS = [  # (case, dots, launch options)
+    ("int4-pre-d128", "tf32", {"BLOCK_T": 16}),
+    ("int4-pre-d128", "fp16", {"BLOCK_T": 16}),
+    ("int4-pre-d128", "ieee", {"BLOCK_T": 16}),
+]
+
+
+def _compile_jobs(jobs) -> list[dict]:
+    torch.manual_seed(0)
+    out = []
+    for case, dots, options in jobs:
+        seg, hq = CASES[case]()
+        res = _resources(seg, hq, dots, **options)
+        out.append({**res.as_dict(), "sass": dict(res.sass)})
+    return out
+
+
+@pytest.fixture(scope="module")
+def compiled() -> dict[tuple, KernelResources]:
+    """Every job of JOBS compiled in one child process without the interpreter."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run(
+        [sys.executable, __file__, json.dumps(JOBS)],
+        env=env, capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = json.loads(run.stdout.strip().splitlines()[-1])
+    return {
+        (case, dots): KernelResources(
+            r["num_warps"], r["registers"], r["stack_bytes"], r["shared_bytes"], Counter(r["sass"])
+        )
+        for (case, dots, _), r in zip(JOBS, rows, strict=True)
+    }
+
+
+def test_resident_programs_follow_the_register_shared_memory_and_warp_limits():
+    def res(warps, regs, smem):
+        return KernelResources(warps, regs, 0, smem, Counter({"HMMA": 3, "FFMA": 5}))
+
+    assert res(8, 128, 16 * 1024).programs_per_sm == 2  # 65536 / (128 * 256)
+    assert res(8, 129, 16 * 1024).programs_per_sm == 1  # 136 after rounding: 34816 each
+    assert res(4, 96, 16 * 1024).warps_per_sm == 20  # 5 programs of 4 warps
+    assert res(4, 32, 100 * 1024).programs_per_sm == 2  # shared memory binds first
+    assert res(4, 16, 1024).programs_per_sm == 16  # 64 warp slots
+    r = res(8, 64, 0)
+    assert r.tensor_core_ops == 3 and r.as_dict()["instructions"] == 8
+
+
+@pytest.mark.parametrize("dots", ["tf32", "fp16", "ieee"])
+def test_dots_become_tensor_core_instructions_except_exact_fp32(compiled, dots):
+    """tf32 and fp16 dots lower to HMMA; exact fp32 ("ieee", the CUDA parity mode) to FMAs."""
+    res = compiled["int4-pre-d128", dots]
+    if dots == "ieee":
+        assert res.tensor_core_ops == 0 and res.sass["FFMA"] > 0
+    else:
+        assert res.tensor_core_ops > 0
+
+
+if __name__ == "__main__":  # the child process of `compiled`
+    print(json.dumps(_compile_jobs(json.loads(sys.argv[1]))))
