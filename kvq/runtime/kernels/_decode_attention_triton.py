@@ -5,7 +5,8 @@ walks its rows in tiles of BLOCK_T, decodes K (in two halves, so a pre-RoPE
 key can be rotated with its partner channel in registers) and V, and keeps the
 online-softmax state for its R padded query rows (the G query heads of the KV
 head times the Q query positions). Scores are in base 2 (the launcher folds
-log2(e) into the softmax scale). Partial (max, denominator, numerator) go to
+log2(e) into the softmax scale). Post-RoPE keys with static per-channel qparams
+fold them into the query once per program, so the loop dots bare codes. Partial (max, denominator, numerator) go to
 memory, every segment's splits into one set of buffers, for the reduction pass
 (`combine_partials_kernel`, one launch for the whole call).
 """
@@ -58,8 +59,8 @@ def _qparam(ptr, rows, row_ok, chans, ok, chan_ok, q_t, other, QAXIS: tl.constex
             GROUP: tl.constexpr, C0: tl.constexpr, NVALID: tl.constexpr):  # fmt: skip
     """One qparam family as float32, broadcastable to [BT, BC]. Per-row groups: one
     [BT, groups] load broadcast over each group's channels (a per-element gather where
-    groups do not tile the block). Static per-channel qparams: one [BC] vector; per head:
-    a scalar. Each loaded once per tile, not once per element."""
+    groups do not tile the block). Static per-channel qparams: a [BT, BC] read of one
+    [BC] row (see below); per head: a scalar."""
     BC: tl.constexpr = chans.shape[0]
     if QAXIS == 1:  # per row, groups of GROUP channels
         if C0 % GROUP == 0 and BC % GROUP == 0:
@@ -73,11 +74,53 @@ def _qparam(ptr, rows, row_ok, chans, ok, chan_ok, q_t, other, QAXIS: tl.constex
         else:
             q_off = rows[:, None] * q_t + (chans // GROUP)[None, :]
             v = tl.load(ptr + q_off, mask=ok, other=other).to(tl.float32)
-    elif QAXIS == 2:  # per channel (static)
-        v = tl.load(ptr + chans, mask=chan_ok, other=other).to(tl.float32)[None, :]
+    elif QAXIS == 2:  # per channel (static): q_t is 0, a stride the compiler cannot see
+        # through, so this [BT, BC] read (L1 hits) stays in the loop; a [BC] vector it could
+        # hoist would be held in registers across the loop instead, which at head_dim 128
+        # costs about 35 registers per thread and half the resident warps
+        # (bench/kernel_resources.py)
+        v = tl.load(ptr + rows[:, None] * q_t + chans[None, :], mask=ok, other=other)
+        v = v.to(tl.float32)
     else:  # one per head (static)
         v = tl.load(ptr).to(tl.float32)
     return v
+
+
+@triton.jit
+def _dequantize(x, scale, offset, zp, zero, rows, row_ok, chans, ok, chan_ok, q_t,
+                KIND: tl.constexpr, QAXIS: tl.constexpr, GROUP: tl.constexpr,
+                HAS_OFF: tl.constexpr, HAS_ZP: tl.constexpr, C0: tl.constexpr,
+                NVALID: tl.constexpr):  # fmt: skip
+    """Codes or levels x [BT, BC] -> (x - zero - zero_point) * scale + offset (affine) or
+    x * scale + offset (lookup)."""
+    if KIND == 1:
+        x = x - zero
+    if HAS_ZP:
+        x = x - _qparam(zp, rows, row_ok, chans, ok, chan_ok, q_t, 0.0, QAXIS, GROUP, C0, NVALID)
+    x = x * _qparam(scale, rows, row_ok, chans, ok, chan_ok, q_t, 1.0, QAXIS, GROUP, C0, NVALID)
+    if HAS_OFF:
+        x = x + _qparam(
+            offset, rows, row_ok, chans, ok, chan_ok, q_t, 0.0, QAXIS, GROUP, C0, NVALID
+        )
+    return x
+
+
+@triton.jit
+def _fold_static(q, scale, offset, zp, zero, chans, chan_ok, KIND: tl.constexpr,
+                 HAS_OFF: tl.constexpr, HAS_ZP: tl.constexpr):  # fmt: skip
+    """Static per-channel key qparams folded into the query rows q [R, BC]:
+    q . ((x - zero - zp) * s + o) = (q * s) . x + q . (o - (zero + zp) * s), so the loop can
+    dot bare codes (or levels) x. Returns (q * s, the second term per row [R])."""
+    s = tl.load(scale + chans, mask=chan_ok, other=1.0).to(tl.float32)[None, :]
+    shift = s * 0.0
+    if KIND == 1:
+        shift = shift + zero
+    if HAS_ZP:
+        shift = shift + tl.load(zp + chans, mask=chan_ok, other=0.0).to(tl.float32)[None, :]
+    bias = -shift * s
+    if HAS_OFF:
+        bias = bias + tl.load(offset + chans, mask=chan_ok, other=0.0).to(tl.float32)[None, :]
+    return q * s, tl.sum(q * bias, axis=1)
 
 
 @triton.jit
@@ -113,9 +156,11 @@ def _decode_tile(
     FLAT: tl.constexpr,
     C0: tl.constexpr,
     NVALID: tl.constexpr,
+    RAW: tl.constexpr = False,
 ):
     """Decoded float32 [BT, BC] for rows x chans (chans = C0 + arange(BC), the first NVALID
-    of them real); pointers already point at (batch, head)."""
+    of them real); pointers already point at (batch, head). RAW: the bare codes (affine) or
+    levels (lookup), for a caller that applies zero, scale and offset elsewhere."""
     ok = row_ok[:, None] & chan_ok[None, :]
     if KIND == 0:
         x = tl.load(data + rows[:, None] * d_t + chans[None, :], mask=ok, other=0.0)
@@ -128,18 +173,12 @@ def _decode_tile(
         else:
             c = _codes(data, rows, chans, ok, d_t, BITS)
         if KIND == 1:  # noqa: SIM108 (constexpr branches, not a runtime choice)
-            x = c.to(tl.float32) - zero
+            x = c.to(tl.float32)
         else:
             x = tl.load(table + c, mask=ok, other=0.0)
-        if HAS_ZP:
-            x = x - _qparam(
-                zp, rows, row_ok, chans, ok, chan_ok, q_t, 0.0, QAXIS, GROUP, C0, NVALID
-            )
-        x = x * _qparam(scale, rows, row_ok, chans, ok, chan_ok, q_t, 1.0, QAXIS, GROUP, C0, NVALID)
-        if HAS_OFF:
-            x = x + _qparam(
-                offset, rows, row_ok, chans, ok, chan_ok, q_t, 0.0, QAXIS, GROUP, C0, NVALID
-            )
+        if not RAW:
+            x = _dequantize(x, scale, offset, zp, zero, rows, row_ok, chans, ok, chan_ok, q_t,
+                            KIND, QAXIS, GROUP, HAS_OFF, HAS_ZP, C0, NVALID)  # fmt: skip
     for s in tl.static_range(SLOTS):
         idx = tl.load(slot_i + rows * s_t + s, mask=row_ok, other=-1).to(tl.int32)
         val = tl.load(slot_v + rows * s_t + s, mask=row_ok, other=0.0).to(tl.float32)
@@ -307,6 +346,21 @@ def decode_attention_kernel(
     vcn = v_count + b * vc_b + h * vc_h
     vep = v_eptr + b * vp_b + h * vp_h
 
+    # post-RoPE keys with static per-channel qparams and no exceptions: the scale goes into
+    # the query and the offset into one bias per query row, once per program
+    # (`_fold_static`), so the loop decodes bare key codes and holds no key qparams: about
+    # 40 registers per thread fewer, twice the resident warps (bench/kernel_resources.py).
+    # Pre-RoPE keys cannot fold: RoPE mixes channel pairs with different scales
+    FOLD_K: tl.constexpr = (
+        K_KIND != 0 and K_QAXIS == 2 and not PRE_ROPE and K_SLOTS == 0 and not K_FLAT
+    )
+    k_bias = tl.zeros([R], tl.float32)
+    if FOLD_K:
+        q1, b1 = _fold_static(q1, ksc, kof, kzp, k_zero, j, j_ok, K_KIND, K_HAS_OFF, K_HAS_ZP)
+        q2, b2 = _fold_static(q2, ksc, kof, kzp, k_zero, HALF + j, j_ok,
+                              K_KIND, K_HAS_OFF, K_HAS_ZP)  # fmt: skip
+        k_bias = b1 + b2
+
     dcol = tl.arange(0, BLOCK_D)
     d_ok = dcol < D
     m_i = tl.full([R], float("-inf"), tl.float32)
@@ -321,12 +375,13 @@ def decode_attention_kernel(
         k1 = _decode_tile(
             kd, ksc, kof, kzp, k_table, ksi, ksv, kcn, kep, k_eidx, k_eval,
             kd_t, kq_t, ks_t, kc_t, kp_t, k_zero, t, t_ok, j, j_ok,
-            K_KIND, K_BITS, K_QAXIS, K_GROUP, K_HAS_OFF, K_HAS_ZP, K_SLOTS, K_FLAT, 0, HALF,
+            K_KIND, K_BITS, K_QAXIS, K_GROUP, K_HAS_OFF, K_HAS_ZP, K_SLOTS, K_FLAT, 0, HALF, FOLD_K,
         )  # fmt: skip
         k2 = _decode_tile(
             kd, ksc, kof, kzp, k_table, ksi, ksv, kcn, kep, k_eidx, k_eval,
             kd_t, kq_t, ks_t, kc_t, kp_t, k_zero, t, t_ok, HALF + j, j_ok,
             K_KIND, K_BITS, K_QAXIS, K_GROUP, K_HAS_OFF, K_HAS_ZP, K_SLOTS, K_FLAT, HALF, HALF,
+            FOLD_K,
         )  # fmt: skip
         if PRE_ROPE:
             p_t = tl.load(pos + b * pos_b + t, mask=t_ok, other=0)
@@ -341,6 +396,8 @@ def decode_attention_kernel(
         else:
             scores = tl.dot(q1, tl.trans(k1), input_precision=DOT_PRECISION)
             scores += tl.dot(q2, tl.trans(k2), input_precision=DOT_PRECISION)  # [R, BLOCK_T]
+        if FOLD_K:
+            scores += k_bias[:, None]
         if softcap > 0:  # softcap * tanh(s / softcap), tanh(x) = 2 * sigmoid(2x) - 1
             scores = softcap * (2.0 * tl.sigmoid(2.0 * scores / softcap) - 1.0) * LOG2E
 

@@ -445,11 +445,14 @@ def autotune_configs():
     import triton
 
     # num_stages 2 lets Triton's pipeliner load the next tile's codes while this one is
-    # decoded and multiplied (where the loop allows it); the tuner times both
+    # decoded and multiplied (where the loop allows it); the tuner times both. Row tiles of
+    # 16 hold the fewest registers per thread, and so do 16 warps at head_dim 256: the
+    # configurations that keep 16 or more warps resident per SM without spilling for
+    # codebook (NUQ) and pre-RoPE layouts (bench/kernel_resources.py, bench/results/static)
     return [
         triton.Config({"BLOCK_T": t}, num_warps=w, num_stages=stages)
-        for t in (32, 64, 128)
-        for w in (4, 8)
+        for t in (16, 32, 64, 128)
+        for w in (4, 8, 16)
         for stages in (1, 2)
     ]
 
@@ -476,9 +479,13 @@ def tuned_kernel(do_bench=None):
 
 def _fits(configs, named_args, **kwargs):
     """Drop row tiles whose [BLOCK_T, BLOCK_D] fp32 value tile exceeds 64 x 128: those
-    spill registers or leave too few warps resident to be worth timing (what each kept
-    configuration costs: bench/kernel_resources.py)."""
-    kept = [c for c in configs if c.kwargs["BLOCK_T"] * kwargs["BLOCK_D"] <= 64 * 128]
+    spill registers or leave too few warps resident to be worth timing; 16 warps only
+    for head_dim 256, where a thread's share of a tile is otherwise largest (what each
+    kept configuration costs: bench/kernel_resources.py)."""
+    d = kwargs["BLOCK_D"]
+    kept = [
+        c for c in configs if c.kwargs["BLOCK_T"] * d <= 64 * 128 and (c.num_warps < 16 or d >= 256)
+    ]
     return kept or configs[:1]
 
 

@@ -13,7 +13,7 @@ from dataclasses import fields
 import pytest
 import torch
 
-from kvq.quant import fp8, nuq, sparse
+from kvq.quant import affine, fp8, nuq, sparse
 from kvq.quant.schemes import QuantScheme
 from kvq.runtime.codecs import make_codec
 from kvq.runtime.kernels.decode_attention import (
@@ -60,8 +60,6 @@ def _nuq_key_state(k, bits, fraction):
 def _channel_state(k, bits):
     lo = k.amin(dim=(0, 2))
     hi = k.amax(dim=(0, 2))  # [H, D]
-    from kvq.quant import affine
-
     scale, offset = affine.affine_qparams(lo, hi, bits)
     return {"scale": scale, "offset": offset}
 
@@ -77,6 +75,14 @@ def _codec_segment(kind, k, v, pre_rope=False):
     elif kind == "int4-channel":
         ks = QuantScheme("int", 4, axis="channel", lifetime="static")
         vs, kst = QuantScheme("int", 4, group_size=32), _channel_state(k, 4)
+    elif kind == "int8-channel-sym":
+        ks = QuantScheme("int", 8, axis="channel", lifetime="static", symmetric=True)
+        amax = k.abs().amax(dim=(0, 2))  # [H, D]
+        vs, kst = QuantScheme("int", 8), {"scale": affine.symmetric_qparams(amax, 8)}
+    elif kind == "nuq4-dense":  # codebook keys without exceptions
+        ks = QuantScheme("nuq", 4, axis="channel", lifetime="static")
+        vs, kst = QuantScheme("nuq", 4), _nuq_key_state(k, 4, 0.0)
+        kst = {n: kst[n] for n in ("codebook", "scale", "center")}
     elif kind in ("nuq4", "nuq3"):
         bits = int(kind[-1])
         ks = QuantScheme("nuq", bits, axis="channel", lifetime="static", outlier_fraction=0.02)
@@ -192,6 +198,22 @@ def test_pre_rope_keys_rotate_in_pair_order(kind, d):
     _check(q, [Segment(kp, vp, positions)], rope=_rope(d))
 
 
+@pytest.mark.parametrize("kind", ["int4-channel", "int8-channel-sym", "nuq4-dense"])
+def test_folded_static_keys_share_one_softmax_with_a_full_precision_segment(kind):
+    """Post-RoPE static per-channel keys without exceptions: the kernel folds their scale
+    into the query and their offset (and zero) into one bias per query row. Within one
+    segment a lost bias would cancel in the softmax; beside full-precision sink rows it
+    shifts the two segments' weights, so this case checks the fold exactly."""
+    k, v = _data(2, 2, 41, 64, seed=12)
+    k = k + 3.0  # a large common offset: the bias term carries real weight
+    sink = Segment(
+        PackedRows("full", 64, k[:, :, :2].clone()), PackedRows("full", 64, v[:, :, :2].clone())
+    )
+    kp, vp = _codec_segment(kind, k[:, :, 2:], v[:, :, 2:])
+    q = torch.randn(2, 4, 1, 64)
+    _check(q, [sink, Segment(kp, vp)])
+
+
 def test_two_queries_causal_and_explicit_sliding_mask_with_padding():
     k, v = _data(2, 1, 50, 64, seed=4)
     kp, vp = _codec_segment("int4-g16", k, v)
@@ -252,15 +274,17 @@ def test_combine_kernel_matches_reference(splits, rows, d):
     assert torch.equal(out[1, 2, 3], torch.zeros_like(out[1, 2, 3]))
 
 
-@pytest.mark.parametrize("kind", ["int4-channel", "nuq4"])
-def test_fp16_dots_stay_within_fp16_rounding(kind, monkeypatch):
-    """KVQ_TRITON_DOT=fp16 (fp16 operands, fp32 accumulation) on pre-RoPE keys, forced on
-    under the interpreter: within the tf32 tolerance of the reference, and not identical to
-    the exact-dot kernel (so the fp16 branch really ran)."""
+@pytest.mark.parametrize(
+    "kind,pre_rope", [("int4-channel", True), ("nuq4", True), ("int4-channel", False)]
+)
+def test_fp16_dots_stay_within_fp16_rounding(kind, pre_rope, monkeypatch):
+    """KVQ_TRITON_DOT=fp16 (fp16 operands, fp32 accumulation) on pre-RoPE keys and on folded
+    post-RoPE ones, forced on under the interpreter: within the tf32 tolerance of the
+    reference, and not identical to the exact-dot kernel (so the fp16 branch really ran)."""
     from kvq.runtime.kernels import decode_attention as da
 
     k, v = _data(1, 2, 70, 128, seed=9)
-    kp, vp = _codec_segment(kind, k, v, pre_rope=True)
+    kp, vp = _codec_segment(kind, k, v, pre_rope=pre_rope)
     q = torch.randn(1, 4, 1, 128)
     args = (q, [Segment(kp, vp, torch.arange(70)[None])])
     exact = decode_attention_triton(*args, scaling=128**-0.5, rope=_rope(128))
@@ -315,5 +339,6 @@ def test_autotuned_launch_matches_reference(monkeypatch):
     positions = torch.arange(70)[None]
     q = torch.randn(1, 4, 1, 256)
     _check(q, [Segment(kp, vp, positions)], rope=_rope(256))
-    assert len(timed) == 4  # head_dim 256: only 32-row tiles fit: 4 and 8 warps, 1 or 2 stages
-    assert tuned.best_config.kwargs["BLOCK_T"] == 32
+    # head_dim 256: 16- and 32-row tiles fit, with 4, 8 or 16 warps and 1 or 2 stages
+    assert len(timed) == 12
+    assert tuned.best_config.kwargs["BLOCK_T"] == 16

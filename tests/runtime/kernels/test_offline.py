@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from kvq.runtime.kernels import _decode_attention_triton as kern
-from kvq.runtime.kernels.decode_attention import Segment, kernel_calls
+from kvq.runtime.kernels.decode_attention import Segment, _fits, autotune_configs, kernel_calls
 from kvq.runtime.kernels.offline import KernelResources, compile_offline
 from kvq.runtime.packed import PackedRows
 
@@ -89,6 +89,10 @@ JOBS = [  # (case, dots, launch options)
     ("int4-pre-d128", "tf32", {"BLOCK_T": 16}),
     ("int4-pre-d128", "fp16", {"BLOCK_T": 16}),
     ("int4-pre-d128", "ieee", {"BLOCK_T": 16}),
+    ("int4-pre-gemma", "tf32", {"BLOCK_T": 16}),
+    ("int4-pre-gemma", "tf32", {"BLOCK_T": 16, "num_warps": 16}),
+    ("int4-post-gemma", "tf32", {"BLOCK_T": 16}),
+    ("nuq4-d128", "tf32", {"BLOCK_T": 16}),
 ]
 
 
@@ -113,10 +117,10 @@ def compiled() -> dict[tuple, KernelResources]:
     assert run.returncode == 0, run.stderr[-3000:]
     rows = json.loads(run.stdout.strip().splitlines()[-1])
     return {
-        (case, dots): KernelResources(
+        (case, dots, opts.get("num_warps", 8)): KernelResources(
             r["num_warps"], r["registers"], r["stack_bytes"], r["shared_bytes"], Counter(r["sass"])
         )
-        for (case, dots, _), r in zip(JOBS, rows, strict=True)
+        for (case, dots, opts), r in zip(JOBS, rows, strict=True)
     }
 
 
@@ -133,14 +137,62 @@ def test_resident_programs_follow_the_register_shared_memory_and_warp_limits():
     assert r.tensor_core_ops == 3 and r.as_dict()["instructions"] == 8
 
 
+def test_the_tuner_times_the_configurations_checked_here():
+    """Row tiles of 16 at both head dims, 16-warp programs only at head_dim 256, and no
+    value tile beyond 64 x 128 (the configurations below are the tuner's own)."""
+
+    def kept(d):
+        return {
+            (c.kwargs["BLOCK_T"], c.num_warps) for c in _fits(autotune_configs(), {}, BLOCK_D=d)
+        }
+
+    assert kept(128) == {(t, w) for t in (16, 32, 64) for w in (4, 8)}
+    assert kept(256) == {(t, w) for t in (16, 32) for w in (4, 8, 16)}
+
+
 @pytest.mark.parametrize("dots", ["tf32", "fp16", "ieee"])
 def test_dots_become_tensor_core_instructions_except_exact_fp32(compiled, dots):
     """tf32 and fp16 dots lower to HMMA; exact fp32 ("ieee", the CUDA parity mode) to FMAs."""
-    res = compiled["int4-pre-d128", dots]
+    res = compiled["int4-pre-d128", dots, 8]
     if dots == "ieee":
         assert res.tensor_core_ops == 0 and res.sass["FFMA"] > 0
     else:
         assert res.tensor_core_ops > 0
+
+
+def test_gemma_shapes_compile_without_spilling_and_folded_keys_keep_16_warps(compiled):
+    """Gemma 3 270M (4 query heads, 1 KV head, head_dim 256), row tiles of 16 and 8 warps:
+    the channel-scales layout compiles without spilling with pre-RoPE keys, and with
+    post-RoPE keys, whose static qparams fold into the query, fits 2 programs (16 warps)
+    per SM; they needed 136 registers (1 program) before the fold."""
+    pre, post = compiled["int4-pre-gemma", "tf32", 8], compiled["int4-post-gemma", "tf32", 8]
+    assert pre.stack_bytes == 0 and post.stack_bytes == 0
+    assert post.warps_per_sm >= 16, post.as_dict()
+
+
+def test_pre_rope_static_keys_reread_their_qparams_and_keep_16_warps(compiled):
+    """Pre-RoPE keys cannot fold their static qparams (RoPE mixes channels of different
+    scales); held in registers across the loop they cost about 35 registers per thread and
+    half the resident warps at head_dim 128, so the kernel re-reads them (L1) per tile."""
+    res = compiled["int4-pre-d128", "tf32", 8]
+    assert res.warps_per_sm >= 16 and res.stack_bytes == 0, res.as_dict()
+
+
+def test_gemma_pre_rope_keys_keep_16_warps_with_16_warp_programs(compiled):
+    """At head_dim 256 a program of 8 warps needs about 140 registers per thread for
+    pre-RoPE keys (8 warps per SM); the 16-warp programs the tuner may pick there spread
+    the tiles thinner and keep 16 warps resident without spilling."""
+    res = compiled["int4-pre-gemma", "tf32", 16]
+    assert res.warps_per_sm >= 16 and res.stack_bytes == 0, res.as_dict()
+
+
+def test_nuq_with_exceptions_keeps_16_warps_at_row_tiles_of_16(compiled):
+    """KVQuant's layout (lookups, key exceptions, value slots) fits one program of 8 warps
+    per SM and spills hundreds of bytes per thread at row tiles of 32 and more; at the tiles
+    of 16 the tuner may now pick, at least 16 warps stay resident and at most a few words
+    spill."""
+    res = compiled["nuq4-d128", "tf32", 8]
+    assert res.warps_per_sm >= 16 and res.stack_bytes <= 16, res.as_dict()
 
 
 if __name__ == "__main__":  # the child process of `compiled`
