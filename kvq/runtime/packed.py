@@ -102,10 +102,13 @@ def row_pointers(count: Tensor) -> Tensor:
 
 
 def entry_pointers(count: Tensor) -> Tensor:
-    """[B, H, T] int32 first flat entry of each (batch, head, row): entries go row, batch, head."""
-    c = count.long().permute(2, 0, 1).reshape(-1)  # (row, batch, head) order
-    start = (c.cumsum(0) - c).view(count.shape[2], count.shape[0], count.shape[1])
-    return start.permute(1, 2, 0).to(torch.int32).contiguous()
+    """[B, H, T] int32 first flat entry of each (batch, head, row): entries go row, batch, head.
+
+    A strided view of a [T, B, H] buffer (three ops: it is rebuilt on every Triton decode
+    call, where each op is a kernel launch on CUDA)."""
+    c = count.permute(2, 0, 1)  # [T, B, H]: (row, batch, head) order
+    end = torch.cumsum(c.reshape(-1), 0, dtype=torch.int32).view(c.shape)
+    return (end - c).permute(1, 2, 0)
 
 
 def _apply(x: Tensor, t: Tensor, op: str) -> None:

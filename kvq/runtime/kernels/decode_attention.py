@@ -330,7 +330,6 @@ def kernel_calls(
     args, constexprs) per non-empty segment], the partials (max, denominator, numerator)
     they write). `decode_attention_triton` launches them; `kernels.offline` compiles them
     for a GPU that this machine does not have. dots: a `DOT_MODES` entry."""
-    import triton
 
     if dots not in DOT_MODES:
         raise KvqError(f"dots must be one of {', '.join(DOT_MODES)}, got {dots!r}")
@@ -339,7 +338,7 @@ def kernel_calls(
     b, hq, q_len, d = query.shape
     hkv = segments[0].key.data.shape[1]
     group = hq // hkv
-    rows_pad = max(16, triton.next_power_of_2(group * q_len))
+    rows_pad = max(16, _pow2(group * q_len))
     q = query.float().contiguous()
     mask_u8 = None
     if mask is not None:
@@ -383,21 +382,25 @@ def combine_partials_triton(m: Tensor, denom: Tensor, acc: Tensor) -> Tensor:
     """Same contract as `combine_partials_reference`, in one launch (about a dozen torch
     calls otherwise, each a kernel launch on CUDA: at short contexts the launches cost
     more than the attention itself)."""
-    import triton
-
     from kvq.runtime.kernels import _decode_attention_triton as kern
 
     b, h, s, r = m.shape
     d = acc.shape[-1]
     m, denom, acc = (t.float().contiguous() for t in (m, denom, acc))
     out = torch.empty((b, h, r, d), device=m.device)
-    block_r = min(16, triton.next_power_of_2(r))
-    grid = (b * h, triton.cdiv(r, block_r))
+    block_r = min(16, _pow2(r))
+    grid = (b * h, -(-r // block_r))
     kern.combine_partials_kernel[grid](
         m, denom, acc, out, s, R=r, D=d, BLOCK_S=16, BLOCK_R=block_r,
-        BLOCK_D=triton.next_power_of_2(d),
+        BLOCK_D=_pow2(d),
     )  # fmt: skip
     return out
+
+
+def _pow2(n: int) -> int:
+    """The least power of two >= n (n >= 1): `triton.next_power_of_2` in plain Python, which
+    matters on the launch path (triton's is a constexpr function, about 10 us a call)."""
+    return 1 << (n - 1).bit_length()
 
 
 # split boundaries fall on multiples of the largest row tile the autotuner may pick
@@ -571,7 +574,6 @@ def _segment_call(q, seg, rope, mask_u8, col, total, scaling, softcap, partials,
     """(grid, args, constexprs) of the kernel over one segment; it writes its splits'
     partial states at split `first` ... of partials = (m, den, acc, first, splits, rows
     per split)."""
-    import triton
 
     b, hq, q_len, d = q.shape
     hkv = seg.key.data.shape[1]
@@ -622,8 +624,8 @@ def _segment_call(q, seg, rope, mask_u8, col, total, scaling, softcap, partials,
         G=group,
         R=m.shape[3],
         D=d,
-        BLOCK_D=triton.next_power_of_2(d),
-        BLOCK_HALF=triton.next_power_of_2(d // 2),
+        BLOCK_D=_pow2(d),
+        BLOCK_HALF=_pow2(d // 2),
         PRE_ROPE=pre_rope,
         HAS_MASK=mask_u8 is not None,
         DOT_PRECISION="ieee" if dots == "fp16" else dots,
