@@ -350,9 +350,11 @@ def decode_attention_kernel(
     # the query and the offset into one bias per query row, once per program
     # (`_fold_static`), so the loop decodes bare key codes and holds no key qparams: about
     # 40 registers per thread fewer, twice the resident warps (bench/kernel_resources.py).
-    # Pre-RoPE keys cannot fold: RoPE mixes channel pairs with different scales
+    # Pre-RoPE keys cannot fold: RoPE mixes channel pairs with different scales. Nor do
+    # symmetric codes (no offset): bare, they sit around their zero (128 for INT8), and a
+    # tf32 or fp16 dot would round the query against operands several times the key
     FOLD_K: tl.constexpr = (
-        K_KIND != 0 and K_QAXIS == 2 and not PRE_ROPE and K_SLOTS == 0 and not K_FLAT
+        (K_KIND == 2 or K_HAS_OFF) and K_QAXIS == 2 and not PRE_ROPE and K_SLOTS == 0 and not K_FLAT
     )
     k_bias = tl.zeros([R], tl.float32)
     if FOLD_K:

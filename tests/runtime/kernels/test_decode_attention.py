@@ -201,9 +201,10 @@ def test_pre_rope_keys_rotate_in_pair_order(kind, d):
 @pytest.mark.parametrize("kind", ["int4-channel", "int8-channel-sym", "nuq4-dense"])
 def test_folded_static_keys_share_one_softmax_with_a_full_precision_segment(kind):
     """Post-RoPE static per-channel keys without exceptions: the kernel folds their scale
-    into the query and their offset (and zero) into one bias per query row. Within one
-    segment a lost bias would cancel in the softmax; beside full-precision sink rows it
-    shifts the two segments' weights, so this case checks the fold exactly."""
+    into the query and their offset into one bias per query row (asymmetric codes and
+    codebook levels; symmetric INT8 keeps the unfolded path). Within one segment a lost
+    bias would cancel in the softmax; beside full-precision sink rows it shifts the two
+    segments' weights, so this case checks the fold exactly."""
     k, v = _data(2, 2, 41, 64, seed=12)
     k = k + 3.0  # a large common offset: the bias term carries real weight
     sink = Segment(
