@@ -40,7 +40,7 @@ from torch import Tensor
 from kvq.errors import KvqError
 from kvq.quant.affine import quantize_symmetric, symmetric_encode, symmetric_qparams
 from kvq.quant.qparams import STORAGE_DTYPES, check_finite, dtype_name
-from kvq.runtime.kernels.backend import resolve_backend
+from kvq.runtime.kernels.backend import next_pow2, resolve_backend
 
 BITS = 8
 QMAX = 2 ** (BITS - 1) - 1
@@ -389,7 +389,7 @@ def rmsnorm_quant_triton(
     if m == 0:
         return codes, scale
     kern = _kernels()
-    block = max(kern.triton.next_power_of_2(k), 16)
+    block = next_pow2(k, 16)
     kern.rmsnorm_quant[(m,)](
         x,
         weight,

@@ -60,7 +60,7 @@ from torch import Tensor
 from kvq.errors import KvqError
 from kvq.quant import affine, fp8, nuq, packing, sparse
 from kvq.quant.qparams import check_finite, dtype_name
-from kvq.runtime.kernels.backend import resolve_backend
+from kvq.runtime.kernels.backend import next_pow2, resolve_backend
 
 #: sparse exception values are fp16, as in `kvq.runtime.nuq_codecs.SPARSE_DTYPE`
 SPARSE_DTYPE = torch.float16
@@ -809,13 +809,9 @@ def _per(bits: int) -> int:
     return 8 if bits == 3 else 8 // bits
 
 
-def _block(n: int, at_least: int = 1) -> int:
-    return max(1 << max(n - 1, 0).bit_length(), at_least)
-
-
 def _launch(kernel: str, n_units: int, width: int, *args, **meta) -> None:
     """One launch over `n_units` units of `width` (power of two) lanes, R units per program."""
-    r = min(_block(n_units), max(1, TILE_ELEMENTS // width))
+    r = min(next_pow2(n_units), max(1, TILE_ELEMENTS // width))
     elements = r * width
     warps = 1 if elements <= 256 else 2 if elements <= 1024 else 4
     _jit()
@@ -881,7 +877,7 @@ def append_int_token_triton(
     per, ng = _per(bits), d // g
     if ng > 1 and g % per:
         raise KvqError(f"Triton packs {bits}-bit codes per group: G must be a multiple of {per}")
-    bl = _block(g, per)
+    bl = next_pow2(g, per)
     off = _or(offset_out, scale_out)
     bad = _flags(b * h * t * ng, x.device)
     _launch(
@@ -907,7 +903,7 @@ def append_int_qserve_triton(
     b, h, t, d = x.shape
     if not x.numel():
         return
-    bd = _block(d, 8)
+    bd = next_pow2(d, 8)
     bad = _flags(b * h * t, x.device)
     _launch(
         "_int_qserve_kernel", b * h * t, bd,
@@ -939,7 +935,7 @@ def append_int_channel_triton(
         return
     check_finite(x, "key/value rows")
     per = _per(bits)
-    bd = _block(d, per)
+    bd = next_pow2(d, per)
     off = _or(offset, scale)
     _launch(
         "_int_channel_kernel", b * h * t, bd,
@@ -964,7 +960,7 @@ def append_fp8_triton(
     check_finite(x, "input")
     mbits, bias = _FP8_LAYOUT[fmt]
     shift = 23 - mbits
-    bd = _block(d)
+    bd = next_pow2(d)
     _launch(
         "_fp8_kernel", b * h * t, bd,
         x, codes_out, scale, start, h, t, b * h * t,
@@ -997,7 +993,7 @@ def append_nuq_value_triton(
     if not x.numel():
         return
     per = _per(bits)
-    bd = _block(d, per)
+    bd = next_pow2(d, per)
     idx = _or(index_out if k else None, codes_out)
     val = _or(value_out if k else None, codes_out)
     bad = _flags(b * h * t, x.device)
@@ -1042,7 +1038,7 @@ def append_nuq_key_triton(
     if not outliers:
         check_finite(x, "key rows")
     per = _per(bits)
-    bd = _block(d, per)
+    bd = next_pow2(d, per)
     mask = torch.empty((b, h, t, d) if outliers else (1,), dtype=torch.uint8, device=x.device)
     cnt = count_out if outliers else codes_out[:, :, :, 0]
     lw, up = _or(lower, scale), _or(upper, scale)

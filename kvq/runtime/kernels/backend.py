@@ -59,3 +59,10 @@ def resolve_backend(requested: str | None = None, device: torch.device | str = "
             "backend 'triton' needs CUDA tensors (or TRITON_INTERPRET=1 to interpret on CPU)"
         )
     return "triton"
+
+
+def next_pow2(n: int, at_least: int = 1) -> int:
+    """The least power of two >= max(n, at_least), in plain Python: block sizes are picked on
+    every launch, where `triton.next_power_of_2` (a constexpr function, about 5 us a call)
+    would add up."""
+    return max(1 << max(n - 1, 0).bit_length(), at_least)

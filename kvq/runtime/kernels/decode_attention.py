@@ -37,7 +37,7 @@ import torch
 from torch import Tensor
 
 from kvq.errors import KvqError
-from kvq.runtime.kernels.backend import ENV, resolve_backend
+from kvq.runtime.kernels.backend import ENV, next_pow2, resolve_backend
 from kvq.runtime.packed import ChunkDecoder, PackedRows, entry_pointers, layout_perm
 from kvq.tensor_memo import Memo, memoised
 
@@ -338,7 +338,7 @@ def kernel_calls(
     b, hq, q_len, d = query.shape
     hkv = segments[0].key.data.shape[1]
     group = hq // hkv
-    rows_pad = max(16, _pow2(group * q_len))
+    rows_pad = max(16, next_pow2(group * q_len))
     q = query.float().contiguous()
     mask_u8 = None
     if mask is not None:
@@ -388,19 +388,13 @@ def combine_partials_triton(m: Tensor, denom: Tensor, acc: Tensor) -> Tensor:
     d = acc.shape[-1]
     m, denom, acc = (t.float().contiguous() for t in (m, denom, acc))
     out = torch.empty((b, h, r, d), device=m.device)
-    block_r = min(16, _pow2(r))
+    block_r = min(16, next_pow2(r))
     grid = (b * h, -(-r // block_r))
     kern.combine_partials_kernel[grid](
         m, denom, acc, out, s, R=r, D=d, BLOCK_S=16, BLOCK_R=block_r,
-        BLOCK_D=_pow2(d),
+        BLOCK_D=next_pow2(d),
     )  # fmt: skip
     return out
-
-
-def _pow2(n: int) -> int:
-    """The least power of two >= n (n >= 1): `triton.next_power_of_2` in plain Python, which
-    matters on the launch path (triton's is a constexpr function, about 10 us a call)."""
-    return 1 << (n - 1).bit_length()
 
 
 # split boundaries fall on multiples of the largest row tile the autotuner may pick
@@ -624,8 +618,8 @@ def _segment_call(q, seg, rope, mask_u8, col, total, scaling, softcap, partials,
         G=group,
         R=m.shape[3],
         D=d,
-        BLOCK_D=_pow2(d),
-        BLOCK_HALF=_pow2(d // 2),
+        BLOCK_D=next_pow2(d),
+        BLOCK_HALF=next_pow2(d // 2),
         PRE_ROPE=pre_rope,
         HAS_MASK=mask_u8 is not None,
         DOT_PRECISION="ieee" if dots == "fp16" else dots,
