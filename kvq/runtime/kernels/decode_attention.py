@@ -330,7 +330,6 @@ def kernel_calls(
     args, constexprs) per non-empty segment], the partials (max, denominator, numerator)
     they write). `decode_attention_triton` launches them; `kernels.offline` compiles them
     for a GPU that this machine does not have. dots: a `DOT_MODES` entry."""
-
     if dots not in DOT_MODES:
         raise KvqError(f"dots must be one of {', '.join(DOT_MODES)}, got {dots!r}")
     if total is None:
@@ -454,8 +453,10 @@ def autotune_configs():
     ]
 
 
-AUTOTUNE_KEY = ["D", "R", "PRE_ROPE", "K_KIND", "K_BITS", "K_FLAT", "V_KIND", "V_BITS"]
-AUTOTUNE_KEY += ["V_SLOTS", "HALF_DOTS"]
+# what changes the best launch: shapes, formats, and what decides whether the key qparams
+# fold into the query (axis, offset) or stay in the loop, which moves registers by ~40
+AUTOTUNE_KEY = ["D", "R", "PRE_ROPE", "K_KIND", "K_BITS", "K_FLAT", "K_QAXIS", "K_HAS_OFF"]
+AUTOTUNE_KEY += ["V_KIND", "V_BITS", "V_SLOTS", "V_QAXIS", "HALF_DOTS"]
 
 
 def tuned_kernel(do_bench=None):
