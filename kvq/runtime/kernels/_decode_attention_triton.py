@@ -6,8 +6,9 @@ key can be rotated with its partner channel in registers) and V, and keeps the
 online-softmax state for its R padded query rows (the G query heads of the KV
 head times the Q query positions). Scores are in base 2 (the launcher folds
 log2(e) into the softmax scale). Post-RoPE keys with static per-channel qparams
-fold them into the query once per program, so the loop dots bare codes. Partial (max, denominator, numerator) go to
-memory, every segment's splits into one set of buffers, for the reduction pass
+(asymmetric codes, codebook levels) fold them into the query once per program, so
+the loop dots bare codes. Partial (max, denominator, numerator) go to memory,
+every segment's splits into one set of buffers, for the reduction pass
 (`combine_partials_kernel`, one launch for the whole call).
 """
 

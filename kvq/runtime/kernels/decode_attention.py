@@ -569,7 +569,6 @@ def _segment_call(q, seg, rope, mask_u8, col, total, scaling, softcap, partials,
     """(grid, args, constexprs) of the kernel over one segment; it writes its splits'
     partial states at split `first` ... of partials = (m, den, acc, first, splits, rows
     per split)."""
-
     b, hq, q_len, d = q.shape
     hkv = seg.key.data.shape[1]
     m, den, acc, first, splits, rows_per_split = partials
