@@ -79,7 +79,8 @@ def survey(shapes, formats, dots: str) -> list[dict]:
                 rows.append(row)
                 print(
                     f"{shape:14s} {fmt:8s} BLOCK_T={cfg['BLOCK_T']:<4d} warps={cfg['num_warps']} "
-                    f"stages={cfg['num_stages']} maxnreg={cfg['maxnreg'] or '-':<4} "
+                    f"stages={cfg['num_stages']} prefetch={int(cfg['PREFETCH'])} "
+                    f"maxnreg={cfg['maxnreg'] or '-':<4} "
                     f"regs={res.registers:<4d} spill={res.stack_bytes:<5d} "
                     f"smem={res.shared_bytes // 1024:>3d}K  programs/SM={res.programs_per_sm} "
                     f"warps/SM={res.warps_per_sm:<3d} instr={sum(res.sass.values()):<5d} "

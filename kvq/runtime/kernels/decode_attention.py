@@ -436,27 +436,30 @@ def _dummy(device: torch.device) -> Tensor:
 
 
 def autotune_configs():
-    """Launch configurations the tuner times: row tile x warps x stages (`_fits` then
-    drops row tiles too large for the head_dim at hand)."""
+    """Launch configurations the tuner times: row tile x warps x (stages, prefetch)
+    (`_fits` then drops row tiles too large for the head_dim at hand, and prefetching
+    where no codes are word-loaded)."""
     import triton
 
-    # num_stages 2 lets Triton's pipeliner load the next tile's codes while this one is
-    # decoded and multiplied (where the loop allows it); the tuner times both. Row tiles of
-    # 16 hold the fewest registers per thread, and so do 16 warps at head_dim 256: the
-    # configurations that keep 16 or more warps resident per SM without spilling for
-    # codebook (NUQ) and pre-RoPE layouts (bench/kernel_resources.py, bench/results/static)
+    # num_stages 2 lets Triton's pipeliner load the next tile while this one is decoded and
+    # multiplied, where it recognises the loads (not 4-bit codes, which reach the dots
+    # through an unpack); PREFETCH does that by hand for word-loaded codes, for registers
+    # that depend on the layout (0 to 60 more per thread, bench/results/static). Row tiles of 16 hold the fewest registers per
+    # thread, and so do 16 warps at head_dim 256: the configurations that keep 16 or more
+    # warps resident per SM without spilling for codebook (NUQ) and pre-RoPE layouts
+    # (bench/kernel_resources.py, bench/results/static)
     return [
-        triton.Config({"BLOCK_T": t}, num_warps=w, num_stages=stages)
+        triton.Config({"BLOCK_T": t, "PREFETCH": prefetch}, num_warps=w, num_stages=stages)
         for t in (16, 32, 64, 128)
         for w in (4, 8, 16)
-        for stages in (1, 2)
+        for stages, prefetch in ((1, False), (2, False), (1, True))
     ]
 
 
 # what changes the best launch: shapes, formats, and what decides whether the key qparams
 # fold into the query (axis, offset) or stay in the loop, which moves registers by ~40
 AUTOTUNE_KEY = ["D", "R", "PRE_ROPE", "K_KIND", "K_BITS", "K_FLAT", "K_QAXIS", "K_HAS_OFF"]
-AUTOTUNE_KEY += ["V_KIND", "V_BITS", "V_SLOTS", "V_QAXIS", "HALF_DOTS"]
+AUTOTUNE_KEY += ["V_KIND", "V_BITS", "V_SLOTS", "V_QAXIS", "HALF_DOTS", "K_WORDS", "V_WORDS"]
 
 
 def tuned_kernel(do_bench=None):
@@ -478,11 +481,19 @@ def tuned_kernel(do_bench=None):
 def _fits(configs, named_args, **kwargs):
     """Drop row tiles whose [BLOCK_T, BLOCK_D] fp32 value tile exceeds 64 x 128: those
     spill registers or leave too few warps resident to be worth timing; 16 warps only
-    for head_dim 256, where a thread's share of a tile is otherwise largest (what each
-    kept configuration costs: bench/kernel_resources.py)."""
+    for head_dim 256, where a thread's share of a tile is otherwise largest; PREFETCH only
+    where some codes are word-loaded (what each kept configuration costs:
+    bench/kernel_resources.py)."""
     d = kwargs["BLOCK_D"]
+    # where codes load as words, PREFETCH takes the place of num_stages 2 (both aim at the
+    # same load latency; the tuner's time, a compile per configuration, stays the same)
+    words = bool(kwargs.get("K_WORDS") or kwargs.get("V_WORDS"))
     kept = [
-        c for c in configs if c.kwargs["BLOCK_T"] * d <= 64 * 128 and (c.num_warps < 16 or d >= 256)
+        c
+        for c in configs
+        if c.kwargs["BLOCK_T"] * d <= 64 * 128
+        and (c.num_warps < 16 or d >= 256)
+        and (c.num_stages == 1 if words else not c.kwargs["PREFETCH"])
     ]
     return kept or configs[:1]
 
@@ -503,8 +514,9 @@ def _launcher(device: torch.device, head_dim: int):
     return kern.decode_attention_kernel, {"BLOCK_T": 32 if head_dim > 128 else 64, "num_stages": 1}
 
 
-def _family_args(p: PackedRows, dummy: Tensor):
-    """Pointers, strides and constexprs describing one PackedRows for the kernel."""
+def _family_args(p: PackedRows, dummy: Tensor, chunk: int):
+    """Pointers, strides and constexprs describing one PackedRows for the kernel, which
+    decodes `chunk` channels of a row at a time (half a key, for rotation; a whole value)."""
     qaxis = p.qaxis
     scale = p.scale if p.scale is not None else dummy
     if qaxis == "row":
@@ -561,8 +573,22 @@ def _family_args(p: PackedRows, dummy: Tensor):
         HAS_ZP=p.zero_point is not None,
         SLOTS=0 if slots is None else slots.shape[-1],
         FLAT=p.sparse_count is not None and p.sparse_index.numel() > 0,
+        WORDS=_word_loadable(p, chunk),
     )
     return tensors, strides, consts
+
+
+def _word_loadable(p: PackedRows, chunk: int) -> bool:
+    """Whether the kernel can load `p`'s codes as 32-bit words (`_code_words`): 4- or
+    8-bit codes, whole words per chunk of channels, rows on 4-byte boundaries."""
+    if p.kind == "full" or p.bits not in (4, 8) or chunk % (32 // p.bits):
+        return False
+    data = p.data
+    return (
+        data.stride(-1) == 1
+        and data.data_ptr() % 4 == 0
+        and all(s % 4 == 0 for s in data.stride()[:3])
+    )
 
 
 def _segment_call(q, seg, rope, mask_u8, col, total, scaling, softcap, partials, group, dots):
@@ -573,8 +599,8 @@ def _segment_call(q, seg, rope, mask_u8, col, total, scaling, softcap, partials,
     hkv = seg.key.data.shape[1]
     m, den, acc, first, splits, rows_per_split = partials
     dummy = _dummy(q.device)
-    k_t, k_s, k_c = _family_args(seg.key, dummy)
-    v_t, v_s, v_c = _family_args(seg.value, dummy)
+    k_t, k_s, k_c = _family_args(seg.key, dummy, d // 2)
+    v_t, v_s, v_c = _family_args(seg.value, dummy, d)
     pre_rope = seg.key.pre_rope
     if pre_rope:
         cos, sin = (t.float().contiguous() for t in rope)

@@ -198,6 +198,60 @@ def test_pre_rope_keys_rotate_in_pair_order(kind, d):
     _check(q, [Segment(kp, vp, positions)], rope=_rope(d))
 
 
+def _launch_with(monkeypatch, **options):
+    """Make the interpreter launch the kernel with these options (BLOCK_T, PREFETCH, ...)."""
+    from kvq.runtime.kernels import _decode_attention_triton as kern
+    from kvq.runtime.kernels import decode_attention as da
+
+    launch = {"num_stages": 1, **options}
+    monkeypatch.setattr(
+        da, "_launcher", lambda device, head_dim: (kern.decode_attention_kernel, launch)
+    )
+
+
+def _word_flags(q, seg, rope):
+    from kvq.runtime.kernels.decode_attention import kernel_calls
+
+    ((_, _, consts),) = kernel_calls(q, [seg], scaling=1.0, rope=rope, dots="ieee")[0]
+    return consts["K_WORDS"], consts["V_WORDS"]
+
+
+def _misaligned(p: PackedRows) -> PackedRows:
+    """The same rows with their codes one byte off a 4-byte boundary (a view into a wider
+    buffer): the kernel must fall back from word loads to byte loads."""
+    wide = torch.zeros(*p.data.shape[:-1], p.data.shape[-1] + 1, dtype=torch.uint8)
+    wide[..., 1:] = p.data
+    return PackedRows(**{**p.__dict__, "data": wide[..., 1:]})
+
+
+@pytest.mark.parametrize("pre_rope", [False, True])
+@pytest.mark.parametrize("kind", ["int4-g16", "int8-sym", "int4-channel", "nuq4"])
+def test_prefetched_code_words_match_reference(kind, pre_rope, monkeypatch):
+    """PREFETCH loads each 16-row tile's code words one iteration ahead: 70 rows make five
+    tiles (the last partial) in one program, so every tile decodes the words the tile
+    before it loaded; head_dim 96 masks words of the padded channel blocks."""
+    _launch_with(monkeypatch, BLOCK_T=16, PREFETCH=True)
+    d = 96
+    k, v = _data(2, 2, 70, d, seed=11)
+    kp, vp = _codec_segment(kind, k, v, pre_rope=pre_rope)
+    seg = Segment(kp, vp, torch.arange(70)[None] + torch.tensor([[0], [5]]))
+    q = torch.randn(2, 4, 1, d) * 2
+    rope = _rope(d)
+    assert _word_flags(q, seg, rope) == (True, True)
+    _check(q, [seg], rope=rope)
+
+
+def test_misaligned_codes_fall_back_to_byte_loads(monkeypatch):
+    _launch_with(monkeypatch, BLOCK_T=16, PREFETCH=True)
+    k, v = _data(1, 2, 40, 64, seed=12)
+    kp, vp = _codec_segment("int4-g16", k, v)
+    seg = Segment(_misaligned(kp), _misaligned(vp))
+    assert seg.key.data.data_ptr() % 4 == 1
+    q = torch.randn(1, 4, 1, 64)
+    assert _word_flags(q, seg, None) == (False, False)
+    torch.testing.assert_close(_check(q, [seg]), _check(q, [Segment(kp, vp)]))
+
+
 @pytest.mark.parametrize("kind", ["int4-channel", "int8-channel-sym", "nuq4-dense"])
 def test_folded_static_keys_share_one_softmax_with_a_full_precision_segment(kind):
     """Post-RoPE static per-channel keys without exceptions: the kernel folds their scale
@@ -340,6 +394,7 @@ def test_autotuned_launch_matches_reference(monkeypatch):
     positions = torch.arange(70)[None]
     q = torch.randn(1, 4, 1, 256)
     _check(q, [Segment(kp, vp, positions)], rope=_rope(256))
-    # head_dim 256: 16- and 32-row tiles fit, with 4, 8 or 16 warps and 1 or 2 stages
+    # head_dim 256: 16- and 32-row tiles fit, with 4, 8 or 16 warps, with and without
+    # PREFETCH (the codes load as words, so PREFETCH stands in for 2 stages)
     assert len(timed) == 12
     assert tuned.best_config.kwargs["BLOCK_T"] == 16

@@ -81,6 +81,7 @@ def _resources(seg, hq, dots="tf32", **options):
 
 CASES = {  # name -> (segment, query heads)
     "int4-pre-d128": lambda: (_int4_segment(16, 2, 256, 128, pre_rope=True), 8),
+    "int4-post-d128": lambda: (_int4_segment(16, 2, 256, 128, pre_rope=False), 8),
     "int4-pre-gemma": lambda: (_int4_segment(16, 1, 256, 256, pre_rope=True), 4),
     "int4-post-gemma": lambda: (_int4_segment(16, 1, 256, 256, pre_rope=False), 4),
     "nuq4-d128": lambda: (_nuq4_segment(16, 2, 256, 128), 8),
@@ -93,6 +94,8 @@ JOBS = [  # (case, dots, launch options)
     ("int4-pre-gemma", "tf32", {"BLOCK_T": 16, "num_warps": 16}),
     ("int4-post-gemma", "tf32", {"BLOCK_T": 16}),
     ("nuq4-d128", "tf32", {"BLOCK_T": 16}),
+    ("int4-post-d128", "tf32", {"BLOCK_T": 32}),
+    ("int4-post-d128", "tf32", {"BLOCK_T": 32, "PREFETCH": True}),
 ]
 
 
@@ -117,7 +120,7 @@ def compiled() -> dict[tuple, KernelResources]:
     assert run.returncode == 0, run.stderr[-3000:]
     rows = json.loads(run.stdout.strip().splitlines()[-1])
     return {
-        (case, dots, opts.get("num_warps", 8)): KernelResources(
+        (case, dots, opts.get("num_warps", 8), opts.get("PREFETCH", False)): KernelResources(
             r["num_warps"], r["registers"], r["stack_bytes"], r["shared_bytes"], Counter(r["sass"])
         )
         for (case, dots, opts), r in zip(JOBS, rows, strict=True)
@@ -148,12 +151,19 @@ def test_the_tuner_times_the_configurations_checked_here():
 
     assert kept(128) == {(t, w) for t in (16, 32, 64) for w in (4, 8)}
     assert kept(256) == {(t, w) for t in (16, 32) for w in (4, 8, 16)}
+    # codes that load as words: PREFETCH stands in for 2 stages; otherwise never PREFETCH
+    for words in (False, True):
+        variants = {
+            (c.num_stages, c.kwargs["PREFETCH"])
+            for c in _fits(autotune_configs(), {}, BLOCK_D=128, K_WORDS=words, V_WORDS=False)
+        }
+        assert variants == ({(1, False), (1, True)} if words else {(1, False), (2, False)})
 
 
 @pytest.mark.parametrize("dots", ["tf32", "fp16", "ieee"])
 def test_dots_become_tensor_core_instructions_except_exact_fp32(compiled, dots):
     """tf32 and fp16 dots lower to HMMA; exact fp32 ("ieee", the CUDA parity mode) to FMAs."""
-    res = compiled["int4-pre-d128", dots, 8]
+    res = compiled["int4-pre-d128", dots, 8, False]
     if dots == "ieee":
         assert res.tensor_core_ops == 0 and res.sass["FFMA"] > 0
     else:
@@ -165,7 +175,8 @@ def test_gemma_shapes_compile_without_spilling_and_folded_keys_keep_16_warps(com
     the channel-scales layout compiles without spilling with pre-RoPE keys, and with
     post-RoPE keys, whose static qparams fold into the query, fits 2 programs (16 warps)
     per SM; they needed 136 registers (1 program) before the fold."""
-    pre, post = compiled["int4-pre-gemma", "tf32", 8], compiled["int4-post-gemma", "tf32", 8]
+    pre = compiled["int4-pre-gemma", "tf32", 8, False]
+    post = compiled["int4-post-gemma", "tf32", 8, False]
     assert pre.stack_bytes == 0 and post.stack_bytes == 0
     assert post.warps_per_sm >= 16, post.as_dict()
 
@@ -174,7 +185,7 @@ def test_pre_rope_static_keys_reread_their_qparams_and_keep_16_warps(compiled):
     """Pre-RoPE keys cannot fold their static qparams (RoPE mixes channels of different
     scales); held in registers across the loop they cost about 35 registers per thread and
     half the resident warps at head_dim 128, so the kernel re-reads them (L1) per tile."""
-    res = compiled["int4-pre-d128", "tf32", 8]
+    res = compiled["int4-pre-d128", "tf32", 8, False]
     assert res.warps_per_sm >= 16 and res.stack_bytes == 0, res.as_dict()
 
 
@@ -182,7 +193,7 @@ def test_gemma_pre_rope_keys_keep_16_warps_with_16_warp_programs(compiled):
     """At head_dim 256 a program of 8 warps needs about 140 registers per thread for
     pre-RoPE keys (8 warps per SM); the 16-warp programs the tuner may pick there spread
     the tiles thinner and keep 16 warps resident without spilling."""
-    res = compiled["int4-pre-gemma", "tf32", 16]
+    res = compiled["int4-pre-gemma", "tf32", 16, False]
     assert res.warps_per_sm >= 16 and res.stack_bytes == 0, res.as_dict()
 
 
@@ -191,8 +202,20 @@ def test_nuq_with_exceptions_keeps_16_warps_at_row_tiles_of_16(compiled):
     per SM and spills hundreds of bytes per thread at row tiles of 32 and more; at the tiles
     of 16 the tuner may now pick, at least 16 warps stay resident and at most a few words
     spill."""
-    res = compiled["nuq4-d128", "tf32", 8]
+    res = compiled["nuq4-d128", "tf32", 8, False]
     assert res.warps_per_sm >= 16 and res.stack_bytes <= 16, res.as_dict()
+
+
+def test_prefetched_code_words_keep_16_warps_without_spilling(compiled):
+    """PREFETCH holds the next tile's code words in registers across an iteration. At a
+    configuration the tuner may pick (KV4, head_dim 128, 32-row tiles, 8 warps) that costs
+    about 15 registers per thread, within the budget of 16 resident warps, and loads the
+    same codes with fewer, wider instructions than the byte loads (a quarter as many)."""
+    plain = compiled["int4-post-d128", "tf32", 8, False]
+    ahead = compiled["int4-post-d128", "tf32", 8, True]
+    assert ahead.stack_bytes == 0 and ahead.warps_per_sm >= 16, ahead.as_dict()
+    assert ahead.registers > plain.registers  # the words held across the iteration
+    assert ahead.sass["LDG"] < plain.sass["LDG"], (ahead.sass["LDG"], plain.sass["LDG"])
 
 
 if __name__ == "__main__":  # the child process of `compiled`
