@@ -40,9 +40,9 @@ def _code_words(ptr, rows, row_ok, stride_t, C0: tl.constexpr, NVALID: tl.conste
     C0 ... C0 + BLOCK_C - 1 (4 or 8 bits; C0, NVALID, the row stride and the base address
     on 4-byte boundaries): one contiguous load per row, four bytes per element instead of
     one. Held across an iteration (PREFETCH), words take fewer registers than bytes (KV4,
-    Llama-like heads, 32-row tiles, 4 warps: 136 per thread against 147); loaded in the
-    iteration that uses them, bytes unpack with fewer live registers, so that path keeps
-    them (`_codes_vec`)."""
+    Llama-like heads, 32-row tiles, 4 warps, codes alone: 136 per thread against 147);
+    loaded in the iteration that uses them, bytes unpack with fewer live registers, so
+    that path keeps them (`_codes_vec`)."""
     PER: tl.constexpr = 32 // BITS  # codes per word
     word = tl.arange(0, BLOCK_C // PER)
     ok = row_ok[:, None] & (word * PER < NVALID)[None, :]
@@ -92,22 +92,39 @@ def _codes_vec(ptr, rows, row_ok, stride_t, C0: tl.constexpr, NVALID: tl.constex
 
 
 @triton.jit
+def _group_qparams(ptr, rows, row_ok, q_t, other, GROUP: tl.constexpr, C0: tl.constexpr,
+                   NVALID: tl.constexpr, BC: tl.constexpr):  # fmt: skip
+    """Per-row qparams [BT, BC // GROUP] (stored dtype) of the groups of GROUP channels that
+    tile channels C0 ... C0 + BC - 1."""
+    gi = tl.arange(0, BC // GROUP)
+    g_ok = row_ok[:, None] & (gi * GROUP < NVALID)[None, :]
+    return tl.load(ptr + rows[:, None] * q_t + (C0 // GROUP + gi)[None, :], mask=g_ok, other=other)
+
+
+@triton.jit
+def _spread_groups(v, GROUP: tl.constexpr):
+    """[BT, n] per-group qparams -> float32 [BT, n * GROUP], each over its group's channels."""
+    BT: tl.constexpr = v.shape[0]
+    N: tl.constexpr = v.shape[1]
+    v = tl.broadcast_to(v.to(tl.float32)[:, :, None], (BT, N, GROUP))
+    return tl.reshape(v, (BT, N * GROUP))
+
+
+@triton.jit
 def _qparam(ptr, rows, row_ok, chans, ok, chan_ok, q_t, other, QAXIS: tl.constexpr,
-            GROUP: tl.constexpr, C0: tl.constexpr, NVALID: tl.constexpr):  # fmt: skip
+            GROUP: tl.constexpr, C0: tl.constexpr, NVALID: tl.constexpr, pre=None,
+            PRE: tl.constexpr = False):  # fmt: skip
     """One qparam family as float32, broadcastable to [BT, BC]. Per-row groups: one
     [BT, groups] load broadcast over each group's channels (a per-element gather where
-    groups do not tile the block). Static per-channel qparams: a [BT, BC] read of one
-    [BC] row (see below); per head: a scalar."""
+    groups do not tile the block; PRE: `pre` holds the load, made by the caller). Static
+    per-channel qparams: a [BT, BC] read of one [BC] row (see below); per head: a scalar."""
     BC: tl.constexpr = chans.shape[0]
     if QAXIS == 1:  # per row, groups of GROUP channels
-        if C0 % GROUP == 0 and BC % GROUP == 0:
-            BT: tl.constexpr = rows.shape[0]
-            gi = tl.arange(0, BC // GROUP)
-            g_ok = row_ok[:, None] & (gi * GROUP < NVALID)[None, :]
-            addr = ptr + rows[:, None] * q_t + (C0 // GROUP + gi)[None, :]
-            v = tl.load(addr, mask=g_ok, other=other).to(tl.float32)  # [BT, groups]
-            v = tl.broadcast_to(v[:, :, None], (BT, BC // GROUP, GROUP))
-            v = tl.reshape(v, (BT, BC))
+        if PRE:
+            v = _spread_groups(pre, GROUP)
+        elif C0 % GROUP == 0 and BC % GROUP == 0:
+            v = _spread_groups(_group_qparams(ptr, rows, row_ok, q_t, other, GROUP, C0, NVALID,
+                                              BC), GROUP)  # fmt: skip
         else:
             q_off = rows[:, None] * q_t + (chans // GROUP)[None, :]
             v = tl.load(ptr + q_off, mask=ok, other=other).to(tl.float32)
@@ -127,18 +144,24 @@ def _qparam(ptr, rows, row_ok, chans, ok, chan_ok, q_t, other, QAXIS: tl.constex
 def _dequantize(x, scale, offset, zp, zero, rows, row_ok, chans, ok, chan_ok, q_t,
                 KIND: tl.constexpr, QAXIS: tl.constexpr, GROUP: tl.constexpr,
                 HAS_OFF: tl.constexpr, HAS_ZP: tl.constexpr, C0: tl.constexpr,
-                NVALID: tl.constexpr):  # fmt: skip
+                NVALID: tl.constexpr, pre_s=None, pre_o=None, pre_z=None,
+                PRE_Q: tl.constexpr = False):  # fmt: skip
     """Codes or levels x [BT, BC] -> (x - zero - zero_point) * scale + offset (affine) or
-    x * scale + offset (lookup)."""
+    x * scale + offset (lookup). PRE_Q: per-row group qparams preloaded by the caller."""
     if KIND == 1:
         x = x - zero
     if HAS_ZP:
-        x = x - _qparam(zp, rows, row_ok, chans, ok, chan_ok, q_t, 0.0, QAXIS, GROUP, C0, NVALID)
-    x = x * _qparam(scale, rows, row_ok, chans, ok, chan_ok, q_t, 1.0, QAXIS, GROUP, C0, NVALID)
+        x = x - _qparam(
+            zp, rows, row_ok, chans, ok, chan_ok, q_t, 0.0, QAXIS, GROUP, C0, NVALID, pre_z, PRE_Q
+        )
+    x = x * _qparam(
+        scale, rows, row_ok, chans, ok, chan_ok, q_t, 1.0, QAXIS, GROUP, C0, NVALID, pre_s, PRE_Q
+    )
     if HAS_OFF:
         x = x + _qparam(
-            offset, rows, row_ok, chans, ok, chan_ok, q_t, 0.0, QAXIS, GROUP, C0, NVALID
-        )
+            offset, rows, row_ok, chans, ok, chan_ok, q_t, 0.0, QAXIS, GROUP, C0, NVALID, pre_o,
+            PRE_Q,
+        )  # fmt: skip
     return x
 
 
@@ -196,11 +219,16 @@ def _decode_tile(
     RAW: tl.constexpr = False,
     raw=None,
     PRELOADED: tl.constexpr = False,
+    pre_s=None,
+    pre_o=None,
+    pre_z=None,
+    PRE_Q: tl.constexpr = False,
 ):
     """Decoded float32 [BT, BC] for rows x chans (chans = C0 + arange(BC), the first NVALID
     of them real); pointers already point at (batch, head). RAW: the bare codes (affine) or
     levels (lookup), for a caller that applies zero, scale and offset elsewhere. PRELOADED:
-    `raw` holds the tile's code words (`_code_words`), loaded by the caller."""
+    `raw` holds the tile's code words (`_code_words`), loaded by the caller; PRE_Q: so do
+    pre_s, pre_o, pre_z its per-row group qparams (`_group_qparams`)."""
     ok = row_ok[:, None] & chan_ok[None, :]
     if KIND == 0:
         x = tl.load(data + rows[:, None] * d_t + chans[None, :], mask=ok, other=0.0)
@@ -220,7 +248,8 @@ def _decode_tile(
             x = tl.load(table + c, mask=ok, other=0.0)
         if not RAW:
             x = _dequantize(x, scale, offset, zp, zero, rows, row_ok, chans, ok, chan_ok, q_t,
-                            KIND, QAXIS, GROUP, HAS_OFF, HAS_ZP, C0, NVALID)  # fmt: skip
+                            KIND, QAXIS, GROUP, HAS_OFF, HAS_ZP, C0, NVALID, pre_s, pre_o,
+                            pre_z, PRE_Q)  # fmt: skip
     for s in tl.static_range(SLOTS):
         idx = tl.load(slot_i + rows * s_t + s, mask=row_ok, other=-1).to(tl.int32)
         val = tl.load(slot_v + rows * s_t + s, mask=row_ok, other=0.0).to(tl.float32)
@@ -419,31 +448,53 @@ def decode_attention_kernel(
     # PREFETCH (a tuning choice): each tile's code words are loaded one iteration ahead, so
     # their memory latency overlaps the tile before instead of stalling the loop. Triton's
     # pipeliner (num_stages) leaves these loads alone when they reach the dots only through
-    # an unpack (4-bit keys). Word-loaded codes only (K_WORDS, V_WORDS); what else a tile
-    # reads (qparams, exceptions, tables) is loaded as before.
+    # an unpack (4-bit keys). Word-loaded codes only (K_WORDS, V_WORDS), with the values'
+    # per-row qparams; what else a tile reads (static qparams, exceptions, tables, RoPE
+    # rows) is loaded as before.
     PF_K: tl.constexpr = PREFETCH and K_WORDS
     PF_V: tl.constexpr = PREFETCH and V_WORDS
+    # and the values' per-row group qparams, where groups tile the value block
+    PF_VQ: tl.constexpr = PF_V and V_QAXIS == 1 and BLOCK_D % V_GROUP == 0
     t = start + tl.arange(0, BLOCK_T)
     next_k1 = 0
     next_k2 = 0
     next_v = 0
+    next_vs = 0
+    next_vo = 0
+    next_vz = 0
     if PF_K:
         next_k1 = _code_words(kd, t, t < stop, kd_t, 0, HALF, BLOCK_HALF, K_BITS)
         next_k2 = _code_words(kd, t, t < stop, kd_t, HALF, HALF, BLOCK_HALF, K_BITS)
     if PF_V:
         next_v = _code_words(vd, t, t < stop, vd_t, 0, D, BLOCK_D, V_BITS)
+    if PF_VQ:
+        next_vs = _group_qparams(vsc, t, t < stop, vq_t, 1.0, V_GROUP, 0, D, BLOCK_D)
+        if V_HAS_OFF:
+            next_vo = _group_qparams(vof, t, t < stop, vq_t, 0.0, V_GROUP, 0, D, BLOCK_D)
+        if V_HAS_ZP:
+            next_vz = _group_qparams(vzp, t, t < stop, vq_t, 0.0, V_GROUP, 0, D, BLOCK_D)
     for t0 in range(start, stop, BLOCK_T):
         t = t0 + tl.arange(0, BLOCK_T)
         t_ok = t < stop
         raw_k1 = next_k1
         raw_k2 = next_k2
         raw_v = next_v
+        raw_vs = next_vs
+        raw_vo = next_vo
+        raw_vz = next_vz
         ahead = t + BLOCK_T
+        a_ok = ahead < stop
         if PF_K:
-            next_k1 = _code_words(kd, ahead, ahead < stop, kd_t, 0, HALF, BLOCK_HALF, K_BITS)
-            next_k2 = _code_words(kd, ahead, ahead < stop, kd_t, HALF, HALF, BLOCK_HALF, K_BITS)
+            next_k1 = _code_words(kd, ahead, a_ok, kd_t, 0, HALF, BLOCK_HALF, K_BITS)
+            next_k2 = _code_words(kd, ahead, a_ok, kd_t, HALF, HALF, BLOCK_HALF, K_BITS)
         if PF_V:
-            next_v = _code_words(vd, ahead, ahead < stop, vd_t, 0, D, BLOCK_D, V_BITS)
+            next_v = _code_words(vd, ahead, a_ok, vd_t, 0, D, BLOCK_D, V_BITS)
+        if PF_VQ:
+            next_vs = _group_qparams(vsc, ahead, a_ok, vq_t, 1.0, V_GROUP, 0, D, BLOCK_D)
+            if V_HAS_OFF:
+                next_vo = _group_qparams(vof, ahead, a_ok, vq_t, 0.0, V_GROUP, 0, D, BLOCK_D)
+            if V_HAS_ZP:
+                next_vz = _group_qparams(vzp, ahead, a_ok, vq_t, 0.0, V_GROUP, 0, D, BLOCK_D)
         k1 = _decode_tile(
             kd, ksc, kof, kzp, k_table, ksi, ksv, kcn, kep, k_eidx, k_eval,
             kd_t, kq_t, ks_t, kc_t, kp_t, k_zero, t, t_ok, j, j_ok,
@@ -492,7 +543,7 @@ def decode_attention_kernel(
             vd, vsc, vof, vzp, v_table, vsi, vsv, vcn, vep, v_eidx, v_eval,
             vd_t, vq_t, vs_t, vc_t, vp_t, v_zero, t, t_ok, dcol, d_ok,
             V_KIND, V_BITS, V_QAXIS, V_GROUP, V_HAS_OFF, V_HAS_ZP, V_SLOTS, V_FLAT, 0, D,
-            False, raw_v, PF_V,
+            False, raw_v, PF_V, raw_vs, raw_vo, raw_vz, PF_VQ,
         )  # fmt: skip
         if HALF_DOTS:
             pv = tl.dot(p.to(tl.float16), v.to(tl.float16))

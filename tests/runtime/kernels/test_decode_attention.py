@@ -224,14 +224,16 @@ def _misaligned(p: PackedRows) -> PackedRows:
     return PackedRows(**{**p.__dict__, "data": wide[..., 1:]})
 
 
+@pytest.mark.parametrize("d", [64, 96])
 @pytest.mark.parametrize("pre_rope", [False, True])
 @pytest.mark.parametrize("kind", ["int4-g16", "int8-sym", "int4-channel", "nuq4"])
-def test_prefetched_code_words_match_reference(kind, pre_rope, monkeypatch):
-    """PREFETCH loads each 16-row tile's code words one iteration ahead: 70 rows make five
-    tiles (the last partial) in one program, so every tile decodes the words the tile
-    before it loaded; head_dim 96 masks words of the padded channel blocks."""
+def test_prefetched_code_words_match_reference(kind, pre_rope, d, monkeypatch):
+    """PREFETCH loads each 16-row tile's code words (and the values' per-row group qparams)
+    one iteration ahead: 70 rows make five tiles (the last partial) in one program, so
+    every tile decodes what the tile before it loaded. head_dim 96 masks the words of the
+    padded channel blocks; there a whole-row value group does not tile the value block,
+    so those qparams load in the loop as before."""
     _launch_with(monkeypatch, BLOCK_T=16, PREFETCH=True)
-    d = 96
     k, v = _data(2, 2, 70, d, seed=11)
     kp, vp = _codec_segment(kind, k, v, pre_rope=pre_rope)
     seg = Segment(kp, vp, torch.arange(70)[None] + torch.tensor([[0], [5]]))

@@ -207,10 +207,10 @@ def test_nuq_with_exceptions_keeps_16_warps_at_row_tiles_of_16(compiled):
 
 
 def test_prefetched_code_words_keep_16_warps_without_spilling(compiled):
-    """PREFETCH holds the next tile's code words in registers across an iteration. At a
-    configuration the tuner may pick (KV4, head_dim 128, 32-row tiles, 8 warps) that costs
-    about 15 registers per thread, within the budget of 16 resident warps, and loads the
-    same codes with fewer, wider instructions than the byte loads (a quarter as many)."""
+    """PREFETCH holds the next tile's code words and value qparams in registers across an
+    iteration. At a configuration the tuner may pick (KV4, head_dim 128, 32-row tiles, 8
+    warps) that costs about 17 registers per thread, within the budget of 16 resident
+    warps, and loads the same codes with fewer, wider instructions than the byte loads."""
     plain = compiled["int4-post-d128", "tf32", 8, False]
     ahead = compiled["int4-post-d128", "tf32", 8, True]
     assert ahead.stack_bytes == 0 and ahead.warps_per_sm >= 16, ahead.as_dict()
