@@ -164,18 +164,21 @@ def cache_for(
     artifact: Artifact | None = None,
     policy: str | None = None,
     backend: str | None = None,
+    quantize: str = "both",
 ) -> QuantizedKVCache:
     """A fresh cache from a validated artifact or a named calibration-free policy.
 
     backend: attention backend "auto" | "triton" | "reference" (None: KVQ_BACKEND).
+    quantize: "both", or "keys" / "values" to keep the other side at full precision
+    (`CachePolicy.only`).
     """
     if (artifact is None) == (policy is None):
         raise KvqError("give exactly one of an artifact or a policy name")
     if artifact is not None:
         check_model_compatible(artifact.manifest, loaded.identity, loaded.adapter.info)
         static = {n: t for n, t in artifact.tensors.items() if n.startswith("layers.")}
-        policy_obj = artifact.manifest.policy
+        policy_obj = artifact.manifest.policy.only(quantize)
         return build_cache(loaded.model, policy_obj, static, loaded.adapter, backend)
     info = loaded.adapter.info
-    named = named_policy(policy, info.num_layers, info.head_dim)
+    named = named_policy(policy, info.num_layers, info.head_dim).only(quantize)
     return build_cache(loaded.model, named, {}, loaded.adapter, backend)

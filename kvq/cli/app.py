@@ -239,6 +239,12 @@ def run_eval(
     windows: int = typer.Option(16, "--windows"),
     seqlen: int = typer.Option(512, "--seqlen"),
     protocol: str = typer.Option("prefill", "--protocol", help="prefill or decode"),
+    quantize: str = typer.Option(
+        "both",
+        "--quantize",
+        help="both, or keys / values alone (the other side at full precision): what each "
+        "side costs in quality",
+    ),
     seed: int = typer.Option(0, "--seed"),
     json_out: Path | None = typer.Option(None, "--json", help="write the report here"),
     data_dir: str | None = DATA_DIR,
@@ -246,11 +252,12 @@ def run_eval(
 ) -> None:
     """Perplexity, KL divergence and bytes of the quantized cache vs the unquantized model."""
     from kvq.data.text import read_corpus
-    from kvq.eval.inputs import check_cache_source, check_protocol, parse_tasks
+    from kvq.eval.inputs import check_cache_source, check_protocol, check_quantize, parse_tasks
 
     _positive(windows=windows, seqlen=seqlen)
     parse_tasks(tasks)
     check_protocol(protocol)
+    check_quantize(quantize)
     check_cache_source(artifact, policy, backend)
     corpus = read_corpus(dataset, windows, seqlen, data_dir)
 
@@ -274,6 +281,7 @@ def run_eval(
             progress,
             backend,
             corpus,
+            quantize,
         )
     print_eval(report)
     if json_out is not None:

@@ -122,8 +122,9 @@ def print_inspect(artifact: Artifact, path: Path) -> None:
 
 def print_eval(report: dict) -> None:
     t = report["tasks"]
+    only = "" if report.get("quantize", "both") == "both" else f" ({report['quantize']} only)"
     table = Table(
-        title=f"{report['model']} · {report['policy']} · {report['dataset']} · "
+        title=f"{report['model']} · {report['policy']}{only} · {report['dataset']} · "
         f"{report['windows']}×{report['seqlen']} · {report['protocol']}"
     )
     table.add_column("metric")

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from kvq.data.text import TextSource, read_corpus
-from kvq.eval.inputs import check_cache_source, check_protocol, parse_tasks
+from kvq.eval.inputs import check_cache_source, check_protocol, check_quantize, parse_tasks
 from kvq.eval.quality import evaluate
 from kvq.manifests.ledger import ByteLedger
 from kvq.models.loading import load_model
@@ -32,10 +32,13 @@ def run_eval_job(
     progress: Progress,
     backend: str | None = None,
     corpus: tuple[str, TextSource] | None = None,
+    quantize: str = "both",
 ) -> dict:
-    """corpus: `read_corpus` of the dataset when the caller has read it already."""
+    """corpus: `read_corpus` of the dataset when the caller has read it already.
+    quantize: "both", or "keys" / "values" alone (the other side at full precision)."""
     chosen = parse_tasks(tasks)
     check_protocol(protocol)
+    check_quantize(quantize)
     check_cache_source(artifact_path, policy, backend)
     # a bad dataset fails before the model load
     corpus = corpus or read_corpus(dataset, windows, seqlen, data_dir)
@@ -49,11 +52,14 @@ def run_eval_job(
     with progress.stage("sample windows"):
         tw = load_windows(loaded, dataset, windows, seqlen, seed, data_dir, corpus)
     resolve_backend(backend, loaded.model.device)  # fail fast: e.g. triton without CUDA
-    cache_for(loaded, artifact=artifact, policy=policy)  # fail fast on an unusable policy
+    # fail fast on an unusable policy
+    cache_for(loaded, artifact=artifact, policy=policy, quantize=quantize)
     result = evaluate(
         loaded.model,
         tw.ids,
-        lambda: cache_for(loaded, artifact=artifact, policy=policy, backend=backend),
+        lambda: cache_for(
+            loaded, artifact=artifact, policy=policy, backend=backend, quantize=quantize
+        ),
         protocol,
         progress,
     )
@@ -66,6 +72,7 @@ def run_eval_job(
         "dataset_sha256": tw.source.sha256,
         "windows_sha256": tw.fingerprint,
         "protocol": protocol,
+        "quantize": quantize,
         "windows": windows,
         "seqlen": seqlen,
         "seed": seed,

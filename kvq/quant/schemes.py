@@ -99,6 +99,7 @@ class QuantScheme:
 
 
 FULL_PRECISION = QuantScheme(format="none", bits=16)
+QUANTIZE_SIDES = ("both", "keys", "values")  # what `CachePolicy.only` keeps quantized
 
 
 @dataclass(frozen=True)
@@ -138,6 +139,17 @@ class CachePolicy:
     @property
     def num_layers(self) -> int:
         return len(self.layers)
+
+    def only(self, side: str) -> CachePolicy:
+        """This policy with only `side` quantized ("keys" or "values"), the other side kept
+        at full precision: what each side costs in quality. "both": the policy itself."""
+        if side not in QUANTIZE_SIDES:
+            raise KvqError(f"--quantize must be one of {', '.join(QUANTIZE_SIDES)}, got {side!r}")
+        if side == "both":
+            return self
+        other = "value" if side == "keys" else "key"
+        layers = tuple(replace(layer, **{other: FULL_PRECISION}) for layer in self.layers)
+        return CachePolicy(f"{self.name} ({side} only)", layers, self.version)
 
     def to_json(self) -> dict[str, Any]:
         return {"_type": "CachePolicy", "_version": self.version, "_data": asdict(self)}

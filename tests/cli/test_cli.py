@@ -138,6 +138,32 @@ def test_run_eval_json_shape(artifact, llama_dir, shared_data, tmp_path):
     assert 0 < tasks["bytes"]["ratio"] < 1
 
 
+def test_run_eval_quantizes_one_side_alone(artifact, llama_dir, shared_data, tmp_path):
+    """--quantize keys / values keeps the other side at full precision (the model's dtype):
+    the quantized parts of the two measured ledgers add up to those of both sides."""
+    reports = {}
+    for side in ("both", "keys", "values"):
+        out = tmp_path / f"{side}.json"
+        result = _run(
+            "run-eval", "--model", llama_dir, "--artifact", artifact, "--data-dir", shared_data,
+            "--windows", 2, "--seqlen", 32, "--quantize", side, "--json", out,
+        )  # fmt: skip
+        assert result.exit_code == 0, result.output + result.stderr
+        reports[side] = json.loads(out.read_text())
+        assert reports[side]["quantize"] == side
+    ledger = {side: r["tasks"]["bytes"]["ledger"] for side, r in reports.items()}
+    for part in ("codes", "qparams"):
+        assert 0 < ledger["keys"][part] < ledger["both"][part]
+        assert ledger["keys"][part] + ledger["values"][part] == ledger["both"][part]
+    assert ledger["both"]["full_precision"] == 0
+    assert ledger["keys"]["full_precision"] > 0 and ledger["values"]["full_precision"] > 0
+
+
+def test_run_eval_refuses_an_unknown_side(artifact, llama_dir):
+    result = _run("run-eval", "--model", llama_dir, "--artifact", artifact, "--quantize", "k")
+    _one_line_error(result, "--quantize", "keys")
+
+
 def test_run_eval_decode_protocol_with_named_policy(llama_dir, shared_data):
     result = _run(
         "run-eval",

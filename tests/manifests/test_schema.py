@@ -210,3 +210,21 @@ def test_policy_must_cover_every_layer():
             policy=named_policy("int8", NUM_LAYERS + 1),
             calibration=Calibration(method="int8", dataset=None, options={}, stage_seconds={}),
         )
+
+
+def test_policy_with_one_side_quantized():
+    """`CachePolicy.only`: the other side of every layer at full precision, the rest kept."""
+    from kvq.quant.schemes import FULL_PRECISION
+
+    policy = named_policy("int4", 3, 64)
+    assert policy.only("both") is policy
+    keys, values = policy.only("keys"), policy.only("values")
+    for layer, k, v in zip(policy.layers, keys.layers, values.layers, strict=True):
+        assert (k.key, k.value) == (layer.key, FULL_PRECISION)
+        assert (v.key, v.value) == (FULL_PRECISION, layer.value)
+        assert k.sink_tokens == v.sink_tokens == layer.sink_tokens
+        assert k.key_stage == v.key_stage == layer.key_stage
+    assert keys.name == "int4 (keys only)"
+    assert CachePolicy.from_json(json.loads(json.dumps(keys.to_json()))) == keys
+    with pytest.raises(KvqError, match="--quantize must be one of both, keys, values"):
+        policy.only("k")
