@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from kvq.errors import KvqError
-from kvq.quant.schemes import NAMED_POLICIES, QUANTIZE_SIDES, named_policy
+from kvq.quant.schemes import NAMED_POLICIES, check_quantize, named_policy  # noqa: F401 (re-exported)
 from kvq.runtime.kernels.backend import check_choice
 
 TASKS = ("ppl", "kld", "bytes")
@@ -28,11 +28,6 @@ def parse_tasks(tasks: str) -> tuple[str, ...]:
 def check_protocol(protocol: str) -> None:
     if protocol not in PROTOCOLS:
         raise KvqError(f"--protocol must be one of {', '.join(PROTOCOLS)}, got {protocol!r}")
-
-
-def check_quantize(side: str) -> None:
-    if side not in QUANTIZE_SIDES:
-        raise KvqError(f"--quantize must be one of {', '.join(QUANTIZE_SIDES)}, got {side!r}")
 
 
 def check_cache_source(artifact_path: Path | None, policy: str | None, backend: str | None):

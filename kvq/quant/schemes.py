@@ -102,6 +102,11 @@ FULL_PRECISION = QuantScheme(format="none", bits=16)
 QUANTIZE_SIDES = ("both", "keys", "values")  # what `CachePolicy.only` keeps quantized
 
 
+def check_quantize(side: str) -> None:
+    if side not in QUANTIZE_SIDES:
+        raise KvqError(f"--quantize must be one of {', '.join(QUANTIZE_SIDES)}, got {side!r}")
+
+
 @dataclass(frozen=True)
 class LayerPolicy:
     """The K and V storage of one attention layer."""
@@ -143,8 +148,7 @@ class CachePolicy:
     def only(self, side: str) -> CachePolicy:
         """This policy with only `side` quantized ("keys" or "values"), the other side kept
         at full precision: what each side costs in quality. "both": the policy itself."""
-        if side not in QUANTIZE_SIDES:
-            raise KvqError(f"--quantize must be one of {', '.join(QUANTIZE_SIDES)}, got {side!r}")
+        check_quantize(side)
         if side == "both":
             return self
         other = "value" if side == "keys" else "key"
