@@ -224,9 +224,15 @@ def _misaligned(p: PackedRows) -> PackedRows:
     return PackedRows(**{**p.__dict__, "data": wide[..., 1:]})
 
 
-@pytest.mark.parametrize("d", [64, 96])
-@pytest.mark.parametrize("pre_rope", [False, True])
-@pytest.mark.parametrize("kind", ["int4-g16", "int8-sym", "int4-channel", "nuq4"])
+@pytest.mark.parametrize(  # each kind pre- and post-RoPE, each at both head dims
+    "kind, pre_rope, d",
+    [
+        (kind, pre_rope, d)
+        for kind in ("int4-g16", "int8-sym", "int4-channel", "nuq4")
+        for pre_rope, d in ((False, 64), (True, 96))
+    ]
+    + [("int4-g16", False, 96), ("nuq4", True, 64)],
+)
 def test_prefetched_code_words_match_reference(kind, pre_rope, d, monkeypatch):
     """PREFETCH loads each 16-row tile's code words (and the values' per-row group qparams)
     one iteration ahead: 70 rows make five tiles (the last partial) in one program, so
