@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU check for a lent CUDA machine (needs only torch, triton, transformers, safetensors,
 # typer, rich): kernel parity on CUDA, then decode-attention and A8 benchmarks.
-# Usage: bash bench/gpu_check.sh [OUT_DIR]   (under 8 minutes on an H200; the first call per format autotunes the decode kernel over 12-24 configurations)
+# Usage: bash bench/gpu_check.sh [OUT_DIR]   (under 8 minutes on an H200; the first call per format autotunes the decode kernel over 12 configurations, with and without PREFETCH where codes load as words)
 set -u
 OUT=${1:-${OUT:-gpu_out}}
 mkdir -p "$OUT"
