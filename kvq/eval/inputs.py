@@ -10,7 +10,11 @@ from __future__ import annotations
 from pathlib import Path
 
 from kvq.errors import KvqError
-from kvq.quant.schemes import NAMED_POLICIES, check_quantize, named_policy  # noqa: F401 (re-exported)
+from kvq.quant.schemes import (  # check_quantize: re-exported beside the other checks
+    NAMED_POLICIES,
+    check_quantize,  # noqa: F401
+    named_policy,
+)
 from kvq.runtime.kernels.backend import check_choice
 
 TASKS = ("ppl", "kld", "bytes")

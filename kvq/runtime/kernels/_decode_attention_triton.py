@@ -3,8 +3,9 @@
 One program = one (batch, KV head) pair and one split of a segment's rows. It
 walks its rows in tiles of BLOCK_T (with PREFETCH, loading each tile's code words
 one tile ahead), decodes K (in two halves, so a pre-RoPE key can be rotated with
-its partner channel in registers) and V, and keeps the online-softmax state for its R padded query rows (the G query heads of the KV
-head times the Q query positions). Scores are in base 2 (the launcher folds
+its partner channel in registers) and V, and keeps the online-softmax state for
+its R padded query rows (the G query heads of the KV head times the Q query
+positions). Scores are in base 2 (the launcher folds
 log2(e) into the softmax scale). Post-RoPE keys with static per-channel qparams
 (asymmetric codes, codebook levels) fold them into the query once per program, so
 the loop dots bare codes. Partial (max, denominator, numerator) go to memory,
@@ -267,6 +268,35 @@ def _decode_tile(
 
 
 @triton.jit
+def _tile_ahead(rows, row_ok, kd, kd_t, vd, vd_t, vsc, vof, vzp, vq_t, HALF: tl.constexpr,
+                BLOCK_HALF: tl.constexpr, K_BITS: tl.constexpr, D: tl.constexpr,
+                BLOCK_D: tl.constexpr, V_BITS: tl.constexpr, V_GROUP: tl.constexpr,
+                V_HAS_OFF: tl.constexpr, V_HAS_ZP: tl.constexpr, PF_K: tl.constexpr,
+                PF_V: tl.constexpr, PF_VQ: tl.constexpr):  # fmt: skip
+    """What PREFETCH loads for the tile of `rows`, one iteration before it is decoded: (key
+    words of each half, value words, value scale, offset, zero-point group qparams); 0 for
+    what is not prefetched (PF_K: key codes, PF_V: value codes, PF_VQ: value qparams)."""
+    k1 = 0
+    k2 = 0
+    v = 0
+    vs = 0
+    vo = 0
+    vz = 0
+    if PF_K:
+        k1 = _code_words(kd, rows, row_ok, kd_t, 0, HALF, BLOCK_HALF, K_BITS)
+        k2 = _code_words(kd, rows, row_ok, kd_t, HALF, HALF, BLOCK_HALF, K_BITS)
+    if PF_V:
+        v = _code_words(vd, rows, row_ok, vd_t, 0, D, BLOCK_D, V_BITS)
+    if PF_VQ:
+        vs = _group_qparams(vsc, rows, row_ok, vq_t, 1.0, V_GROUP, 0, D, BLOCK_D)
+        if V_HAS_OFF:
+            vo = _group_qparams(vof, rows, row_ok, vq_t, 0.0, V_GROUP, 0, D, BLOCK_D)
+        if V_HAS_ZP:
+            vz = _group_qparams(vzp, rows, row_ok, vq_t, 0.0, V_GROUP, 0, D, BLOCK_D)
+    return k1, k2, v, vs, vo, vz
+
+
+@triton.jit
 def decode_attention_kernel(
     q,
     sq_b,
@@ -456,45 +486,20 @@ def decode_attention_kernel(
     # and the values' per-row group qparams, where groups tile the value block
     PF_VQ: tl.constexpr = PF_V and V_QAXIS == 1 and BLOCK_D % V_GROUP == 0
     t = start + tl.arange(0, BLOCK_T)
-    next_k1 = 0
-    next_k2 = 0
-    next_v = 0
-    next_vs = 0
-    next_vo = 0
-    next_vz = 0
-    if PF_K:
-        next_k1 = _code_words(kd, t, t < stop, kd_t, 0, HALF, BLOCK_HALF, K_BITS)
-        next_k2 = _code_words(kd, t, t < stop, kd_t, HALF, HALF, BLOCK_HALF, K_BITS)
-    if PF_V:
-        next_v = _code_words(vd, t, t < stop, vd_t, 0, D, BLOCK_D, V_BITS)
-    if PF_VQ:
-        next_vs = _group_qparams(vsc, t, t < stop, vq_t, 1.0, V_GROUP, 0, D, BLOCK_D)
-        if V_HAS_OFF:
-            next_vo = _group_qparams(vof, t, t < stop, vq_t, 0.0, V_GROUP, 0, D, BLOCK_D)
-        if V_HAS_ZP:
-            next_vz = _group_qparams(vzp, t, t < stop, vq_t, 0.0, V_GROUP, 0, D, BLOCK_D)
+    next_k1, next_k2, next_v, next_vs, next_vo, next_vz = _tile_ahead(
+        t, t < stop, kd, kd_t, vd, vd_t, vsc, vof, vzp, vq_t, HALF, BLOCK_HALF, K_BITS,
+        D, BLOCK_D, V_BITS, V_GROUP, V_HAS_OFF, V_HAS_ZP, PF_K, PF_V, PF_VQ,
+    )  # fmt: skip
     for t0 in range(start, stop, BLOCK_T):
         t = t0 + tl.arange(0, BLOCK_T)
         t_ok = t < stop
-        raw_k1 = next_k1
-        raw_k2 = next_k2
-        raw_v = next_v
-        raw_vs = next_vs
-        raw_vo = next_vo
-        raw_vz = next_vz
+        raw_k1, raw_k2, raw_v = next_k1, next_k2, next_v
+        raw_vs, raw_vo, raw_vz = next_vs, next_vo, next_vz
         ahead = t + BLOCK_T
-        a_ok = ahead < stop
-        if PF_K:
-            next_k1 = _code_words(kd, ahead, a_ok, kd_t, 0, HALF, BLOCK_HALF, K_BITS)
-            next_k2 = _code_words(kd, ahead, a_ok, kd_t, HALF, HALF, BLOCK_HALF, K_BITS)
-        if PF_V:
-            next_v = _code_words(vd, ahead, a_ok, vd_t, 0, D, BLOCK_D, V_BITS)
-        if PF_VQ:
-            next_vs = _group_qparams(vsc, ahead, a_ok, vq_t, 1.0, V_GROUP, 0, D, BLOCK_D)
-            if V_HAS_OFF:
-                next_vo = _group_qparams(vof, ahead, a_ok, vq_t, 0.0, V_GROUP, 0, D, BLOCK_D)
-            if V_HAS_ZP:
-                next_vz = _group_qparams(vzp, ahead, a_ok, vq_t, 0.0, V_GROUP, 0, D, BLOCK_D)
+        next_k1, next_k2, next_v, next_vs, next_vo, next_vz = _tile_ahead(
+            ahead, ahead < stop, kd, kd_t, vd, vd_t, vsc, vof, vzp, vq_t, HALF, BLOCK_HALF,
+            K_BITS, D, BLOCK_D, V_BITS, V_GROUP, V_HAS_OFF, V_HAS_ZP, PF_K, PF_V, PF_VQ,
+        )  # fmt: skip
         k1 = _decode_tile(
             kd, ksc, kof, kzp, k_table, ksi, ksv, kcn, kep, k_eidx, k_eval,
             kd_t, kq_t, ks_t, kc_t, kp_t, k_zero, t, t_ok, j, j_ok,

@@ -444,10 +444,10 @@ def autotune_configs():
     # num_stages 2 lets Triton's pipeliner load the next tile while this one is decoded and
     # multiplied, where it recognises the loads (not 4-bit codes, which reach the dots
     # through an unpack); PREFETCH does that by hand for word-loaded codes, for registers
-    # that depend on the layout (0 to 60 more per thread, bench/results/static). Row tiles of 16 hold the fewest registers per
-    # thread, and so do 16 warps at head_dim 256: the configurations that keep 16 or more
-    # warps resident per SM without spilling for codebook (NUQ) and pre-RoPE layouts
-    # (bench/kernel_resources.py, bench/results/static)
+    # that depend on the layout (0 to 60 more per thread). Row tiles of 16 hold the fewest
+    # registers per thread, and so do 16 warps at head_dim 256: the configurations that
+    # keep 16 or more warps resident per SM without spilling for codebook (NUQ) and
+    # pre-RoPE layouts (bench/kernel_resources.py, bench/results/static)
     return [
         triton.Config({"BLOCK_T": t, "PREFETCH": prefetch}, num_warps=w, num_stages=stages)
         for t in (16, 32, 64, 128)
