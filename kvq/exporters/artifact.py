@@ -5,18 +5,19 @@
       tensors.safetensors   every tensor the manifest indexes (possibly none)
 
 Writing is atomic: the artifact is built in a hidden sibling directory and
-renamed into place, so a reader sees the old artifact, the new one, or none,
-never a half-written one. Reading trusts nothing: the schema version, every
-field, the set of tensor names and each tensor's dtype, shape and sha256 are
-checked, and any difference is an `IncompatibleArtifact` naming the field.
+swapped into place, so a reader sees the old artifact or the new one, never a
+half-written one (`kvq.exporters.paths`). Reading trusts nothing: the schema
+version, every field and its range, the set of tensor names, each tensor's
+dtype, shape and sha256, and the values of every stored qparam are checked, and
+any difference is an `IncompatibleArtifact` naming the field.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
-import secrets
 import shutil
 from dataclasses import dataclass, fields, is_dataclass, replace
 from pathlib import Path
@@ -27,11 +28,12 @@ import torch
 from torch import Tensor
 
 from kvq.errors import IncompatibleArtifact, KvqError
+from kvq.exporters import paths
+from kvq.exporters.paths import MANIFEST_FILE, TENSORS_FILE
+from kvq.jsonio import strict_loads
 from kvq.manifests.identity import ArchitectureInfo, ModelIdentity
 from kvq.manifests.schema import Manifest, TensorEntry, manifest_from_json, manifest_to_json
-
-MANIFEST_FILE = "manifest.json"
-TENSORS_FILE = "tensors.safetensors"
+from kvq.runtime.validate import check_artifact_state
 
 
 @dataclass
@@ -86,117 +88,79 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _check_replaceable(path: Path) -> None:
-    """Only an artifact (or an empty directory) may be replaced by --overwrite.
-
-    A mistyped `--out ~` must not delete a home directory.
-    """
-    if not path.is_dir():
-        raise KvqError(f"{path} exists and is not a directory; refusing to overwrite it")
-    if any(path.iterdir()) and not (path / MANIFEST_FILE).is_file():
-        raise KvqError(f"{path} is a non-empty directory without {MANIFEST_FILE}; not replacing")
-
-
 def write_artifact(artifact: Artifact, path: str | os.PathLike, *, overwrite: bool = False) -> Path:
     """Write `artifact` to the directory `path` atomically; return its absolute path.
 
     The manifest written has its `tensors` index recomputed from the tensors,
     so it cannot disagree with them. An existing `path` is refused unless
-    `overwrite`; then the old artifact is moved aside, the new one renamed in,
-    and only then the old one deleted. On any exception, KeyboardInterrupt
-    included, the temporary directory is removed and the old artifact restored.
+    `overwrite`, and even then only a kvq artifact or an empty directory is
+    replaced (`paths.check_replaceable`). The new artifact is built in a hidden
+    sibling and swapped in (`paths.swap_into_place`); on any exception,
+    KeyboardInterrupt included, the sibling is removed and the old artifact stays.
     """
     path = Path(os.path.abspath(path))  # so "." and "ART/" have a name to rename
-    if path.exists() or path.is_symlink():
+    paths.recover(path)
+    if os.path.lexists(path):
         if not overwrite:
             raise KvqError(f"{path} exists; pass --overwrite")
-        _check_replaceable(path)
+        paths.check_replaceable(path)
     path.parent.mkdir(parents=True, exist_ok=True)
 
     tensors = {name: _cpu_contiguous(t) for name, t in artifact.tensors.items()}
     manifest = replace(artifact.manifest, tensors=tensor_index(tensors))
     text = json.dumps(manifest_to_json(manifest), indent=2, sort_keys=True, allow_nan=False)
 
-    tmp = _sibling(path, "tmp", create=True)
-    aside: Path | None = None
+    # a plain mkdir (not tempfile.mkdtemp, whose 0700 mode would stick to the artifact)
+    tmp = paths.sibling(path, "tmp")
+    tmp.mkdir()
+    old: Path | None = None
     try:
         (tmp / MANIFEST_FILE).write_text(text + "\n", encoding="utf-8")
         _fsync_file(tmp / MANIFEST_FILE)
         safetensors.torch.save_file(tensors, str(tmp / TENSORS_FILE), metadata={"format": "pt"})
         _fsync_file(tmp / TENSORS_FILE)
         _fsync_dir(tmp)
-        if path.exists() or path.is_symlink():
-            aside = _sibling(path, "old", create=False)
-            os.rename(path, aside)
-        os.rename(tmp, path)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if aside is not None and os.path.lexists(aside) and not os.path.lexists(path):
-            os.rename(aside, path)  # put the old artifact back
-        raise
+        old = paths.swap_into_place(tmp, path)
+    finally:
+        if old is None and os.path.lexists(tmp):
+            shutil.rmtree(tmp, ignore_errors=True)
     # The new artifact is in place; what remains cannot leave a half-written one.
     try:
         _fsync_dir(path.parent)
     finally:
-        if aside is not None:
-            _remove(aside)
+        if old is not None:
+            paths.remove_tree(old)
     return path
-
-
-def _remove(path: Path) -> None:
-    # A symlinked artifact is replaced by a real directory: drop the link, not its target.
-    if path.is_symlink():
-        path.unlink()
-    else:
-        shutil.rmtree(path, ignore_errors=True)
-
-
-def _sibling(path: Path, kind: str, *, create: bool) -> Path:
-    """A fresh hidden name next to `path`, e.g. ".ART.tmp-1f2e3d4c".
-
-    Created with a plain mkdir (not tempfile.mkdtemp, whose 0700 mode would
-    stick to the finished artifact) so the usual umask applies.
-    """
-    for _ in range(100):
-        candidate = path.with_name(f".{path.name}.{kind}-{secrets.token_hex(4)}")
-        if create:
-            try:
-                candidate.mkdir()
-            except FileExistsError:
-                continue
-            return candidate
-        if not os.path.lexists(candidate):
-            return candidate
-    raise KvqError(f"cannot find a free temporary name next to {path}")
 
 
 # --- reading ------------------------------------------------------------------------
 
 
-def _reject_constant(name: str) -> Any:
-    raise KvqError(f"manifest contains the non-JSON number {name}")
-
-
 def read_artifact(path: str | os.PathLike) -> Artifact:
-    """Load and verify an artifact; raise `KvqError` / `IncompatibleArtifact` if it is not sound."""
+    """Load and verify an artifact; raise `KvqError` / `IncompatibleArtifact` if it is not sound.
+
+    Beyond bytes (hashes), the values are checked: the manifest's numbers by the manifest
+    dataclasses, every stored qparam and codebook by `check_artifact_state`.
+    """
     path = Path(path)
+    with contextlib.suppress(OSError):  # a read-only place: nothing to restore there
+        paths.recover(path)  # a write killed mid-swap: put the old artifact back
     if not path.is_dir():
         raise KvqError(f"{path}: no such artifact directory")
     for name in (MANIFEST_FILE, TENSORS_FILE):
         if not (path / name).is_file():
             raise KvqError(f"{path}: missing {name}; not a kvq artifact")
     try:
-        raw = json.loads(
-            (path / MANIFEST_FILE).read_text(encoding="utf-8"), parse_constant=_reject_constant
-        )
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise KvqError(f"{path / MANIFEST_FILE}: not valid JSON ({e})") from e
+        raw = strict_loads((path / MANIFEST_FILE).read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as e:
+        raise KvqError(f"{path / MANIFEST_FILE}: not valid JSON ({e})") from None
     manifest = manifest_from_json(raw)
     try:
         tensors = safetensors.torch.load_file(str(path / TENSORS_FILE))
     except Exception as e:  # SafetensorError and friends: a corrupt or truncated file
         raise KvqError(f"{path / TENSORS_FILE}: unreadable ({e})") from e
     _verify_tensors(manifest.tensors, tensors)
+    check_artifact_state(manifest, tensors)
     return Artifact(manifest=manifest, tensors={n: tensors[n] for n in sorted(tensors)})
 
 

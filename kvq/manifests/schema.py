@@ -15,14 +15,15 @@ JSON Schema, so the two cannot drift apart.
 from __future__ import annotations
 
 import importlib.metadata
+import math
 import types
 import typing
 from dataclasses import dataclass, fields, is_dataclass
 from datetime import datetime, timezone
 from typing import Any, Literal, Union
 
-from kvq.errors import IncompatibleArtifact, KvqError
-from kvq.manifests.identity import ArchitectureInfo, ModelIdentity
+from kvq.errors import FieldError, IncompatibleArtifact, KvqError, require
+from kvq.manifests.identity import ArchitectureInfo, ModelIdentity, is_sha256
 from kvq.manifests.ledger import ByteLedger
 from kvq.quant.schemes import SCHEME_VERSION, CachePolicy
 
@@ -42,6 +43,19 @@ class TensorEntry:
     shape: tuple[int, ...]
     sha256: str
 
+    def __post_init__(self) -> None:
+        require(self.dtype in TENSOR_DTYPES, "dtype", "a safetensors dtype name", self.dtype)
+        require(len(self.shape) <= 8, "shape", "at most 8 dimensions", self.shape)
+        require(all(0 <= n < 1 << 40 for n in self.shape), "shape", "sizes >= 0", self.shape)
+        require(is_sha256(self.sha256), "sha256", "a lowercase hex sha256 digest", self.sha256)
+
+
+# the dtypes kvq stores, by their torch names (float8 for the FP8 formats)
+TENSOR_DTYPES = (
+    "float32", "float16", "bfloat16", "float64", "float8_e4m3fn", "float8_e5m2",
+    "uint8", "int8", "int16", "int32", "int64", "bool",
+)  # fmt: skip
+
 
 @dataclass(frozen=True)
 class DatasetInfo:
@@ -54,6 +68,13 @@ class DatasetInfo:
     seqlen: int
     seed: int
 
+    def __post_init__(self) -> None:
+        for name in ("text_sha256", "windows_sha256"):
+            require(is_sha256(getattr(self, name)), name, "a hex sha256", getattr(self, name))
+        require(self.samples >= 1, "samples", "positive", self.samples)
+        require(self.seqlen >= 2, "seqlen", "at least 2", self.seqlen)
+        require(0 <= self.seed < 1 << 63, "seed", "in [0, 2**63)", self.seed)
+
 
 @dataclass(frozen=True)
 class Calibration:
@@ -63,6 +84,11 @@ class Calibration:
     dataset: DatasetInfo | None  # None for calibration-free policies
     options: dict[str, str | int | float | bool | None]
     stage_seconds: dict[str, float]  # wall time per calibration stage
+
+    def __post_init__(self) -> None:
+        for name, seconds in self.stage_seconds.items():
+            ok = math.isfinite(seconds) and seconds >= 0
+            require(ok, f"stage_seconds[{name}]", "a duration >= 0", seconds)
 
 
 @dataclass(frozen=True)
@@ -89,6 +115,21 @@ class Manifest:
                 self.policy.num_layers,
                 "one layer policy per decoder layer",
             )
+        head_dim = self.architecture.head_dim
+        for i, layer in enumerate(self.policy.layers):
+            for part, scheme in (("key", layer.key), ("value", layer.value)):
+                group = scheme.group_size
+                require(
+                    group is None or head_dim % group == 0,
+                    f"policy.layers[{i}].{part}.group_size",
+                    f"a divisor of head_dim {head_dim}",
+                    group,
+                )
+        if self.ledger is not None:
+            # a stored ledger was measured on real tokens; ratios divide by both
+            require(self.ledger.tokens > 0, "ledger.tokens", "positive", self.ledger.tokens)
+            fp16 = self.ledger.fp16_bytes
+            require(fp16 > 0, "ledger.fp16_bytes", "positive", fp16)
 
 
 def utc_now() -> str:
@@ -232,6 +273,8 @@ def _decode_dataclass(cls: type, value: Any, path: str) -> Any:
         return cls(**kwargs)
     except IncompatibleArtifact:
         raise
+    except FieldError as e:  # a value out of range: name it by its full path
+        raise IncompatibleArtifact(_join(path, e.field), e.rule, e.value) from None
     except KvqError as e:  # well-typed but invalid, e.g. a negative byte count
         raise IncompatibleArtifact(path or cls.__name__, f"a valid {cls.__name__}", str(e)) from e
 

@@ -27,6 +27,8 @@ ScaleDtype = Literal["float16", "bfloat16", "float32"]
 Fp8Format = Literal["e4m3", "e5m2"]
 
 INT_BITS = (2, 3, 4, 8)
+MAX_GROUP = 4096  # channels per qparam group: at most a head (head_dim <= 4096)
+MAX_SINK = 1 << 16  # sink tokens kept exact: far beyond any real use, a bound for tampering
 
 
 @dataclass(frozen=True)
@@ -73,8 +75,8 @@ class QuantScheme:
             raise KvqError(f"outlier_fraction must be in [0, 0.5), got {self.outlier_fraction}")
         if self.format != "nuq" and (self.outlier_fraction or self.qnorm):
             raise KvqError("sparse outliers and Q-Norm are only defined for format='nuq'")
-        if self.group_size is not None and self.group_size <= 0:
-            raise KvqError(f"group_size must be positive, got {self.group_size}")
+        if self.group_size is not None and not 0 < self.group_size <= MAX_GROUP:
+            raise KvqError(f"group_size must be in [1, {MAX_GROUP}], got {self.group_size}")
         if self.axis == "channel" and self.lifetime != "static":
             # Online per-channel scales rewrite history (article 0x05A): refuse.
             raise KvqError("per-channel qparams must be static (calibrated); see KIVI for grouping")
@@ -117,8 +119,8 @@ class LayerPolicy:
     sink_tokens: int = 0
 
     def __post_init__(self) -> None:
-        if self.sink_tokens < 0:
-            raise KvqError(f"sink_tokens must be >= 0, got {self.sink_tokens}")
+        if not 0 <= self.sink_tokens <= MAX_SINK:
+            raise KvqError(f"sink_tokens must be in [0, {MAX_SINK}], got {self.sink_tokens}")
         if self.value.axis == "channel":
             raise KvqError("per-channel V is not supported: V rows are quantized at append time")
 

@@ -12,6 +12,7 @@ import safetensors.torch
 import torch
 
 from kvq.errors import IncompatibleArtifact, KvqError
+from kvq.exporters import paths
 from kvq.exporters.artifact import (
     Artifact,
     check_model_compatible,
@@ -24,10 +25,22 @@ from kvq.manifests.schema import SCHEMA_VERSION, TensorEntry
 from tests.manifests.test_schema import make_architecture, make_identity, make_manifest
 
 
+def static_tensors(layers: int = 4, heads: int = 1, head_dim: int = 64) -> dict[str, torch.Tensor]:
+    """What the calibrated manifest's static per-channel INT4 keys need: a positive fp16
+    scale and an fp16 offset per (head, channel) and layer."""
+    g = torch.Generator().manual_seed(1)
+    out = {}
+    for i in range(layers):
+        x = torch.rand(heads, head_dim, generator=g)
+        out[f"layers.{i}.key.scale"] = (x + 0.01).to(torch.float16)
+        out[f"layers.{i}.key.offset"] = (x - 0.5).to(torch.float16)
+    return out
+
+
 def make_tensors() -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(0)
     x = torch.randn(4, 64, generator=g)
-    return {
+    return static_tensors() | {
         "k_scale.0": x.to(torch.float16),
         "k_offset.0": x[:, ::2].float(),  # a non-contiguous view: stored contiguous
         "codebook.1": torch.randint(0, 256, (16,), dtype=torch.uint8, generator=g),
@@ -159,14 +172,14 @@ def test_model_compatibility_names_the_field():
     check_model_compatible(manifest, identity, arch)  # the same model passes
 
     cases = [
-        (replace(identity, weights_sha256="x" * 64), arch, "identity.weights_sha256"),
+        (replace(identity, weights_sha256="9" * 64), arch, "identity.weights_sha256"),
         (replace(identity, model_type="llama"), arch, "identity.model_type"),
         (identity, replace(arch, num_kv_heads=4), "architecture.num_kv_heads"),
-        (identity, replace(arch, sliding_window=None), "architecture.sliding_window"),
-        (identity, replace(arch, layer_types=("full_attention",) * 4), "architecture.layer_types[0]"),
+        (identity, replace(arch, sliding_window=1024), "architecture.sliding_window"),
+        (identity, replace(arch, layer_types=("full_attention",) * 4, sliding_window=None), "architecture.layer_types[0]"),
         (identity, replace(arch, rope=arch.rope[:3] + (RopeInfo(5e5, 64, "rotate-half"),)), "architecture.rope[3].theta"),
         (identity, replace(arch, rope=arch.rope[:2] + (replace(arch.rope[2], pairing="interleaved"),) + arch.rope[3:]), "architecture.rope[2].pairing"),
-        (identity, replace(arch, rope=arch.rope[:3]), "len(architecture.rope)"),
+        (identity, replace(arch, num_layers=3, layer_types=arch.layer_types[:3], rope=arch.rope[:3]), "architecture.num_layers"),
     ]  # fmt: skip
     for ident, architecture, field in cases:
         with pytest.raises(IncompatibleArtifact) as err:
@@ -222,6 +235,8 @@ def test_failed_overwrite_keeps_the_old_artifact(tmp_path, art, monkeypatch):
 
 
 def test_failed_final_rename_restores_the_old_artifact(tmp_path, art, monkeypatch):
+    # where the filesystem cannot exchange two names, the old artifact is moved aside first
+    monkeypatch.setattr(paths, "_exchange", lambda a, b: False)
     real_rename = os.rename
 
     def rename(src, dst):
@@ -241,9 +256,14 @@ def test_overwrite_refuses_a_directory_that_is_not_an_artifact(tmp_path):
     precious = tmp_path / "home"
     precious.mkdir()
     (precious / "thesis.tex").write_text("...")
-    with pytest.raises(KvqError, match="without manifest.json"):
+    with pytest.raises(KvqError, match="not a kvq artifact"):
         write_artifact(Artifact(make_manifest(), {}), precious, overwrite=True)
     assert (precious / "thesis.tex").exists()
+    # a web extension's folder holds a manifest.json too: not a kvq manifest
+    (precious / "manifest.json").write_text('{"manifest_version": 3, "name": "ext"}')
+    with pytest.raises(KvqError, match="not a kvq artifact"):
+        write_artifact(Artifact(make_manifest(), {}), precious, overwrite=True)
+    assert sorted(p.name for p in precious.iterdir()) == ["manifest.json", "thesis.tex"]
     empty = tmp_path / "empty"
     empty.mkdir()
     write_artifact(Artifact(make_manifest(), {}), empty, overwrite=True)

@@ -32,8 +32,8 @@ def make_identity() -> ModelIdentity:
     return ModelIdentity(
         model_type="gemma3_text",
         config_sha256="c" * 64,
-        weights_sha256="w" * 64,
-        tokenizer_sha256="t" * 64,
+        weights_sha256="e" * 64,
+        tokenizer_sha256="f" * 64,
     )
 
 

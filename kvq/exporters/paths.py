@@ -1,0 +1,249 @@
+"""Where kvq may write, checked before any work starts, and crash-safe directory swaps.
+
+No torch here: the command line checks every destination before it imports anything
+heavy or loads a model, so a bad `--out` or `--json` fails in well under a second.
+
+Rules (a user's files are never at risk):
+  * `--overwrite` replaces only a kvq artifact (a directory holding just `manifest.json`,
+    recognised by its fields, and `tensors.safetensors`) or an empty directory; never a
+    folder with other content, never the working directory or one of its parents.
+  * output files (`--json`, `--schema-out`) are never a directory, never an artifact's own
+    `manifest.json` / `tensors.safetensors`, never an input of the same command.
+  * a replaced artifact is swapped in atomically; a kill at any point leaves the old or the
+    new artifact at its path, and the next write or read of that path restores or cleans
+    whatever a killed process left behind (hidden siblings named after its pid).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import secrets
+import shutil
+from pathlib import Path
+
+from kvq.errors import KvqError
+
+MANIFEST_FILE = "manifest.json"
+TENSORS_FILE = "tensors.safetensors"
+RESERVED = (MANIFEST_FILE, TENSORS_FILE)
+# the fields every kvq manifest has had, whatever its schema version
+_MANIFEST_KEYS = {"schema_version", "kvq_version", "identity", "architecture", "policy"}
+_MAX_MANIFEST_BYTES = 64 << 20
+
+
+# --- what a path is ------------------------------------------------------------------
+
+
+def is_artifact_dir(path: Path) -> bool:
+    """True for a directory whose manifest.json is a kvq manifest (any schema version)."""
+    manifest = path / MANIFEST_FILE
+    try:
+        if not manifest.is_file() or manifest.stat().st_size > _MAX_MANIFEST_BYTES:
+            return False
+        data = json.loads(manifest.read_bytes())
+    except (OSError, ValueError, RecursionError):
+        return False
+    return isinstance(data, dict) and data.keys() >= _MANIFEST_KEYS
+
+
+def _inside(path: Path, folder: Path) -> bool:
+    """path is folder or lies under it (both absolute, symlinks resolved)."""
+    return path == folder or folder in path.parents
+
+
+def _nearest_existing(path: Path) -> Path:
+    for candidate in (path, *path.parents):
+        if os.path.lexists(candidate):
+            return candidate
+    return Path(path.anchor)
+
+
+def _check_creatable(path: Path, what: str) -> None:
+    """`path` can be created: its nearest existing ancestor is a writable directory.
+
+    Tried for real (a hidden directory made and removed), so /proc, read-only mounts and
+    permissions are caught here rather than after the job has run.
+    """
+    base = _nearest_existing(path.parent)
+    if not base.is_dir():
+        raise KvqError(f"{what} {path}: {base} is not a directory")
+    probe = base / f".kvq-probe-{os.getpid()}-{secrets.token_hex(4)}"
+    try:
+        probe.mkdir()
+        probe.rmdir()
+    except OSError as e:
+        raise KvqError(f"{what} {path}: cannot write in {base} ({e.strerror})") from None
+
+
+# --- destinations ------------------------------------------------------------------------
+
+
+def check_artifact_out(out: Path, overwrite: bool) -> Path:
+    """The absolute artifact directory to write, or a one-line KvqError; changes nothing
+    except restoring what a killed write left at `out` (see `recover`)."""
+    out = Path(os.path.abspath(out))
+    recover(out)
+    real = Path(os.path.realpath(out))
+    if _inside(Path(os.path.realpath(os.getcwd())), real):
+        raise KvqError(
+            f"--out {out} is the working directory or one of its parents; choose a new folder"
+        )
+    for parent in out.parents:
+        if is_artifact_dir(parent):
+            raise KvqError(f"--out {out} lies inside the artifact {parent}; choose another folder")
+    if os.path.lexists(out):
+        if not overwrite:
+            raise KvqError(f"output {out} exists; pass --overwrite to replace it")
+        check_replaceable(out)
+    _check_creatable(out, "--out")
+    return out
+
+
+def check_replaceable(path: Path) -> None:
+    """Only a kvq artifact or an empty directory may be replaced.
+
+    A mistyped `--out ~` must not delete a home directory, nor a web extension's folder
+    because it happens to hold a file called manifest.json.
+    """
+    if not path.is_dir():
+        raise KvqError(f"{path} exists and is not a directory; refusing to overwrite it")
+    entries = sorted(p.name for p in path.iterdir())
+    if not entries:
+        return
+    if not is_artifact_dir(path):
+        raise KvqError(f"{path} is a non-empty directory that is not a kvq artifact; not replacing")
+    others = [e for e in entries if e not in RESERVED]
+    if others:
+        raise KvqError(
+            f"{path} holds {others[0]!r}, which is not part of a kvq artifact; move it away "
+            "before replacing the artifact"
+        )
+
+
+def check_output_file(path: Path, what: str, inputs: tuple[Path, ...] = ()) -> Path:
+    """The absolute path of an output file (`--json`, `--schema-out`), or a KvqError."""
+    path = Path(os.path.abspath(path))
+    if path.is_dir():
+        raise KvqError(f"{what} {path} is a directory; give a file name")
+    if path.name in RESERVED and is_artifact_dir(path.parent):
+        raise KvqError(f"{what} {path} would overwrite a file of the artifact {path.parent}")
+    for source in inputs:
+        if os.path.lexists(path) and os.path.exists(source) and os.path.samefile(path, source):
+            raise KvqError(f"{what} {path} is an input of this command; choose another file")
+    _check_creatable(path, what)
+    return path
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    """Write a small text file through a hidden temporary sibling, renamed into place."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = sibling(path, "tmp")
+    try:
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, path)
+    finally:
+        if os.path.lexists(tmp):
+            tmp.unlink()
+
+
+# --- crash-safe replacement ------------------------------------------------------------------
+
+
+def sibling(path: Path, kind: str) -> Path:
+    """A fresh hidden name next to `path` carrying this process's pid, e.g.
+    ".ART.tmp-4242-1f2e3d4c": a later run can tell a dead writer's leftovers from a live one's."""
+    for _ in range(100):
+        candidate = path.with_name(f".{path.name}.{kind}-{os.getpid()}-{secrets.token_hex(4)}")
+        if not os.path.lexists(candidate):
+            return candidate
+    raise KvqError(f"cannot find a free temporary name next to {path}")
+
+
+def _leftovers(path: Path, kind: str) -> list[Path]:
+    """Hidden siblings of `path` of this kind whose writing process is gone."""
+    out = []
+    prefix = f".{path.name}.{kind}-"
+    try:
+        names = os.listdir(path.parent)
+    except OSError:
+        return out
+    for name in names:
+        if name.startswith(prefix):
+            pid = name[len(prefix) :].split("-", 1)[0]
+            if pid.isdigit() and not _alive(int(pid)):
+                out.append(path.parent / name)
+    return out
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError):
+        return True
+    return True
+
+
+def recover(path: Path) -> None:
+    """Undo what a killed write left next to `path`: put a moved-aside artifact back if
+    nothing took its place, then remove dead writers' temporary and moved-aside copies."""
+    path = Path(os.path.abspath(path))
+    old = sorted(_leftovers(path, "old"), key=lambda p: p.stat().st_mtime)
+    if old and not os.path.lexists(path):
+        os.rename(old.pop(), path)
+    for leftover in old + _leftovers(path, "tmp"):
+        remove_tree(leftover)
+
+
+def remove_tree(path: Path) -> None:
+    # a symlinked artifact is replaced by a real directory: drop the link, not its target
+    if path.is_symlink() or path.is_file():
+        path.unlink()
+    else:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def swap_into_place(new: Path, path: Path) -> Path | None:
+    """Move the finished directory `new` to `path`; return where the old entry went (to be
+    removed by the caller), or None. Atomic where the OS can exchange two names
+    (Linux renameat2): `path` always holds the old or the new directory. Elsewhere the old
+    one is moved aside first and a kill between the renames is undone by `recover`."""
+    if not os.path.lexists(path):
+        os.rename(new, path)
+        return None
+    if _exchange(new, path):
+        return new  # the old artifact now sits at the temporary name
+    aside = sibling(path, "old")
+    os.rename(path, aside)
+    try:
+        os.rename(new, path)
+    except BaseException:
+        os.rename(aside, path)
+        raise
+    return aside
+
+
+_RENAME_EXCHANGE = 2
+_AT_FDCWD = -100
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Atomically exchange two directory entries; False where unsupported."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p]
+    renameat2.argtypes += [ctypes.c_uint]
+    if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (22, 38, 95):  # EINVAL, ENOSYS, EOPNOTSUPP: this filesystem cannot exchange
+        return False
+    raise OSError(err, os.strerror(err), str(b))

@@ -1,0 +1,106 @@
+"""Load-time checks of an artifact's stored values against what the runtime can use.
+
+Hashes prove the bytes are the ones the manifest lists, not that they make sense: a
+zeroed, negative or NaN scale re-hashed by hand would load and quietly ruin the output.
+Here every stored qparam, codebook and threshold is checked against its rule (finite,
+positive and a normal number of its storage dtype where a scale, strictly increasing
+where a codebook), its shape against the manifest's geometry, and every layer's codecs
+are built exactly as the cache builds them, so an artifact that reads is one that loads.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from kvq.errors import IncompatibleArtifact, KvqError
+from kvq.manifests.schema import Manifest
+from kvq.quant.qparams import dtype_name, storage_dtype
+from kvq.quant.schemes import QuantScheme
+from kvq.runtime.codecs import make_codec
+
+# static tensor name -> (shape kind, value rule); shape "channel" is [H_kv, D],
+# "levels" is [2^bits]
+_RULES = {
+    "scale": ("channel", "scale"),
+    "offset": ("channel", "finite"),
+    "center": ("channel", "finite"),
+    "lower": ("channel", "finite"),
+    "upper": ("channel", "finite"),
+    "codebook": ("levels", "increasing"),
+    "qnorm_levels": ("levels", "finite"),
+}
+_QPARAMS = ("scale", "offset", "center")  # stored in the scheme's scale dtype
+
+
+def check_artifact_state(manifest: Manifest, tensors: dict[str, Tensor]) -> None:
+    """Refuse (IncompatibleArtifact naming the tensor) any stored value the runtime would
+    misuse; build every layer's codecs as `build_cache` does."""
+    arch = manifest.architecture
+    for i, layer in enumerate(manifest.policy.layers):
+        if layer.key_stage == "pre-rope" and arch.rope[i].rotary_dim != arch.head_dim:
+            raise IncompatibleArtifact(
+                f"architecture.rope[{i}].rotary_dim",
+                f"{arch.head_dim} (pre-RoPE keys need RoPE over the whole head)",
+                arch.rope[i].rotary_dim,
+            )
+        for part, scheme in (("key", layer.key), ("value", layer.value)):
+            prefix = f"layers.{i}.{part}."
+            state = {n[len(prefix) :]: t for n, t in tensors.items() if n.startswith(prefix)}
+            for name, t in state.items():
+                _check_tensor(prefix + name, name, t, scheme, arch.num_kv_heads, arch.head_dim)
+            if "lower" in state and "upper" in state and not _all(state["lower"] <= state["upper"]):
+                raise IncompatibleArtifact(f"tensors[{prefix}lower]", "<= upper", "above it")
+            try:
+                codec = make_codec(scheme, arch.head_dim, torch.float32, state, prefix[:-1])
+            except KvqError as e:
+                where = f"policy.layers[{i}].{part}"
+                raise IncompatibleArtifact(where, "a usable scheme", str(e)) from None
+            unused = sorted(state.keys() - codec.static.keys())
+            if unused:
+                raise IncompatibleArtifact(
+                    f"tensors[{prefix}{unused[0]}]", f"absent ({scheme.describe()})", "present"
+                )
+    for name in ("fisher.key", "fisher.value"):
+        if name in tensors:
+            shape = (arch.num_layers, arch.num_kv_heads, arch.head_dim)
+            _check_shape(name, tensors[name], shape)
+            if not _all(torch.isfinite(tensors[name]) & (tensors[name] >= 0)):
+                raise IncompatibleArtifact(f"tensors[{name}]", "finite, >= 0", "other values")
+
+
+def _check_tensor(
+    full: str, name: str, t: Tensor, scheme: QuantScheme, heads: int, head_dim: int
+) -> None:
+    if name not in _RULES:
+        raise IncompatibleArtifact(f"tensors[{full}]", "a known static tensor", "unknown name")
+    shape_kind, rule = _RULES[name]
+    shape = (heads, head_dim) if shape_kind == "channel" else (2**scheme.bits,)
+    _check_shape(full, t, shape)
+    if not t.dtype.is_floating_point:
+        raise IncompatibleArtifact(f"tensors[{full}].dtype", "a float dtype", dtype_name(t.dtype))
+    if name in _QPARAMS:
+        want = storage_dtype(scheme.scale_dtype)
+        if t.dtype != want:
+            raise IncompatibleArtifact(
+                f"tensors[{full}].dtype", dtype_name(want), dtype_name(t.dtype)
+            )
+    x = t.float()
+    if not _all(torch.isfinite(x)):
+        raise IncompatibleArtifact(f"tensors[{full}]", "finite values", "NaN or Inf")
+    tiny = torch.finfo(t.dtype).tiny
+    if rule == "scale" and not _all(x >= tiny):
+        # zero, negative or subnormal (unsafe under flush-to-zero): the stored-scale policy
+        want = f"positive normal {dtype_name(t.dtype)} scales (>= {tiny:.3g})"
+        raise IncompatibleArtifact(f"tensors[{full}]", want, f"min {float(x.min()):.3g}")
+    if rule == "increasing" and not _all(x[1:] > x[:-1]):
+        raise IncompatibleArtifact(f"tensors[{full}]", "strictly increasing levels", "not")
+
+
+def _check_shape(name: str, t: Tensor, shape: tuple[int, ...]) -> None:
+    if tuple(t.shape) != shape:
+        raise IncompatibleArtifact(f"tensors[{name}].shape", shape, tuple(t.shape))
+
+
+def _all(mask: Tensor) -> bool:
+    return bool(mask.all())

@@ -1,0 +1,173 @@
+"""Destinations checked before any work, and artifact replacement that survives a kill."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from kvq.errors import KvqError
+from kvq.exporters import paths
+from kvq.exporters.artifact import Artifact, read_artifact, write_artifact
+from kvq.exporters.paths import check_artifact_out, check_output_file
+from tests.exporters.test_artifact import make_manifest, make_tensors
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def art(tmp_path):
+    return write_artifact(
+        Artifact(make_manifest(calibrated=True), make_tensors()), tmp_path / "ART"
+    )
+
+
+def listing(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.iterdir())
+
+
+def test_artifact_out_accepts_new_empty_and_artifact_folders(tmp_path, art):
+    assert check_artifact_out(tmp_path / "new" / "deeper", overwrite=False).is_absolute()
+    (tmp_path / "empty").mkdir()
+    check_artifact_out(tmp_path / "empty", overwrite=True)
+    check_artifact_out(art, overwrite=True)
+    assert listing(tmp_path) == ["ART", "empty"]  # checking wrote nothing
+
+
+@pytest.mark.parametrize(
+    "case, needle",
+    [
+        ("exists", "exists; pass --overwrite"),
+        ("file", "not a directory"),
+        ("user-folder", "not a kvq artifact"),
+        ("extension", "not a kvq artifact"),
+        ("artifact-plus-report", "holds 'eval.json'"),
+        ("inside-artifact", "lies inside the artifact"),
+        ("under-a-file", "is not a directory"),
+        ("proc", "cannot write"),
+    ],
+)
+def test_artifact_out_refusals(tmp_path, art, case, needle):
+    overwrite = case != "exists"
+    target = {
+        "exists": art,
+        "file": tmp_path / "notes.txt",
+        "user-folder": tmp_path / "home",
+        "extension": tmp_path / "ext",
+        "artifact-plus-report": art,
+        "inside-artifact": art / "sub",
+        "under-a-file": tmp_path / "notes.txt" / "out",
+        "proc": Path("/proc/kvq-out"),
+    }[case]
+    (tmp_path / "notes.txt").write_text("mine")
+    (tmp_path / "home").mkdir()
+    (tmp_path / "home" / "thesis.tex").write_text("mine")
+    (tmp_path / "ext").mkdir()
+    (tmp_path / "ext" / "manifest.json").write_text('{"manifest_version": 3}')
+    if case == "artifact-plus-report":
+        (art / "eval.json").write_text("{}")
+    before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    with pytest.raises(KvqError, match=needle):
+        check_artifact_out(target, overwrite=overwrite)
+    assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before
+
+
+@pytest.mark.parametrize("where", [".", ".."])
+def test_working_directory_and_its_parents_are_never_replaced(tmp_path, monkeypatch, where):
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "mine.txt").write_text("mine")
+    monkeypatch.chdir(work)
+    with pytest.raises(KvqError, match="working directory"):
+        check_artifact_out(Path(where), overwrite=True)
+    assert (work / "mine.txt").read_text() == "mine"
+
+
+@pytest.mark.parametrize(
+    "target, needle",
+    [
+        ("ART/manifest.json", "would overwrite a file of the artifact"),
+        ("ART/tensors.safetensors", "would overwrite a file of the artifact"),
+        ("ART", "is a directory"),
+        ("notes.txt/x.json", "is not a directory"),
+        ("/proc/kvq.json", "cannot write"),
+        ("notes.txt", "is an input of this command"),
+    ],
+)
+def test_output_file_refusals(tmp_path, art, target, needle):
+    (tmp_path / "notes.txt").write_text("mine")
+    path = Path(target) if target.startswith("/") else tmp_path / target
+    with pytest.raises(KvqError, match=needle):
+        check_output_file(path, "--json", inputs=(tmp_path / "notes.txt",))
+    assert (tmp_path / "notes.txt").read_text() == "mine"
+    assert read_artifact(art).tensors.keys() == make_tensors().keys()
+
+
+def test_output_file_beside_or_inside_an_artifact_is_fine(tmp_path, art):
+    check_output_file(art / "eval.json", "--json")
+    check_output_file(tmp_path / "reports" / "manifest.json", "--json")  # not an artifact
+
+
+# --- a kill at any point of a replacement ------------------------------------------------
+
+# The child writes ART once, then replaces it and is SIGKILLed at the named point.
+_CHILD = """
+import os, signal, sys
+sys.path.insert(0, {repo!r})
+import torch
+from kvq.exporters import artifact, paths
+from tests.exporters.test_artifact import make_manifest
+out, point = sys.argv[1], sys.argv[2]
+def die(*a, **k):
+    os.kill(os.getpid(), signal.SIGKILL)
+real_exchange, real_rename = paths._exchange, os.rename
+if point == "before-swap":
+    paths._exchange = lambda a, b: die()
+elif point == "after-swap":
+    def exchange(a, b):
+        assert real_exchange(a, b)
+        die()
+    paths._exchange = exchange
+elif point == "between-renames":  # a filesystem that cannot exchange names
+    paths._exchange = lambda a, b: False
+    def rename(src, dst):
+        real_rename(src, dst)
+        if ".old-" in str(dst):
+            die()
+    os.rename = rename
+elif point == "writing-tensors":
+    artifact.safetensors.torch.save_file = die
+new = artifact.Artifact(make_manifest(), {{"new": torch.ones(3)}})
+artifact.write_artifact(new, out, overwrite=True)
+"""
+
+
+@pytest.mark.parametrize(
+    "point", ["writing-tensors", "before-swap", "after-swap", "between-renames"]
+)
+def test_a_kill_leaves_the_old_or_the_new_artifact(tmp_path, art, point):
+    child = textwrap.dedent(_CHILD.format(repo=str(REPO)))
+    run = subprocess.run([sys.executable, "-c", child, str(art), point], capture_output=True)
+    assert run.returncode == -signal.SIGKILL, run.stderr.decode()[-2000:]
+    # right after the kill: something hidden may remain, but the next read finds an artifact
+    names = set(read_artifact(art).tensors)
+    expected_new = point == "after-swap"
+    assert names == ({"new"} if expected_new else set(make_tensors())), point
+    # and the read (like the next write) cleaned what the dead writer left behind
+    assert listing(tmp_path) == ["ART"]
+    write_artifact(Artifact(make_manifest(), {}), art, overwrite=True)
+    assert listing(tmp_path) == ["ART"]
+
+
+def test_a_live_writers_temporary_folder_is_left_alone(tmp_path, art):
+    live = tmp_path / f".ART.tmp-{os.getpid()}-abcd"
+    live.mkdir()
+    dead = tmp_path / ".ART.tmp-999999999-abcd"  # no such pid
+    dead.mkdir()
+    paths.recover(art)
+    assert live.is_dir() and not dead.exists()
