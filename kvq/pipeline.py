@@ -45,8 +45,17 @@ def load_windows(
     corpus: tuple[str, TextSource] | None = None,
 ) -> TokenWindows:
     """n windows of seqlen tokens of `dataset`; `corpus`: its `read_corpus`, if read already."""
+    check_context(loaded, seqlen, "--seqlen")
     text, source = corpus or read_corpus(dataset, n, seqlen, data_dir)
     return sample_windows(loaded.tokenizer, text, source, n=n, seqlen=seqlen, seed=seed)
+
+
+def check_context(loaded: LoadedModel, tokens: int, what: str) -> None:
+    """Refuse sequences longer than the model's context: beyond it the model was never
+    trained, and its figures would describe extrapolation, not quantization."""
+    context = loaded.adapter.max_positions
+    if context is not None and tokens > context:
+        raise KvqError(f"{what} asks for {tokens} tokens; the model's context is {context}")
 
 
 @torch.no_grad()

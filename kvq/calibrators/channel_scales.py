@@ -41,10 +41,14 @@ def calibrate_channel_scales(
         raise KvqError(
             f"--seqlen {windows.shape[1]} leaves no tokens after {options.sink} sink tokens"
         )
-    # a group as wide as the head (or wider) is one group per head
-    value_group = options.value_group if options.value_group else None
-    if value_group is not None and value_group >= info.head_dim:
-        value_group = None
+    value_group = options.value_group
+    if value_group is not None and value_group > info.head_dim:
+        # refused, not shrunk: the manifest's options must say what the cache does
+        raise KvqError(
+            f"--v-group {value_group} exceeds head_dim {info.head_dim} (0: one group per head)"
+        )
+    if value_group == info.head_dim:
+        value_group = None  # a group as wide as the head is one group per head
     if value_group is not None and info.head_dim % value_group:
         raise KvqError(f"--v-group {value_group} does not divide head_dim {info.head_dim}")
     keys: list[list[Tensor]] = [[] for _ in range(info.num_layers)]

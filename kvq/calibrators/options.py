@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvq.errors import KvqError
-from kvq.quant.schemes import KeyStage
+from kvq.quant.schemes import MAX_GROUP, KeyStage
 
 
 @dataclass(frozen=True)
@@ -29,6 +29,8 @@ class ChannelScalesOptions:
             raise KvqError(f"--sink must be >= 0, got {self.sink}")
         if self.key_stage not in ("pre-rope", "post-rope"):
             raise KvqError(f"--key-stage must be pre-rope or post-rope, got {self.key_stage!r}")
+        if self.value_group is not None and not 0 < self.value_group <= MAX_GROUP:
+            raise KvqError(f"--v-group must be in [0, {MAX_GROUP}], got {self.value_group}")
 
     def as_dict(self) -> dict[str, str | int | float | bool | None]:
         return {

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import signal
 import sys
 from pathlib import Path
 
@@ -10,6 +11,7 @@ import typer
 from typer.core import TyperGroup
 
 from kvq.errors import KvqError
+from kvq.textsafe import printable
 
 try:  # typer >= 0.20 vendors click; its exceptions are not click's
     from typer._click import exceptions as cx
@@ -32,17 +34,34 @@ class OneLineErrors(TyperGroup):
         except typer.Exit as e:
             sys.exit(e.exit_code)
         except (typer.Abort, KeyboardInterrupt):
-            typer.echo("kvq: aborted", err=True)
-            sys.exit(130)
+            _aborted()
         except KvqError as e:
             _fail(str(e))
+        except OSError as e:  # the environment, not kvq: a full disk, a permission
+            where = f"{e.filename}: " if e.filename else ""
+            _fail(f"{where}{e.strerror or e}")
+        except MemoryError:
+            _fail("out of memory; try fewer or shorter windows")
         sys.exit(rv if isinstance(rv, int) else 0)
+
+    def invoke(self, ctx):
+        # typer would turn Ctrl-C into a silent exit code 130; say it, once
+        try:
+            return super().invoke(ctx)
+        except KeyboardInterrupt:
+            raise typer.Abort() from None
 
 
 def _fail(message: str) -> None:
-    first = " ".join(message.split())
+    first = printable(" ".join(message.split()))  # one line, no terminal control
     typer.echo(f"kvq: error: {first}", err=True)
     sys.exit(2)
+
+
+def _aborted() -> None:
+    # every writer cleans up on the way out (temporary folders go, old artifacts stay)
+    typer.echo("kvq: aborted, nothing written", err=True)
+    sys.exit(130)
 
 
 app = typer.Typer(
@@ -101,7 +120,6 @@ def calibrate_channel_scales(
 ) -> None:
     """Static per-channel K scales (pre-RoPE by default); V per token at append."""
     from kvq.calibrators.options import ChannelScalesOptions
-    from kvq.data.text import read_corpus
 
     _positive(samples=samples, seqlen=seqlen)
     options = ChannelScalesOptions(
@@ -111,7 +129,7 @@ def calibrate_channel_scales(
         sink=sink,
         value_group=v_group or None,
     )
-    corpus = read_corpus(dataset, samples, seqlen, data_dir)
+    out, corpus = _calibrate_inputs(model, out, overwrite, dataset, samples, seqlen, seed, data_dir)
     from kvq.pipeline import channel_scales_fit  # torch and transformers: after the checks
 
     _calibrate(
@@ -150,13 +168,12 @@ def calibrate_kvquant(
 ) -> None:
     """KVQuant: pre-RoPE per-channel K, per-token V, Fisher-weighted NUQ, sparse outliers, sinks."""
     from kvq.calibrators.options import KVQuantOptions
-    from kvq.data.text import read_corpus
 
     _positive(samples=samples, seqlen=seqlen)
     options = KVQuantOptions(
         bits=bits, outliers=outliers, sink=sink, fisher=fisher, qnorm=qnorm, seed=seed
     )
-    corpus = read_corpus(dataset, samples, seqlen, data_dir)
+    out, corpus = _calibrate_inputs(model, out, overwrite, dataset, samples, seqlen, seed, data_dir)
     from kvq.pipeline import kvquant_fit  # torch and transformers: after the checks
 
     _calibrate(
@@ -173,6 +190,20 @@ def calibrate_kvquant(
         data_dir,
         corpus,
     )
+
+
+def _calibrate_inputs(model, out, overwrite, dataset, samples, seqlen, seed, data_dir):
+    """Everything a calibration needs checked before torch loads: the model spec, the seed,
+    the destination (never a user's folder) and the dataset, read once here.
+    Returns (absolute --out, the corpus)."""
+    from kvq.data.text import check_seed, read_corpus
+    from kvq.exporters.paths import check_artifact_out
+    from kvq.models.spec import check_model_spec
+
+    check_seed(seed)
+    check_model_spec(model)
+    out = check_artifact_out(out, overwrite)
+    return out, read_corpus(dataset, samples, seqlen, data_dir)
 
 
 def _calibrate(
@@ -209,6 +240,11 @@ def export_manifest(
     schema_out: Path | None = typer.Option(None, "--schema-out", help="write the JSON Schema here"),
 ) -> None:
     """Validate an artifact, print its manifest, optionally write the JSON Schema."""
+    from kvq.exporters.paths import check_output_file
+
+    if schema_out is not None:
+        schema_out = check_output_file(schema_out, "--schema-out", _artifact_files(artifact))
+
     from kvq.cli.render import print_manifest
     from kvq.exporters.artifact import read_artifact
     from kvq.manifests.jsonschema import json_schema
@@ -217,7 +253,7 @@ def export_manifest(
     print_manifest(art)
     if schema_out is not None:
         _write_json(schema_out, json_schema())
-        typer.echo(f"JSON Schema written to {schema_out}", err=True)
+        typer.echo(f"JSON Schema written to {printable(str(schema_out))}", err=True)
 
 
 @app.command("inspect")
@@ -251,14 +287,21 @@ def run_eval(
     backend: str | None = BACKEND,
 ) -> None:
     """Perplexity, KL divergence and bytes of the quantized cache vs the unquantized model."""
-    from kvq.data.text import read_corpus
+    from kvq.data.text import check_seed, read_corpus
     from kvq.eval.inputs import check_cache_source, check_protocol, check_quantize, parse_tasks
+    from kvq.exporters.paths import check_output_file
+    from kvq.models.spec import check_model_spec
 
     _positive(windows=windows, seqlen=seqlen)
     parse_tasks(tasks)
     check_protocol(protocol)
     check_quantize(quantize)
+    check_seed(seed)
     check_cache_source(artifact, policy, backend)
+    check_model_spec(model)
+    if json_out is not None:
+        inputs = (Path(dataset), *(_artifact_files(artifact) if artifact else ()))
+        json_out = check_output_file(json_out, "--json", inputs)
     corpus = read_corpus(dataset, windows, seqlen, data_dir)
 
     from kvq.cli.progress import RichProgress
@@ -283,9 +326,9 @@ def run_eval(
             corpus,
             quantize,
         )
-    print_eval(report)
-    if json_out is not None:
+    if json_out is not None:  # first: the report is kept whatever happens on the terminal
         _write_json(json_out, report)
+    print_eval(report)
 
 
 @app.command("generate")
@@ -298,16 +341,19 @@ def generate(
     backend: str | None = BACKEND,
 ) -> None:
     """Greedy generation through the quantized cache."""
-    from kvq.eval.inputs import check_cache_source
+    from kvq.eval.inputs import check_cache_source, check_prompt
+    from kvq.models.spec import check_model_spec
 
     _positive(max_new_tokens=max_new_tokens)
+    check_prompt(prompt, max_new_tokens)
     check_cache_source(artifact, policy, backend)
+    check_model_spec(model)
 
     from kvq.eval.run import generate_text
 
     _quiet_transformers()
     gen = generate_text(model, artifact, policy, prompt, max_new_tokens, backend)
-    typer.echo(gen.text)
+    typer.echo(printable(gen.text, keep_newlines=True))  # the model's text, not commands
     ledger = gen.ledger
     typer.echo(
         f"[{gen.new_tokens} new tokens in {gen.seconds:.1f} s "
@@ -323,11 +369,16 @@ def _positive(**values: int) -> None:
             raise KvqError(f"--{name.replace('_', '-')} must be positive, got {v}")
 
 
+def _artifact_files(artifact: Path) -> tuple[Path, ...]:
+    from kvq.exporters.paths import RESERVED
+
+    return tuple(Path(artifact) / name for name in RESERVED)
+
+
 def _write_json(path: Path, obj) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(obj, indent=2, sort_keys=False) + "\n")
-    tmp.replace(path)
+    from kvq.exporters.paths import write_text_atomic
+
+    write_text_atomic(path, json.dumps(obj, indent=2, sort_keys=False) + "\n")
 
 
 def _quiet_transformers() -> None:
@@ -344,4 +395,10 @@ def _quiet_transformers() -> None:
 
 
 def main() -> None:
+    # a polite kill (SIGTERM) cleans up as Ctrl-C does: temporary folders go, old artifacts stay
+    signal.signal(signal.SIGTERM, _interrupt)
     app()
+
+
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt

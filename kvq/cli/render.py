@@ -1,4 +1,9 @@
-"""Rich tables for the CLI. Presentation only."""
+"""Rich tables for the CLI. Presentation only.
+
+Every string that comes from an artifact, a model or the user goes through `_t`: shown
+as plain text (`rich.text.Text`, never parsed as markup) with control characters escaped
+(`kvq.textsafe.printable`), so a manifest cannot drive the terminal or break the table.
+"""
 
 from __future__ import annotations
 
@@ -8,13 +13,20 @@ from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from kvq.exporters.artifact import Artifact
 from kvq.manifests.ledger import CATEGORIES, ByteLedger
 from kvq.manifests.schema import manifest_to_json
+from kvq.textsafe import printable
 
 # rich assumes 80 columns when stdout is not a terminal (make demo | tee): use 120 there
 OUT = Console(width=shutil.get_terminal_size((120, 40)).columns)
+
+
+def _t(value: object, style: str = "") -> Text:
+    """Untrusted text as a renderable: escaped, never markup."""
+    return Text(printable(str(value)), style=style)
 
 
 def _policy_rows(artifact: Artifact) -> Table:
@@ -33,7 +45,7 @@ def _policy_rows(artifact: Artifact) -> Table:
         )
         groups.setdefault(key, []).append(i)
     for key, layers in groups.items():
-        table.add_row(_ranges(layers), key[0], key[1], key[2], key[3], str(key[4]))
+        table.add_row(_ranges(layers), *(_t(k) for k in key))
     return table
 
 
@@ -70,27 +82,32 @@ def print_calibration_summary(artifact: Artifact, out: Path) -> None:
     timing.add_column("stage")
     timing.add_column("seconds", justify="right")
     for stage, s in m.calibration.stage_seconds.items():
-        timing.add_row(stage, f"{s:.1f}")
+        timing.add_row(_t(stage), f"{s:.1f}")
     OUT.print(timing)
     if m.ledger is not None:
         OUT.print(ledger_table(m.ledger, f"byte ledger measured on {m.ledger.tokens} tokens"))
-    OUT.print(f"[green]artifact written:[/green] {out} ({len(artifact.tensors)} tensors)")
+    OUT.print(
+        Text.assemble(
+            ("artifact written: ", "green"), _t(out), f" ({len(artifact.tensors)} tensors)"
+        )
+    )
 
 
 def print_manifest(artifact: Artifact) -> None:
-    OUT.print_json(json.dumps(manifest_to_json(artifact.manifest)))
+    # ensure_ascii: control and bidi characters of manifest strings stay \u escapes
+    OUT.print_json(json.dumps(manifest_to_json(artifact.manifest)), ensure_ascii=True)
     OUT.print("[green]valid[/green]: schema, tensor hashes and policy check out", highlight=False)
 
 
 def print_inspect(artifact: Artifact, path: Path) -> None:
     m = artifact.manifest
-    head = Table(title=f"kvq artifact {path}", show_header=False)
+    head = Table(title=_t(f"kvq artifact {path}"), show_header=False)
     head.add_column("field")
     head.add_column("value")
     arch = m.architecture
     cal = m.calibration
-    head.add_row("schema / kvq", f"{m.schema_version} / {m.kvq_version}")
-    head.add_row("model", f"{m.model_spec} ({m.identity.model_type})")
+    head.add_row("schema / kvq", _t(f"{m.schema_version} / {m.kvq_version}"))
+    head.add_row("model", _t(f"{m.model_spec} ({m.identity.model_type})"))
     head.add_row("weights sha256", m.identity.weights_sha256[:16] + "…")
     head.add_row(
         "layers",
@@ -98,10 +115,10 @@ def print_inspect(artifact: Artifact, path: Path) -> None:
         f"window {arch.sliding_window})",
     )
     head.add_row("heads", f"{arch.num_q_heads} q / {arch.num_kv_heads} kv × {arch.head_dim}")
-    head.add_row("method", cal.method)
+    head.add_row("method", _t(cal.method))
     if cal.dataset is not None:
         d = cal.dataset
-        head.add_row("calibration data", f"{d.spec} ({d.samples} × {d.seqlen}, seed {d.seed})")
+        head.add_row("calibration data", _t(f"{d.spec} ({d.samples} × {d.seqlen}, seed {d.seed})"))
     head.add_row(
         "tensors",
         f"{len(artifact.tensors)} ({sum(t.nbytes for t in artifact.tensors.values()):,} bytes)",
@@ -124,8 +141,10 @@ def print_eval(report: dict) -> None:
     t = report["tasks"]
     only = "" if report.get("quantize", "both") == "both" else f" ({report['quantize']} only)"
     table = Table(
-        title=f"{report['model']} · {report['policy']}{only} · {report['dataset']} · "
-        f"{report['windows']}×{report['seqlen']} · {report['protocol']}"
+        title=_t(
+            f"{report['model']} · {report['policy']}{only} · {report['dataset']} · "
+            f"{report['windows']}×{report['seqlen']} · {report['protocol']}"
+        )
     )
     table.add_column("metric")
     table.add_column("baseline (unquantized)", justify="right")

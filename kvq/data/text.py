@@ -8,16 +8,23 @@ wikitext2 file is looked up locally, and the HF datasets cache is only a last re
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
 from kvq.errors import KvqError
+from kvq.jsonio import strict_loads
 
 WIKITEXT2 = "wikitext2"
 _WIKITEXT2_FILE = Path("wikitext-2-raw") / "wiki.test.raw"
 SUPPORTED_SUFFIXES = (".txt", ".jsonl", ".parquet")
+# seeds reach torch.Generator and scikit-learn's KMeans, whose random_state is < 2**32
+SEED_LIMIT = 1 << 32
+
+
+def check_seed(seed: int) -> None:
+    if not 0 <= seed < SEED_LIMIT:
+        raise KvqError(f"--seed must be in [0, 2**32), got {seed}")
 
 
 @dataclass(frozen=True)
@@ -63,7 +70,10 @@ def _wikitext2(data_dir: str | None) -> tuple[str, str | None]:
     for d in dirs:
         f = Path(d).expanduser() / _WIKITEXT2_FILE
         if f.is_file():
-            return _read_exact(f), str(f.resolve())
+            try:
+                return _read_exact(f), str(f.resolve())
+            except UnicodeDecodeError as e:
+                raise KvqError(f"{f} is not UTF-8 text ({e.reason} at byte {e.start})") from None
     try:
         return "".join(_hf_cached_wikitext2()["text"]), None  # rows already end in "\n"
     except Exception:  # any failure means "not available offline"
@@ -122,9 +132,9 @@ def _read_jsonl(path: Path) -> str:
             if not line.strip():
                 continue
             try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise KvqError(f"{path.name}:{n}: invalid JSON ({e.msg})") from e
+                row = strict_loads(line)
+            except ValueError as e:
+                raise KvqError(f"{path.name}:{n}: invalid JSON ({e})") from None
             if not isinstance(row, dict) or not isinstance(row.get("text"), str):
                 raise KvqError(f'{path.name}:{n}: expected an object with a string "text" field')
             parts.append(row["text"] if row["text"].endswith("\n") else row["text"] + "\n")
@@ -139,5 +149,10 @@ def _read_parquet(path: Path) -> str:
         table = pq.read_table(path, columns=["text"])
     except Exception as e:  # pyarrow raises several types for a bad file or a missing column
         raise KvqError(f'cannot read a "text" column from {path.name}: {e}') from e
-    rows = [r for r in table.column("text").to_pylist() if r]
-    return "".join(r if r.endswith("\n") else r + "\n" for r in rows)
+    rows = [r for r in table.column("text").to_pylist() if r is not None]
+    bad = next((r for r in rows if not isinstance(r, str)), None)
+    if bad is not None:
+        raise KvqError(
+            f'{path.name}: the "text" column holds {type(bad).__name__} values, not strings'
+        )
+    return "".join(r if r.endswith("\n") else r + "\n" for r in rows if r)

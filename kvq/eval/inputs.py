@@ -18,6 +18,8 @@ from kvq.quant.schemes import (  # check_quantize: re-exported beside the other 
 from kvq.runtime.kernels.backend import check_choice
 
 TASKS = ("ppl", "kld", "bytes")
+# generated tokens: far beyond any model's context, so the model's own limit decides
+MAX_NEW_TOKENS = 1 << 20
 PROTOCOLS = ("prefill", "decode")
 
 
@@ -43,3 +45,13 @@ def check_cache_source(artifact_path: Path | None, policy: str | None, backend: 
         named_policy(policy, 1)  # raises the one-line "unknown policy" error
     if artifact_path is not None and not Path(artifact_path).exists():
         raise KvqError(f"artifact {artifact_path} does not exist")
+
+
+def check_prompt(prompt: str, max_new_tokens: int) -> None:
+    """A prompt that encodes as UTF-8 (a lone surrogate does not), a bounded token count."""
+    try:
+        prompt.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise KvqError(f"--prompt is not valid text ({e.reason} at character {e.start})") from None
+    if max_new_tokens > MAX_NEW_TOKENS:
+        raise KvqError(f"--max-new-tokens must be at most {MAX_NEW_TOKENS}, got {max_new_tokens}")

@@ -13,7 +13,7 @@ from kvq.eval.inputs import check_cache_source, check_protocol, check_quantize, 
 from kvq.eval.quality import evaluate
 from kvq.manifests.ledger import ByteLedger
 from kvq.models.loading import load_model
-from kvq.pipeline import cache_for, load_artifact, load_windows
+from kvq.pipeline import cache_for, check_context, load_artifact, load_windows
 from kvq.progress import Progress
 from kvq.runtime.kernels.backend import resolve_backend
 
@@ -104,6 +104,10 @@ def generate_text(
     resolve_backend(backend, loaded.model.device)
     cache = cache_for(loaded, artifact=artifact, policy=policy, backend=backend)
     inputs = loaded.tokenizer(prompt, return_tensors="pt")
+    prompt_len = inputs["input_ids"].shape[1]
+    check_context(
+        loaded, prompt_len + max_new_tokens, f"a {prompt_len}-token prompt + --max-new-tokens"
+    )
     start = time.perf_counter()
     out = loaded.model.generate(
         **inputs, cache=cache, max_new_tokens=max_new_tokens, do_sample=False

@@ -96,6 +96,12 @@ class ArchitectureAdapter:
         # The attention module resolves head_dim=None configs (Mistral) to hidden // heads.
         return int(self.attention(0).head_dim)
 
+    @property
+    def max_positions(self) -> int | None:
+        """The context length the model was trained for (None if its config has none)."""
+        n = getattr(self.config, "max_position_embeddings", None)
+        return int(n) if n else None
+
     def layer_type(self, layer_idx: int) -> LayerType:
         types = getattr(self.config, "layer_types", None)
         return types[layer_idx] if types else "full_attention"

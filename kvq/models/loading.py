@@ -15,29 +15,28 @@ from __future__ import annotations
 
 import hashlib
 import os
-import re
 import shutil
 import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from rich.console import Console
+from rich.text import Text
 
 from kvq.errors import KvqError
+from kvq.exporters import paths
 from kvq.manifests.identity import ModelIdentity
 from kvq.models.adapters import ArchitectureAdapter, get_adapter
 from kvq.models.fingerprint import model_identity
+from kvq.models.spec import DEFAULT_MODEL, model_kind
+from kvq.textsafe import printable
 
-DEFAULT_MODEL = "gemma3-270m"
-_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 _console = Console(stderr=True)
-_STALE_TMP_S = 6 * 3600  # a temp dir this old belongs to a conversion that died
 
 
 def _say(msg: str) -> None:
-    _console.print(f"[bold cyan]kvq[/] {msg}", highlight=False)
+    _console.print(Text.assemble(("kvq", "bold cyan"), " ", printable(msg)), highlight=False)
 
 
 @dataclass
@@ -70,22 +69,12 @@ def load_model_pair(spec: str = DEFAULT_MODEL, *, dtype: torch.dtype = torch.flo
 
 def resolve_model_dir(spec: str) -> Path | str:
     """A local HF directory for `spec` (converting GGUFs once), or the hub id itself."""
-    if spec == DEFAULT_MODEL:
+    kind = model_kind(spec)
+    if kind == "packaged":
         return _packaged_gemma3_270m()
-    path = Path(spec).expanduser()
-    if spec.endswith(".gguf"):
-        if not path.is_file():
-            raise KvqError(f"model path {spec!r} does not exist")
-        return _cached_gguf(path)
-    if path.is_dir():
-        if not (path / "config.json").is_file():
-            raise KvqError(f"model directory {spec!r} has no config.json")
-        return path
-    # "org/name" is a hub id; only things that cannot be one are treated as missing paths.
-    # (A bare os.sep test would misread every "org/name" hub id as a path.)
-    if path.exists() or spec.startswith((".", "/", "~")) or not _HUB_ID.match(spec):
-        raise KvqError(f"model path {spec!r} does not exist")
-    return spec
+    if kind == "gguf":
+        return _cached_gguf(Path(spec).expanduser())
+    return Path(spec).expanduser() if kind == "dir" else spec
 
 
 def _load_dir(where: Path | str, *, dtype: torch.dtype, what: str):
@@ -135,8 +124,9 @@ def _convert_once(final: Path, get_gguf) -> Path:
 
     try:
         final.parent.mkdir(parents=True, exist_ok=True)
-        _remove_stale_tmp(final)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
+        paths.recover(final)  # conversions killed mid-way (~1 GB each) whose process is gone
+        prefix = f".{final.name}.tmp-{os.getpid()}-"  # the pid tells a dead run from a live one
+        tmp = Path(tempfile.mkdtemp(prefix=prefix, dir=final.parent))
     except OSError as e:
         raise KvqError(
             f"cannot write the model cache {final.parent} ({e.strerror}); set KVQ_CACHE"
@@ -163,14 +153,6 @@ def _convert_once(final: Path, get_gguf) -> Path:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return final
-
-
-def _remove_stale_tmp(final: Path) -> None:
-    """Temp dirs of conversions killed mid-way (~1 GB each); young ones may still be running."""
-    now = time.time()
-    for old in final.parent.glob(f".{final.name}.tmp-*"):
-        if now - old.stat().st_mtime > _STALE_TMP_S:
-            shutil.rmtree(old, ignore_errors=True)
 
 
 def _drop_gguf_quantizer(model, name: str) -> None:

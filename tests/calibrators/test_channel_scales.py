@@ -29,7 +29,9 @@ def test_calibrated_ranges_cover_observed_keys(stage):
     model = make_tiny_model("llama")
     ad = get_adapter(model)
     windows = torch.randint(3, 200, (3, 12), generator=torch.Generator().manual_seed(0))
-    opts = ChannelScalesOptions(bits=8, key_stage=stage, clip_percentile=100.0, sink=0)
+    opts = ChannelScalesOptions(
+        bits=8, key_stage=stage, clip_percentile=100.0, sink=0, value_group=8
+    )
     policy, tensors = calibrate_channel_scales(model, ad, windows, opts, Progress())
     assert policy.layers[0].key_stage == stage
     assert policy.layers[0].key.axis == "channel" and policy.layers[0].key.lifetime == "static"
@@ -66,9 +68,9 @@ def test_sink_positions_are_excluded_from_statistics():
 
     handle = module.register_forward_hook(spike)
     try:
-        opts = ChannelScalesOptions(bits=4, sink=1, clip_percentile=100.0)
+        opts = ChannelScalesOptions(bits=4, sink=1, clip_percentile=100.0, value_group=None)
         _, with_sink = calibrate_channel_scales(model, ad, windows, opts, Progress())
-        opts0 = ChannelScalesOptions(bits=4, sink=0, clip_percentile=100.0)
+        opts0 = ChannelScalesOptions(bits=4, sink=0, clip_percentile=100.0, value_group=None)
         _, no_sink = calibrate_channel_scales(model, ad, windows, opts0, Progress())
     finally:
         handle.remove()
@@ -77,8 +79,27 @@ def test_sink_positions_are_excluded_from_statistics():
 
 
 @pytest.mark.parametrize(
-    "kwargs", [dict(bits=5), dict(clip_percentile=40.0), dict(sink=-1), dict(key_stage="x")]
+    "kwargs",
+    [
+        dict(bits=5),
+        dict(clip_percentile=40.0),
+        dict(sink=-1),
+        dict(key_stage="x"),
+        dict(value_group=-4),
+        dict(value_group=100_000),
+    ],
 )
 def test_options_are_validated(kwargs):
     with pytest.raises(KvqError):
         ChannelScalesOptions(**kwargs)
+
+
+def test_a_value_group_wider_than_the_head_is_refused_not_shrunk():
+    model = make_tiny_model("llama")  # head_dim 16
+    windows = torch.randint(3, 200, (1, 8), generator=torch.Generator().manual_seed(0))
+    opts = ChannelScalesOptions(value_group=32)
+    with pytest.raises(KvqError, match="--v-group 32 exceeds head_dim 16"):
+        calibrate_channel_scales(model, get_adapter(model), windows, opts, Progress())
+    opts = ChannelScalesOptions(value_group=16)  # the whole head: one group per head
+    policy, _ = calibrate_channel_scales(model, get_adapter(model), windows, opts, Progress())
+    assert policy.layers[0].value.group_size is None

@@ -305,7 +305,9 @@ def test_cli_starts_without_torch():
         ["calibrate", "channel-scales", "--out", "unused-out"],
     ],
 )
-def test_missing_dataset_is_refused_before_loading_the_model(command):
+def test_missing_model_and_dataset_are_refused_before_loading_the_model(command):
     result = _run(*command, "--model", "/no/such/model", "--dataset", "/no/such/text.txt")
+    _one_line_error(result, "model path '/no/such/model' does not exist")
+    result = _run(*command, "--model", "gemma3-270m", "--dataset", "/no/such/text.txt")
     _one_line_error(result, "dataset file", "does not exist")
-    assert "/no/such/model" not in result.stderr
+    assert "load model" not in result.stderr
