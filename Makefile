@@ -21,14 +21,16 @@ $(BIN)/.stamp: pyproject.toml
 
 setup: $(BIN)/.stamp
 
+# The schema and the report go beside the artifact, not into it: --overwrite replaces
+# only a folder that holds nothing but an artifact, so the demo can run again.
 demo: setup
 	$(BIN)/kvq calibrate channel-scales --model gemma3-270m \
 	    --dataset $(KVQ_DATA_DIR)/calibration/groups_merged.txt \
-	    --samples 16 --seqlen 512 --bits $(DEMO_BITS) --out $(DEMO_OUT)
-	$(BIN)/kvq export manifest $(DEMO_OUT) --schema-out $(DEMO_OUT)/manifest.schema.json
+	    --samples 16 --seqlen 512 --bits $(DEMO_BITS) --out $(DEMO_OUT) --overwrite
+	$(BIN)/kvq export manifest $(DEMO_OUT) --schema-out $(DEMO_OUT).schema.json
 	$(BIN)/kvq run-eval --model gemma3-270m --artifact $(DEMO_OUT) --dataset wikitext2 \
 	    --tasks ppl,kld,bytes --windows $(DEMO_WINDOWS) --seqlen $(DEMO_SEQLEN) \
-	    --protocol prefill --json $(DEMO_OUT)/eval.json
+	    --protocol prefill --json $(DEMO_OUT).eval.json
 
 test: setup
 	$(BIN)/python -m pytest -q -x --durations=15

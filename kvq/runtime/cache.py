@@ -23,6 +23,7 @@ from kvq.quant.schemes import CachePolicy
 from kvq.runtime.attention import install_attention
 from kvq.runtime.codecs import make_codec
 from kvq.runtime.kernels.backend import check_choice
+from kvq.runtime.kernels.decode_attention import Rope
 from kvq.runtime.layers import KvqLayer, LayerState
 
 
@@ -155,6 +156,7 @@ def build_cache(
         raise KvqError(f"policy has {policy.num_layers} layers, model has {info.num_layers}")
     install_attention(model)
     dtype = next(model.parameters()).dtype
+    ropes = _RopeTables(adapter, info.head_dim)
     layers = []
     for i, lp in enumerate(policy.layers):
         codecs = []
@@ -171,28 +173,55 @@ def build_cache(
                 activation_dtype=dtype,
                 sliding_window=adapter.sliding_window(i),
                 unrotate=_rope_fn(adapter, i, inverse=True),
-                rope_table=_rope_table(adapter, i, info.head_dim, lp.key_stage == "pre-rope"),
+                rope_table=ropes.for_layer(i, needed=lp.key_stage == "pre-rope"),
             )
         )
     return QuantizedKVCache(layers, policy, backend)
 
 
-def _rope_table(adapter, layer_idx: int, head_dim: int, needed: bool):
-    """n -> cos, sin [n, D/2]: rotate-half pairs share their angle, so half the table suffices."""
+class _RopeTables:
+    """cos/sin tables [n, D/2] for pre-RoPE keys, one per distinct RoPE of the model.
 
-    def table(n: int):
-        cos, sin = adapter.rope_cos_sin(layer_idx, torch.arange(n))
-        if cos.shape[-1] != head_dim:
-            raise KvqError(
-                f"layer {layer_idx}: pre-RoPE keys need RoPE over the whole head "
-                f"({cos.shape[-1]} of {head_dim} channels rotate)"
-            )
-        half = head_dim // 2
-        return cos[:, :half].contiguous(), sin[:, :half].contiguous()
+    Layers with the same RoPE (Gemma 3's 15 sliding layers, say) share one table, grown
+    by doubling and filled a chunk of positions at a time: a sequence at position 100,000
+    costs two tables of 131,072 rows (268 MB for Gemma 3 270M), not one per layer plus a
+    dense [n, D] intermediate each (5 GB). Rotate-half pairs share their angle, so half
+    the table suffices.
+    """
 
-    if needed:
-        table(1)  # refuse a partial-rotary model when the cache is built, not mid-forward
-    return table
+    CHUNK = 8192  # positions computed per call of the model's rotary module
+
+    def __init__(self, adapter, head_dim: int):
+        self.adapter, self.head_dim = adapter, head_dim
+        self.tables: dict[object, Rope] = {}
+
+    def for_layer(self, layer_idx: int, needed: bool):
+        """n -> the layer's (cos, sin), covering at least positions 0..n-1."""
+        key = self.adapter.info.rope[layer_idx]
+
+        def table(n: int) -> Rope:
+            have = self.tables.get(key)
+            if have is None or have[0].shape[0] < n:
+                self.tables[key] = have = self._build(layer_idx, n)
+            return have
+
+        if needed:
+            table(1)  # refuse a partial-rotary model when the cache is built, not mid-forward
+        return table
+
+    def _build(self, layer_idx: int, n: int) -> Rope:
+        half = self.head_dim // 2
+        cos, sin = torch.empty(n, half), torch.empty(n, half)
+        for start in range(0, n, self.CHUNK):
+            stop = min(n, start + self.CHUNK)
+            c, s = self.adapter.rope_cos_sin(layer_idx, torch.arange(start, stop))
+            if c.shape[-1] != self.head_dim:
+                raise KvqError(
+                    f"layer {layer_idx}: pre-RoPE keys need RoPE over the whole head "
+                    f"({c.shape[-1]} of {self.head_dim} channels rotate)"
+                )
+            cos[start:stop], sin[start:stop] = c[:, :half], s[:, :half]
+        return cos.to(c.device), sin.to(c.device)
 
 
 def _rope_fn(adapter, layer_idx: int, inverse: bool):
