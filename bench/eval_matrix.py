@@ -24,18 +24,18 @@ from kvq.calibrators.channel_scales import ChannelScalesOptions
 from kvq.calibrators.kvquant import KVQuantOptions
 from kvq.eval.quality import evaluate
 from kvq.models.loading import load_model
-from kvq.pipeline import channel_scales_fit, kvquant_fit, load_windows
+from kvq.pipeline import load_windows, run_pass
 from kvq.progress import Progress
 from kvq.runtime.cache import build_cache
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
 
 CONFIGS = {
-    "int8": lambda: channel_scales_fit(ChannelScalesOptions(bits=8)),
-    "int4": lambda: channel_scales_fit(ChannelScalesOptions(bits=4)),
-    "nuq4": lambda: kvquant_fit(KVQuantOptions(bits=4)),
-    "nuq3": lambda: kvquant_fit(KVQuantOptions(bits=3)),
-    "nuq2": lambda: kvquant_fit(KVQuantOptions(bits=2)),
+    "int8": ChannelScalesOptions(bits=8),
+    "int4": ChannelScalesOptions(bits=4),
+    "nuq4": KVQuantOptions(bits=4),
+    "nuq3": KVQuantOptions(bits=3),
+    "nuq2": KVQuantOptions(bits=2),
 }
 
 
@@ -61,9 +61,9 @@ def main() -> None:
     for name in args.only.split(","):
         progress = Progress()
         start = time.perf_counter()
-        policy, tensors = CONFIGS[name]()(loaded, cal, progress)
+        state = run_pass(loaded, cal, CONFIGS[name], progress)
         cal_s = time.perf_counter() - start
-        static = {n: t for n, t in tensors.items() if n.startswith("layers.")}
+        policy, static = state.policy, state.of_kind("policy")
         for protocol in args.protocols.split(","):
             t0 = time.perf_counter()
             with torch.no_grad():

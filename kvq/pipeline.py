@@ -7,28 +7,29 @@ only parses, calls and renders.
 
 from __future__ import annotations
 
-import datetime as dt
-from collections.abc import Callable
+import hashlib
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import Tensor
 
-from kvq.calibrators.channel_scales import ChannelScalesOptions, calibrate_channel_scales
-from kvq.calibrators.fisher import fisher_cached
-from kvq.calibrators.kvquant import KVQuantOptions, calibrate_kvquant
+from kvq.calibrators.base import ChainState, FitContext, tensor_kind
+from kvq.calibrators.options import PassOptions
+from kvq.calibrators.registry import get_pass, transform_function
 from kvq.data.text import TextSource, read_corpus
 from kvq.data.windows import TokenWindows, sample_windows
 from kvq.errors import KvqError
-from kvq.exporters.artifact import Artifact, check_model_compatible, read_artifact, write_artifact
-from kvq.manifests.ledger import ByteLedger
-from kvq.manifests.schema import (
-    KVQ_VERSION,
-    SCHEMA_VERSION,
-    Calibration,
-    DatasetInfo,
-    Manifest,
+from kvq.exporters.artifact import (
+    Artifact,
+    check_model_compatible,
+    read_artifact,
+    tensor_index,
+    write_artifact,
 )
+from kvq.exporters.paths import check_artifact_out
+from kvq.manifests.ledger import ByteLedger
+from kvq.manifests.schema import Calibration, DatasetInfo, new_manifest
 from kvq.models.loading import LoadedModel, load_model
 from kvq.progress import Progress
 from kvq.quant.schemes import CachePolicy, named_policy
@@ -68,96 +69,153 @@ def measure_ledger(
     return cache.nbytes()
 
 
-Fit = Callable[[LoadedModel, TokenWindows, Progress], tuple[CachePolicy, dict[str, Tensor]]]
+@dataclass(frozen=True)
+class CalibrationRequest:
+    """One `kvq calibrate` run: a chain of passes (one, or a recipe's list) on one model and
+    one calibration text, optionally starting from the artifact `base`."""
+
+    passes: tuple[PassOptions, ...]  # each options object names its pass (NAME)
+    model_spec: str
+    dataset: str
+    out: Path
+    samples: int = 16
+    seqlen: int = 512
+    seed: int = 0
+    overwrite: bool = False
+    data_dir: str | None = None
+    base: Path | None = None
 
 
 def calibrate_job(
-    method: str,
-    fit: Fit,
-    options: dict,
-    model_spec: str,
-    dataset: str,
-    samples: int,
-    seqlen: int,
-    seed: int,
-    out: Path,
-    overwrite: bool,
-    data_dir: str | None,
+    request: CalibrationRequest,
     progress: Progress,
     corpus: tuple[str, TextSource] | None = None,
 ) -> Artifact:
-    """Load, sample, run `fit`, measure the ledger on a real cache, write the artifact atomically.
+    """Load, sample, run each pass on the model as transformed by the passes before it,
+    measure the ledger on a real cache, write the artifact atomically.
     corpus: `read_corpus` of the dataset when the caller has read it already."""
-    if out.exists() and not overwrite:
-        raise KvqError(f"output {out} exists; pass --overwrite to replace it")
-    # a bad dataset fails before the model load
-    corpus = corpus or read_corpus(dataset, samples, seqlen, data_dir)
+    r = request
+    if not r.passes:
+        raise KvqError("a calibration needs at least one pass")
+    # a bad destination or dataset fails before the model load
+    out = check_artifact_out(r.out, r.overwrite)
+    corpus = corpus or read_corpus(r.dataset, r.samples, r.seqlen, r.data_dir)
     with progress.stage("load model"):
-        loaded = load_model(model_spec)
+        loaded = load_model(r.model_spec)
+    state, chain = None, []
+    if r.base is not None:
+        with progress.stage("load base artifact"):
+            base = load_artifact(r.base, loaded)
+            apply_transforms(loaded, base.tensors)
+        state = ChainState(base.manifest.policy, dict(base.tensors))
+        chain = list(base.manifest.passes)
     with progress.stage("sample windows"):
-        windows = load_windows(loaded, dataset, samples, seqlen, seed, data_dir, corpus)
-    policy, tensors = fit(loaded, windows, progress)
-    with progress.stage("measure ledger"):
-        static = {n: t for n, t in tensors.items() if n.startswith("layers.")}
-        ledger = measure_ledger(loaded, policy, static, windows.ids[:1])
+        windows = load_windows(loaded, r.dataset, r.samples, r.seqlen, r.seed, r.data_dir, corpus)
     dataset_info = DatasetInfo(
         spec=windows.source.spec,
         text_sha256=windows.source.sha256,
         windows_sha256=windows.fingerprint,
-        samples=samples,
-        seqlen=seqlen,
-        seed=seed,
+        samples=r.samples,
+        seqlen=r.seqlen,
+        seed=r.seed,
     )
-    calibration = Calibration(
-        method=method, dataset=dataset_info, options=options, stage_seconds=dict(progress.seconds)
-    )
-    manifest = Manifest(
-        schema_version=SCHEMA_VERSION,
-        kvq_version=KVQ_VERSION,
-        created_utc=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        model_spec=model_spec,
+    seen: dict[str, float] = {}
+    for i, options in enumerate(r.passes):
+        state = run_pass(loaded, windows, options, progress, state)
+        if i == len(r.passes) - 1:
+            with progress.stage("measure ledger"):
+                ledger = measure_ledger(
+                    loaded, state.policy, state.of_kind("policy"), windows.ids[:1]
+                )
+        # each pass records the stages that ran since the one before (the first: loading too)
+        seconds = {k: v for k, v in progress.seconds.items() if seen.get(k) != v}
+        seen = dict(progress.seconds)
+        chain.append(Calibration(options.NAME, dataset_info, options.as_dict(), seconds))
+    manifest = new_manifest(
+        model_spec=r.model_spec,
         identity=loaded.identity,
         architecture=loaded.adapter.info,
-        policy=policy,
-        calibration=calibration,
-        tensors={},
+        policy=state.policy,
+        passes=tuple(chain),
         ledger=ledger,
     )
-    write_artifact(Artifact(manifest=manifest, tensors=tensors), out, overwrite=overwrite)
+    write_artifact(Artifact(manifest=manifest, tensors=state.tensors), out, overwrite=r.overwrite)
     return read_artifact(out)
 
 
-def channel_scales_fit(options: ChannelScalesOptions) -> Fit:
-    def fit(loaded: LoadedModel, windows: TokenWindows, progress: Progress):
-        return calibrate_channel_scales(
-            loaded.model, loaded.adapter, windows.ids, options, progress
-        )
-
-    return fit
-
-
-def kvquant_fit(options: KVQuantOptions) -> Fit:
-    def fit(loaded: LoadedModel, windows: TokenWindows, progress: Progress):
-        fisher = None
-        extra: dict[str, Tensor] = {}
-        if options.fisher:
-            info = fisher_cached(
-                loaded.model,
-                loaded.adapter,
-                windows.ids,
-                windows.fingerprint,
-                loaded.identity.weights_sha256,
-                progress,
-                exclude_first=options.sink,
+def run_pass(
+    loaded: LoadedModel,
+    windows: TokenWindows,
+    options: PassOptions,
+    progress: Progress,
+    base: ChainState | None = None,
+) -> ChainState:
+    """Run one registered pass on `loaded` (the chain's transforms already applied) and
+    return the chain's new state; the pass's own transforms are applied to the model too,
+    so the next pass sees them."""
+    entry = get_pass(options.NAME)
+    context = FitContext(loaded, windows, options, progress, base, weights_key(loaded, base))
+    result = entry.load_fit()(context)
+    new_transforms = {n: t for n, t in result.tensors.items() if tensor_kind(n) == "transform"}
+    if base is None:
+        if result.policy is None:
+            raise KvqError(f"{options.NAME} needs a base artifact (--base) for its cache policy")
+        state = ChainState(result.policy, dict(result.tensors))
+    else:
+        if new_transforms and base.of_kind("policy"):
+            raise KvqError(
+                f"{options.NAME} transforms the model, but the base artifact holds qparams "
+                "calibrated on the untransformed model; run it first in the chain"
             )
-            fisher = (info.key, info.value)
-            extra = info.to_tensors()  # provenance: the sensitivities the codebooks used
-        policy, tensors = calibrate_kvquant(
-            loaded.model, loaded.adapter, windows.ids, options, progress, fisher
-        )
-        return policy, tensors | extra
+        carried = base.of_kind("transform")
+        clash = sorted(carried.keys() & new_transforms.keys())
+        if clash:
+            raise KvqError(f"{options.NAME}: the base artifact already holds {clash[0]}")
+        if result.policy is None:  # the pass only transforms: the base's policy stays
+            state = ChainState(base.policy, dict(base.tensors) | result.tensors)
+        else:
+            state = ChainState(result.policy, carried | result.tensors)
+    apply_transforms(loaded, new_transforms)
+    return state
 
-    return fit
+
+def weights_key(loaded: LoadedModel, base: ChainState | None) -> str:
+    """The model's weights as the chain has transformed them: the original weights'
+    fingerprint, plus the transform tensors' hashes."""
+    transforms = base.of_kind("transform") if base is not None else {}
+    if not transforms:
+        return loaded.identity.weights_sha256
+    index = tensor_index(transforms)
+    text = loaded.identity.weights_sha256 + "".join(f"{n}:{e.sha256}" for n, e in index.items())
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def apply_transforms(
+    loaded: LoadedModel, tensors: dict[str, Tensor], progress: Progress | None = None
+) -> None:
+    """Fold an artifact's model transforms (e.g. SmoothAttention's scales) into `loaded`,
+    each by the function its kind registers, as a progress stage ("apply smooth").
+
+    A model never takes a transform twice: the one it carries is remembered by the hash of
+    its tensors, so applying the same artifact again is a no-op and a different one of
+    the same kind is refused (load the model afresh for it).
+    """
+    kinds: dict[str, dict[str, Tensor]] = {}
+    for name, t in tensors.items():
+        if tensor_kind(name) == "transform":
+            kinds.setdefault(name.split(".")[2], {})[name] = t
+    applied = loaded.model.__dict__.setdefault("_kvq_transforms", {})  # kind -> digest
+    for kind, group in sorted(kinds.items()):
+        digest = hashlib.sha256(repr(sorted(tensor_index(group).items())).encode()).hexdigest()
+        if applied.get(kind) == digest:
+            continue  # this very transform is in the weights already
+        if kind in applied:
+            raise KvqError(
+                f"the model already carries a different {kind} transform; load it afresh"
+            )
+        with (progress or Progress()).stage(f"apply {kind}"):
+            transform_function(kind)(loaded, group)
+        applied[kind] = digest
 
 
 def load_artifact(path: str | Path, loaded: LoadedModel | None = None) -> Artifact:
@@ -185,7 +243,8 @@ def cache_for(
         raise KvqError("give exactly one of an artifact or a policy name")
     if artifact is not None:
         check_model_compatible(artifact.manifest, loaded.identity, loaded.adapter.info)
-        static = {n: t for n, t in artifact.tensors.items() if n.startswith("layers.")}
+        apply_transforms(loaded, artifact.tensors)  # once per model (a no-op after that)
+        static = {n: t for n, t in artifact.tensors.items() if tensor_kind(n) == "policy"}
         policy_obj = artifact.manifest.policy.only(quantize)
         return build_cache(loaded.model, policy_obj, static, loaded.adapter, backend)
     info = loaded.adapter.info

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from kvq.calibrators.base import FitContext, PassResult
 from kvq.calibrators.capture import capture, run_windows
 from kvq.calibrators.options import ChannelScalesOptions  # noqa: F401 (re-exported)
 from kvq.errors import KvqError
@@ -85,3 +86,12 @@ def calibrate_channel_scales(
         name=f"channel-scales-int{options.bits}", layers=(layer_policy,) * info.num_layers
     )
     return policy, tensors
+
+
+def fit(ctx: FitContext) -> PassResult:
+    """The registered `channel-scales` pass."""
+    loaded = ctx.loaded
+    policy, tensors = calibrate_channel_scales(
+        loaded.model, loaded.adapter, ctx.windows.ids, ctx.options, ctx.progress
+    )
+    return PassResult(policy, tensors)

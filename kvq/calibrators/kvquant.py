@@ -27,7 +27,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from kvq.calibrators.base import FitContext, PassResult
 from kvq.calibrators.capture import capture, run_windows
+from kvq.calibrators.fisher import fisher_cached
 from kvq.calibrators.options import KVQuantOptions  # noqa: F401 (re-exported)
 from kvq.errors import KvqError
 from kvq.progress import Progress
@@ -209,3 +211,27 @@ def calibrate_kvquant(
             keys[layer] = values[layer] = torch.empty(0)  # release as we go
             bar.advance()
     return kvquant_policy(adapter.info.num_layers, opts), tensors
+
+
+def fit(ctx: FitContext) -> PassResult:
+    """The registered `kvquant` pass: Fisher sums (cached per model state and windows) weight
+    the codebooks and are stored as provenance."""
+    opts, loaded, windows = ctx.options, ctx.loaded, ctx.windows
+    fisher = None
+    extra: dict[str, Tensor] = {}
+    if opts.fisher:
+        info = fisher_cached(
+            loaded.model,
+            loaded.adapter,
+            windows.ids,
+            windows.fingerprint,
+            ctx.weights_key or loaded.identity.weights_sha256,
+            ctx.progress,
+            exclude_first=opts.sink,
+        )
+        fisher = (info.key, info.value)
+        extra = info.to_tensors()  # provenance: the sensitivities the codebooks used
+    policy, tensors = calibrate_kvquant(
+        loaded.model, loaded.adapter, windows.ids, opts, ctx.progress, fisher
+    )
+    return PassResult(policy, tensors | extra)

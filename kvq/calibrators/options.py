@@ -1,24 +1,120 @@
-"""The options of each calibration pass, with their checks.
+"""The options of each calibration pass: frozen dataclasses that check themselves.
 
-Kept apart from the passes themselves, which import torch: the command line builds and
+Kept apart from the passes themselves, which import torch: the command line builds its
+`kvq calibrate NAME` subcommands from these classes (`kvq.calibrators.registry`) and
 checks options (a bad --bits, say) before importing anything heavy or loading a model.
+
+A field becomes a command-line option through `option(...)`: its flag, its help and
+whether the manifest records it. Fields declared with a plain default are API-only
+(ablations) but still recorded.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import typing
+from dataclasses import dataclass, field, fields
+from typing import Any, ClassVar
 
 from kvq.errors import KvqError
 from kvq.quant.schemes import MAX_GROUP, KeyStage
 
+OptionValue = str | int | float | bool | None
+
+
+def option(default: Any, help: str, flag: str | None = None, record: bool = True) -> Any:
+    """A dataclass field shown on the command line as `flag` (default: --field-name).
+
+    A bool field with flag "--x/--no-x" becomes an on/off switch.
+    """
+    return field(default=default, metadata={"help": help, "flag": flag, "record": record})
+
+
+class PassOptions:
+    """Behaviour shared by every pass's options dataclass."""
+
+    NAME: ClassVar[str]  # the subcommand, e.g. "channel-scales"
+    SUMMARY: ClassVar[str]  # one line for `kvq calibrate --help`
+
+    def as_dict(self) -> dict[str, OptionValue]:
+        """What the manifest records of these options (every field not marked otherwise)."""
+        return {
+            f.name: getattr(self, f.name) for f in fields(self) if f.metadata.get("record", True)
+        }
+
+    @classmethod
+    def cli_fields(cls) -> list:
+        """The fields that are command-line options, in declaration order."""
+        return [f for f in fields(cls) if "help" in f.metadata]
+
+    @classmethod
+    def from_cli(cls, values: dict[str, Any]) -> PassOptions:
+        """Options from parsed command-line values (by field name); checks run here."""
+        return cls(**{name: cls._from_flag(name, v) for name, v in values.items()})
+
+    @classmethod
+    def _from_flag(cls, name: str, value: Any) -> Any:
+        return value
+
+    @classmethod
+    def from_recipe(cls, values: dict[str, Any], seed: int) -> PassOptions:
+        """Options from a recipe's mapping (field names, '-' or '_', or flag names), each value
+        checked against its field's type; a `seed` field takes the recipe's seed."""
+        hints = typing.get_type_hints(cls)
+        names = {f.name for f in fields(cls)}
+        # a field by its name, dashed or not, or by its command-line flag (v-group)
+        aliases = {n.replace("_", "-"): n for n in names} | {n: n for n in names}
+        for f in cls.cli_fields():
+            if f.metadata["flag"]:
+                aliases[f.metadata["flag"].split("/")[0].removeprefix("--")] = f.name
+        chosen: dict[str, Any] = {"seed": seed} if "seed" in names else {}
+        for key, value in values.items():
+            name = aliases.get(str(key))
+            if name is None or name == "seed":
+                known = ", ".join(f.name for f in fields(cls) if f.name != "seed")
+                raise KvqError(f"{cls.NAME}: unknown option {key!r} (known: {known})")
+            if not _fits(value, hints[name]):
+                raise KvqError(
+                    f"{cls.NAME}: {name} must be {_type_name(hints[name])}, got {value!r}"
+                )
+            chosen[name] = cls._from_flag(name, value)
+        return cls(**chosen)
+
+
+def _fits(value: Any, tp: Any) -> bool:
+    """value is of type hint tp (an int is a float; a bool is not an int)."""
+    if typing.get_origin(tp) is typing.Literal:
+        return value in typing.get_args(tp)
+    args = typing.get_args(tp)
+    if args:  # X | None
+        return any(_fits(value, a) for a in args)
+    if tp is type(None):
+        return value is None
+    if tp is float:
+        return type(value) in (int, float)
+    return type(value) is tp
+
+
+def _type_name(tp: Any) -> str:
+    if typing.get_origin(tp) is typing.Literal:
+        return "one of " + ", ".join(map(repr, typing.get_args(tp)))
+    return " or ".join(getattr(a, "__name__", str(a)) for a in (typing.get_args(tp) or (tp,)))
+
 
 @dataclass(frozen=True)
-class ChannelScalesOptions:
-    bits: int = 4
-    key_stage: KeyStage = "pre-rope"
-    clip_percentile: float = 99.9  # per tail; 100 keeps min/max (99.9 measured best KLD at INT4)
-    sink: int = 1
-    value_group: int | None = 32  # channels per V qparam group (None: whole head)
+class ChannelScalesOptions(PassOptions):
+    NAME: ClassVar[str] = "channel-scales"
+    SUMMARY: ClassVar[str] = (
+        "Static per-channel K scales (pre-RoPE by default); V per token at append."
+    )
+
+    bits: int = option(4, "2, 3, 4 or 8")
+    key_stage: KeyStage = option("pre-rope", "pre-rope or post-rope")
+    # per tail; 100 keeps min/max (99.9 measured best KLD at INT4)
+    clip_percentile: float = option(99.9, "per-tail key percentile")
+    sink: int = option(1, "first N positions kept in full precision")
+    value_group: int | None = option(
+        32, "V channels per qparam group (0: whole head)", flag="--v-group"
+    )
 
     def __post_init__(self) -> None:
         if self.bits not in (2, 3, 4, 8):
@@ -32,25 +128,29 @@ class ChannelScalesOptions:
         if self.value_group is not None and not 0 < self.value_group <= MAX_GROUP:
             raise KvqError(f"--v-group must be in [0, {MAX_GROUP}], got {self.value_group}")
 
-    def as_dict(self) -> dict[str, str | int | float | bool | None]:
-        return {
-            "bits": self.bits,
-            "key_stage": self.key_stage,
-            "clip_percentile": self.clip_percentile,
-            "sink": self.sink,
-            "value_group": self.value_group,
-        }
+    @classmethod
+    def _from_flag(cls, name: str, value: Any) -> Any:
+        return (value or None) if name == "value_group" else value  # --v-group 0: whole head
 
 
 @dataclass(frozen=True)
-class KVQuantOptions:
-    bits: int = 4
-    outliers: float = 0.01  # fraction of values kept exactly, split over both tails
-    sink: int = 1
-    fisher: bool = True
+class KVQuantOptions(PassOptions):
+    NAME: ClassVar[str] = "kvquant"
+    SUMMARY: ClassVar[str] = (
+        "KVQuant: pre-RoPE per-channel K, per-token V, Fisher-weighted NUQ, sparse outliers, sinks."
+    )
+
+    bits: int = option(4, "2, 3 or 4")
+    outliers: float = option(0.01, "fraction kept exactly (sparse)")
+    sink: int = option(1, "first N positions kept in full precision")
+    fisher: bool = option(True, "Fisher-weighted k-means", flag="--fisher/--no-fisher")
     # Q-Norm (decode through levels with the originals' mean and std): on by default, it
     # lowered perplexity at 2, 3 and 4 bits on Gemma 3 270M (WikiText-2, 16 x 512)
-    qnorm: bool = True
+    qnorm: bool = option(
+        True,
+        "Q-Norm level correction (mean/std of decoded values)",
+        flag="--qnorm/--no-qnorm",
+    )
     nonuniform: bool = True  # False: uniform levels on the same normalised grid (ablation)
     key_stage: KeyStage = "pre-rope"
     # "fisher": the K outlier budget goes to the channels whose Fisher-weighted range it
@@ -62,8 +162,8 @@ class KVQuantOptions:
     # than `outliers` of the second half (unseen text is wider), so the fraction is scaled
     # by nominal / held-out rate (at most down to a quarter) before the final fit.
     key_heldout: bool = True
-    seed: int = 0
-    max_samples: int = 200_000  # per codebook fit
+    seed: int = 0  # k-means; the command line passes its --seed
+    max_samples: int = field(default=200_000, metadata={"record": False})  # per codebook fit
 
     def __post_init__(self) -> None:
         if self.bits not in (2, 3, 4):
@@ -74,17 +174,3 @@ class KVQuantOptions:
             raise KvqError(f"--sink must be >= 0, got {self.sink}")
         if self.key_outliers not in ("fisher", "uniform"):
             raise KvqError(f"key_outliers must be 'fisher' or 'uniform', got {self.key_outliers!r}")
-
-    def as_dict(self) -> dict[str, str | int | float | bool | None]:
-        return {
-            "bits": self.bits,
-            "outliers": self.outliers,
-            "sink": self.sink,
-            "fisher": self.fisher,
-            "qnorm": self.qnorm,
-            "nonuniform": self.nonuniform,
-            "key_stage": self.key_stage,
-            "key_outliers": self.key_outliers,
-            "key_heldout": self.key_heldout,
-            "seed": self.seed,
-        }

@@ -81,7 +81,7 @@ def print_calibration_summary(artifact: Artifact, out: Path) -> None:
     timing = Table(title="calibration stages")
     timing.add_column("stage")
     timing.add_column("seconds", justify="right")
-    for stage, s in m.calibration.stage_seconds.items():
+    for stage, s in m.passes[-1].stage_seconds.items():
         timing.add_row(_t(stage), f"{s:.1f}")
     OUT.print(timing)
     if m.ledger is not None:
@@ -105,7 +105,6 @@ def print_inspect(artifact: Artifact, path: Path) -> None:
     head.add_column("field")
     head.add_column("value")
     arch = m.architecture
-    cal = m.calibration
     head.add_row("schema / kvq", _t(f"{m.schema_version} / {m.kvq_version}"))
     head.add_row("model", _t(f"{m.model_spec} ({m.identity.model_type})"))
     head.add_row("weights sha256", m.identity.weights_sha256[:16] + "…")
@@ -115,10 +114,15 @@ def print_inspect(artifact: Artifact, path: Path) -> None:
         f"window {arch.sliding_window})",
     )
     head.add_row("heads", f"{arch.num_q_heads} q / {arch.num_kv_heads} kv × {arch.head_dim}")
-    head.add_row("method", _t(cal.method))
-    if cal.dataset is not None:
-        d = cal.dataset
-        head.add_row("calibration data", _t(f"{d.spec} ({d.samples} × {d.seqlen}, seed {d.seed})"))
+    for i, cal in enumerate(m.passes):
+        options = ", ".join(f"{k}={v}" for k, v in cal.options.items())
+        head.add_row(
+            f"pass {i + 1}" if len(m.passes) > 1 else "method", _t(f"{cal.method} ({options})")
+        )
+        if cal.dataset is not None:
+            d = cal.dataset
+            data = f"{d.spec} ({d.samples} × {d.seqlen}, seed {d.seed})"
+            head.add_row("  calibration data", _t(data))
     head.add_row(
         "tensors",
         f"{len(artifact.tensors)} ({sum(t.nbytes for t in artifact.tensors.values()):,} bytes)",

@@ -13,7 +13,13 @@ from kvq.eval.inputs import check_cache_source, check_protocol, check_quantize, 
 from kvq.eval.quality import evaluate
 from kvq.manifests.ledger import ByteLedger
 from kvq.models.loading import load_model
-from kvq.pipeline import cache_for, check_context, load_artifact, load_windows
+from kvq.pipeline import (
+    apply_transforms,
+    cache_for,
+    check_context,
+    load_artifact,
+    load_windows,
+)
 from kvq.progress import Progress
 from kvq.runtime.kernels.backend import resolve_backend
 
@@ -49,6 +55,7 @@ def run_eval_job(
     if artifact_path is not None:
         with progress.stage("load artifact"):
             artifact = load_artifact(artifact_path, loaded)
+        apply_transforms(loaded, artifact.tensors, progress)  # shown as "apply <kind>"
     with progress.stage("sample windows"):
         tw = load_windows(loaded, dataset, windows, seqlen, seed, data_dir, corpus)
     resolve_backend(backend, loaded.model.device)  # fail fast: e.g. triton without CUDA

@@ -27,7 +27,9 @@ from kvq.manifests.identity import ArchitectureInfo, ModelIdentity, is_sha256
 from kvq.manifests.ledger import ByteLedger
 from kvq.quant.schemes import SCHEME_VERSION, CachePolicy
 
-SCHEMA_VERSION = 1
+# 2: `passes`, the ordered chain of calibration passes, replaced the single `calibration`
+SCHEMA_VERSION = 2
+READABLE_VERSIONS = (1, 2)  # older versions are read through `_migrate`
 
 try:
     KVQ_VERSION = importlib.metadata.version("kvq-live")
@@ -78,7 +80,7 @@ class DatasetInfo:
 
 @dataclass(frozen=True)
 class Calibration:
-    """How the artifact's parameters were obtained."""
+    """One calibration pass of the artifact's chain: what ran, on which text, how long."""
 
     method: str  # calibrator name, or the named policy for calibration-free artifacts
     dataset: DatasetInfo | None  # None for calibration-free policies
@@ -102,7 +104,7 @@ class Manifest:
     identity: ModelIdentity
     architecture: ArchitectureInfo
     policy: CachePolicy
-    calibration: Calibration
+    passes: tuple[Calibration, ...]  # in the order they ran; each builds on the one before
     tensors: dict[str, TensorEntry]  # filled in by the artifact writer
     ledger: ByteLedger | None
 
@@ -115,6 +117,7 @@ class Manifest:
                 self.policy.num_layers,
                 "one layer policy per decoder layer",
             )
+        require(len(self.passes) >= 1, "passes", "at least one pass", self.passes)
         head_dim = self.architecture.head_dim
         for i, layer in enumerate(self.policy.layers):
             for part, scheme in (("key", layer.key), ("value", layer.value)):
@@ -143,7 +146,7 @@ def new_manifest(
     identity: ModelIdentity,
     architecture: ArchitectureInfo,
     policy: CachePolicy,
-    calibration: Calibration,
+    passes: tuple[Calibration, ...],
     ledger: ByteLedger | None = None,
 ) -> Manifest:
     """A manifest stamped with this schema, this kvq and now; tensors indexed at write."""
@@ -155,7 +158,7 @@ def new_manifest(
         identity=identity,
         architecture=architecture,
         policy=policy,
-        calibration=calibration,
+        passes=passes,
         tensors={},
         ledger=ledger,
     )
@@ -193,9 +196,26 @@ def manifest_from_json(d: Any) -> Manifest:
     # The version first: a manifest from another schema is refused as such, not
     # as a confusing list of missing or unknown fields.
     found = d.get("schema_version", _MISSING)
-    if found != SCHEMA_VERSION or type(found) is not int:
-        raise IncompatibleArtifact("schema_version", SCHEMA_VERSION, found)
-    return _decode(Manifest, d, "")
+    if found not in READABLE_VERSIONS or type(found) is not int:
+        raise IncompatibleArtifact(
+            "schema_version",
+            SCHEMA_VERSION,
+            found,
+            f"this kvq reads schema versions {', '.join(map(str, READABLE_VERSIONS))}; "
+            "regenerate the artifact with this kvq's `kvq calibrate`",
+        )
+    return _decode(Manifest, _migrate(d), "")
+
+
+def _migrate(d: dict[str, Any]) -> dict[str, Any]:
+    """A manifest of an older readable schema in the current form (read-only: files on
+    disk are never rewritten). 1 -> 2: the single `calibration` became `passes`."""
+    if d["schema_version"] == 1:
+        d = {k: v for k, v in d.items() if k != "calibration"} | {
+            "schema_version": SCHEMA_VERSION,
+            "passes": [d.get("calibration", _MISSING)],
+        }
+    return d
 
 
 def _join(path: str, name: str) -> str:

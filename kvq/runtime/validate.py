@@ -10,9 +10,12 @@ are built exactly as the cache builds them, so an artifact that reads is one tha
 
 from __future__ import annotations
 
+import re
+
 import torch
 from torch import Tensor
 
+from kvq.calibrators.registry import TRANSFORMS
 from kvq.errors import IncompatibleArtifact, KvqError
 from kvq.manifests.schema import Manifest
 from kvq.quant.qparams import dtype_name, storage_dtype
@@ -31,6 +34,8 @@ _RULES = {
     "qnorm_levels": ("levels", "finite"),
 }
 _QPARAMS = ("scale", "offset", "center")  # stored in the scheme's scale dtype
+# layers.{i}.KIND.* other than the policy's key/value state: model transforms
+_TRANSFORM = re.compile(r"^layers\.\d+\.(?!key\.|value\.)[^.]+\.")
 
 
 def check_artifact_state(manifest: Manifest, tensors: dict[str, Tensor]) -> None:
@@ -61,6 +66,13 @@ def check_artifact_state(manifest: Manifest, tensors: dict[str, Tensor]) -> None
                 raise IncompatibleArtifact(
                     f"tensors[{prefix}{unused[0]}]", f"absent ({scheme.describe()})", "present"
                 )
+    for name in tensors:
+        # a model transform this kvq cannot apply would be silently skipped: refuse it
+        kind = name.split(".")[2] if _TRANSFORM.match(name) else None
+        if kind is not None and kind not in TRANSFORMS:
+            raise IncompatibleArtifact(
+                f"tensors[{name}]", f"a transform of {list(TRANSFORMS)}", kind
+            )
     for name in ("fisher.key", "fisher.value"):
         if name in tensors:
             shape = (arch.num_layers, arch.num_kv_heads, arch.head_dim)

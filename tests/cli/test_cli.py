@@ -64,10 +64,10 @@ def test_calibrate_writes_a_valid_artifact(artifact):
     assert (artifact / "manifest.json").is_file()
     assert (artifact / "tensors.safetensors").is_file()
     manifest = json.loads((artifact / "manifest.json").read_text())
-    assert manifest["calibration"]["method"] == "channel-scales"
-    assert manifest["calibration"]["dataset"]["samples"] == 2
+    assert manifest["passes"][0]["method"] == "channel-scales"
+    assert manifest["passes"][0]["dataset"]["samples"] == 2
     assert manifest["ledger"]["codes"] > 0
-    assert set(manifest["calibration"]["stage_seconds"]) >= {"capture keys", "fit key ranges"}
+    assert set(manifest["passes"][0]["stage_seconds"]) >= {"capture keys", "fit key ranges"}
 
 
 def test_calibrate_refuses_to_overwrite(artifact, llama_dir, calib_txt):

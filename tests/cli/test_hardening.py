@@ -193,7 +193,7 @@ HOSTILE = "\x1b]52;c;SGVsbG8=\x07\x1b[2J\x1b]0;pwned\x07[/bold][red]x\u202e"
 
 def test_manifest_strings_reach_the_terminal_as_data(art):
     edit(art, lambda d: d.update(model_spec=HOSTILE))
-    edit(art, lambda d: d["calibration"].update(method=HOSTILE))
+    edit(art, lambda d: d["passes"][0].update(method=HOSTILE))
     edit(art, lambda d: d["policy"]["_data"].update(name=HOSTILE))
     for command in (["inspect", art], ["export", "manifest", art]):
         result = _run(*command)

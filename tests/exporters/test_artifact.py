@@ -140,8 +140,8 @@ def test_changed_manifest_is_refused(art):
     with pytest.raises(IncompatibleArtifact, match="schema_version"):
         read_artifact(art)
     edit_manifest(art, lambda d: d.update(schema_version=SCHEMA_VERSION))
-    edit_manifest(art, lambda d: d["calibration"].pop("stage_seconds"))
-    with pytest.raises(IncompatibleArtifact, match=r"calibration\.stage_seconds"):
+    edit_manifest(art, lambda d: d["passes"][0].pop("stage_seconds"))
+    with pytest.raises(IncompatibleArtifact, match=r"passes\[0\]\.stage_seconds"):
         read_artifact(art)
 
 

@@ -91,7 +91,7 @@ def make_manifest(calibrated: bool = False, ledger: ByteLedger | None = None) ->
         identity=make_identity(),
         architecture=make_architecture(),
         policy=policy,
-        calibration=calibration,
+        passes=(calibration,),
         ledger=ledger,
     )
 
@@ -158,8 +158,8 @@ BAD = [
     (edited(["architecture", "rope", 1, "theta"], delete=True), "architecture.rope[1].theta"),
     (edited(["architecture", "rope", 2, "pairing"], "sideways"), "architecture.rope[2].pairing"),
     (edited(["identity", "extra"], "x"), "identity.extra"),
-    (edited(["calibration", "dataset", "samples"], 1.5), "calibration.dataset.samples"),
-    (edited(["calibration", "options", "bad"], [1]), "calibration.options[bad]"),
+    (edited(["passes", 0, "dataset", "samples"], 1.5), "passes[0].dataset.samples"),
+    (edited(["passes", 0, "options", "bad"], [1]), "passes[0].options[bad]"),
     (edited(["ledger", "codes"], True), "ledger.codes"),
     (edited(["policy", "_version"], 2), "policy._version"),
     (edited(["policy", "_data", "layers", 0, "key", "bits"], "4"), "policy._data.layers[0].key.bits"),
@@ -188,6 +188,17 @@ def test_schema_version_mismatch_is_named():
         manifest_from_json(d)
 
 
+def test_schema_1_manifests_still_read_as_a_one_pass_chain():
+    d = through_json(make_manifest(calibrated=True, ledger=LEDGER))
+    v1 = {k: v for k, v in d.items() if k != "passes"} | {
+        "schema_version": 1,
+        "calibration": d["passes"][0],
+    }
+    assert manifest_from_json(v1) == manifest_from_json(d)
+    with pytest.raises(IncompatibleArtifact, match="regenerate the artifact"):
+        manifest_from_json(d | {"schema_version": 0})
+
+
 def test_well_typed_but_invalid_values_are_refused():
     # Types check out, the scheme's own rules do not: per-token must be dynamic.
     d = edited(["policy", "_data", "layers", 0, "value", "lifetime"], "static")
@@ -208,7 +219,7 @@ def test_policy_must_cover_every_layer():
             identity=make_identity(),
             architecture=make_architecture(),
             policy=named_policy("int8", NUM_LAYERS + 1),
-            calibration=Calibration(method="int8", dataset=None, options={}, stage_seconds={}),
+            passes=(Calibration(method="int8", dataset=None, options={}, stage_seconds={}),),
         )
 
 

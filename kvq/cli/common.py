@@ -1,0 +1,108 @@
+"""What every `kvq` command shares: one-line errors, common options, small helpers."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import typer
+from typer.core import TyperGroup
+
+from kvq.errors import KvqError
+from kvq.textsafe import printable
+
+try:  # typer >= 0.20 vendors click; its exceptions are not click's
+    from typer._click import exceptions as cx
+except ImportError:  # pragma: no cover - older typer on real click
+    from click import exceptions as cx
+
+
+class OneLineErrors(TyperGroup):
+    """Every user error is one line on stderr and exit code 2, never a traceback."""
+
+    def main(self, *args, **kwargs):
+        kwargs["standalone_mode"] = False
+        try:
+            rv = super().main(*args, **kwargs)
+        except cx.NoArgsIsHelpError as e:
+            typer.echo(e.ctx.get_help() if e.ctx else str(e))
+            sys.exit(2)
+        except cx.ClickException as e:
+            fail(e.format_message())
+        except typer.Exit as e:
+            sys.exit(e.exit_code)
+        except (typer.Abort, KeyboardInterrupt):
+            aborted()
+        except KvqError as e:
+            fail(str(e))
+        except OSError as e:  # the environment, not kvq: a full disk, a permission
+            where = f"{e.filename}: " if e.filename else ""
+            fail(f"{where}{e.strerror or e}")
+        except MemoryError:
+            fail("out of memory; try fewer or shorter windows")
+        sys.exit(rv if isinstance(rv, int) else 0)
+
+    def invoke(self, ctx):
+        # typer would turn Ctrl-C into a silent exit code 130; say it, once
+        try:
+            return super().invoke(ctx)
+        except KeyboardInterrupt:
+            raise typer.Abort() from None
+
+
+def fail(message: str) -> None:
+    first = printable(" ".join(message.split()))  # one line, no terminal control
+    typer.echo(f"kvq: error: {first}", err=True)
+    sys.exit(2)
+
+
+def aborted() -> None:
+    # every writer cleans up on the way out (temporary folders go, old artifacts stay)
+    typer.echo("kvq: aborted, nothing written", err=True)
+    sys.exit(130)
+
+
+MODEL = typer.Option(
+    "gemma3-270m", "--model", help="gemma3-270m, a local HF dir, a .gguf file or a hub id"
+)
+DATA_DIR = typer.Option(
+    None, "--data-dir", help="folder holding wikitext-2-raw/ (else $KVQ_DATA_DIR)"
+)
+BACKEND = typer.Option(
+    None,
+    "--backend",
+    help="attention backend: auto (Triton on CUDA, else torch), triton or reference "
+    "(else $KVQ_BACKEND)",
+)
+
+
+def positive(**values: int) -> None:
+    for name, v in values.items():
+        if v <= 0:
+            raise KvqError(f"--{name.replace('_', '-')} must be positive, got {v}")
+
+
+def artifact_files(artifact: Path) -> tuple[Path, ...]:
+    from kvq.exporters.paths import RESERVED
+
+    return tuple(Path(artifact) / name for name in RESERVED)
+
+
+def write_json(path: Path, obj) -> None:
+    from kvq.exporters.paths import write_text_atomic
+
+    write_text_atomic(path, json.dumps(obj, indent=2, sort_keys=False) + "\n")
+
+
+def quiet_transformers() -> None:
+    """kvq draws its own progress: keep transformers' bars and deprecation chatter out.
+    Called by the commands that load a model, not at startup: importing transformers
+    takes a second, which --help and input errors should not wait for."""
+    import warnings
+
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+    warnings.filterwarnings("ignore", category=FutureWarning)
