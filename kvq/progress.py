@@ -11,6 +11,20 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+# Ctrl-C seen by the command line's signal handler. Some libraries swallow the
+# KeyboardInterrupt it raises (torch does, while it imports numpy), so the next stage
+# raises it again: an interrupted job stops at a stage boundary at the latest.
+_interrupt_seen = False
+
+
+def interrupt_received() -> None:
+    global _interrupt_seen
+    _interrupt_seen = True
+
+
+def interrupted() -> bool:
+    return _interrupt_seen
+
 
 class Stage:
     def __init__(self, advance_fn=None):
@@ -29,6 +43,8 @@ class Progress:
 
     @contextmanager
     def stage(self, name: str, total: int | None = None) -> Iterator[Stage]:
+        if _interrupt_seen:
+            raise KeyboardInterrupt
         start = time.perf_counter()
         try:
             yield self._open(name, total)

@@ -14,6 +14,7 @@ from kvq.cli.common import (
     MODEL,
     OneLineErrors,
     artifact_files,
+    on_interrupt,
     positive,
     quiet_transformers,
     write_json,
@@ -163,9 +164,6 @@ def generate(
 
 def main() -> None:
     # a polite kill (SIGTERM) cleans up as Ctrl-C does: temporary folders go, old artifacts stay
-    signal.signal(signal.SIGTERM, _interrupt)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, on_interrupt)
     app()
-
-
-def _interrupt(signum, frame) -> None:
-    raise KeyboardInterrupt

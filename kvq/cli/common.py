@@ -10,6 +10,7 @@ import typer
 from typer.core import TyperGroup
 
 from kvq.errors import KvqError
+from kvq.progress import interrupt_received, interrupted
 from kvq.textsafe import printable
 
 try:  # typer >= 0.20 vendors click; its exceptions are not click's
@@ -22,6 +23,18 @@ class OneLineErrors(TyperGroup):
     """Every user error is one line on stderr and exit code 2, never a traceback."""
 
     def main(self, *args, **kwargs):
+        try:
+            self._main(*args, **kwargs)
+        except SystemExit as e:
+            if e.code not in (0, None) and interrupted():
+                aborted()  # whatever failed after Ctrl-C, the user asked to stop
+            raise
+        except BaseException:
+            if interrupted():  # a failure that an interrupt caused (a half-done import)
+                aborted()
+            raise
+
+    def _main(self, *args, **kwargs):
         kwargs["standalone_mode"] = False
         try:
             rv = super().main(*args, **kwargs)
@@ -106,3 +119,9 @@ def quiet_transformers() -> None:
     hf_logging.disable_progress_bar()
     hf_logging.set_verbosity_error()
     warnings.filterwarnings("ignore", category=FutureWarning)
+
+
+def on_interrupt(signum, frame) -> None:
+    """SIGINT and SIGTERM: remembered (see `kvq.progress`), then raised as Ctrl-C."""
+    interrupt_received()
+    raise KeyboardInterrupt

@@ -123,7 +123,8 @@ def check_replaceable(path: Path) -> None:
 
 
 def check_output_file(path: Path, what: str, inputs: tuple[Path, ...] = ()) -> Path:
-    """The absolute path of an output file (`--json`, `--schema-out`), or a KvqError."""
+    """The absolute path of an output file (`--json`, `--schema-out`), or a KvqError;
+    temporary siblings a killed writer left next to it are removed."""
     path = Path(os.path.abspath(path))
     if path.is_dir():
         raise KvqError(f"{what} {path} is a directory; give a file name")
@@ -133,6 +134,7 @@ def check_output_file(path: Path, what: str, inputs: tuple[Path, ...] = ()) -> P
         if os.path.lexists(path) and os.path.exists(source) and os.path.samefile(path, source):
             raise KvqError(f"{what} {path} is an input of this command; choose another file")
     _check_creatable(path, what)
+    recover(path)
     return path
 
 
@@ -172,7 +174,8 @@ def _leftovers(path: Path, kind: str) -> list[Path]:
     for name in names:
         if name.startswith(prefix):
             pid = name[len(prefix) :].split("-", 1)[0]
-            if pid.isdigit() and not _alive(int(pid)):
+            # no pid in the name: left by a kvq from before pids were recorded
+            if not pid.isdigit() or "-" not in name[len(prefix) :] or not _alive(int(pid)):
                 out.append(path.parent / name)
     return out
 

@@ -13,6 +13,7 @@ crash or a concurrent run never leaves a half-written model behind.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import shutil
@@ -96,6 +97,7 @@ def _load_dir(where: Path | str, *, dtype: torch.dtype, what: str):
 def _packaged_gemma3_270m() -> Path:
     final = cache_root() / "models" / DEFAULT_MODEL
     if final.is_dir():
+        _clean_leftovers(final)
         return final
 
     def build(tmp: Path) -> Path:
@@ -114,6 +116,7 @@ def _cached_gguf(path: Path) -> Path:
             h.update(block)
     final = cache_root() / "models" / f"gguf-{h.hexdigest()[:16]}"
     if final.is_dir():
+        _clean_leftovers(final)
         return final
     return _convert_once(final, lambda tmp: path.resolve())
 
@@ -153,6 +156,12 @@ def _convert_once(final: Path, get_gguf) -> Path:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return final
+
+
+def _clean_leftovers(final: Path) -> None:
+    """Remove what conversions killed mid-way left next to `final` (~1 GB each)."""
+    with contextlib.suppress(OSError):  # a read-only cache still serves the model
+        paths.recover(final)
 
 
 def _drop_gguf_quantizer(model, name: str) -> None:

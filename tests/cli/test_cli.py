@@ -290,7 +290,8 @@ def test_cli_starts_without_torch():
     import sys
 
     code = (
-        "import sys, kvq, kvq.cli.app, kvq.eval.inputs, kvq.calibrators.options; "
+        "import sys, kvq, kvq.cli.app, kvq.eval.inputs, kvq.calibrators.options, "
+        "kvq.calibrators.recipe, kvq.models.spec, kvq.exporters.paths, kvq.data.text; "
         "heavy = [m for m in ('torch', 'transformers') if m in sys.modules]; "
         "assert not heavy, heavy"
     )

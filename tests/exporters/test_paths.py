@@ -171,3 +171,17 @@ def test_a_live_writers_temporary_folder_is_left_alone(tmp_path, art):
     dead.mkdir()
     paths.recover(art)
     assert live.is_dir() and not dead.exists()
+
+
+def test_output_file_checks_remove_a_dead_writers_temporary_file(tmp_path):
+    dead = tmp_path / ".eval.json.tmp-999999999-abcd"
+    dead.write_text("{")
+    check_output_file(tmp_path / "eval.json", "--json")
+    assert listing(tmp_path) == []
+
+
+def test_leftovers_without_a_pid_come_from_an_older_kvq(tmp_path, art):
+    legacy = tmp_path / ".ART.tmp-1f2e3d4c"  # the name format before pids were recorded
+    legacy.mkdir()
+    paths.recover(art)
+    assert not legacy.exists()
