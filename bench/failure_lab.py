@@ -84,7 +84,8 @@ from kvq.cli.app import main
 main()
 """
 
-# SIGKILL itself at the first rename / replace that touches FL_TARGET, before or after it.
+# SIGKILL itself at the first rename / replace / exchange that touches FL_TARGET, before or
+# after it.
 HOOK_KILL_AT_RENAME = r"""
 import os as _os
 _target, _when = _os.path.abspath(_os.environ["FL_TARGET"]), _os.environ["FL_WHEN"]
@@ -99,6 +100,11 @@ def _wrap(real):
         return r
     return rename
 _os.rename, _os.replace = _wrap(_os.rename), _wrap(_os.replace)
+try:  # kvq since 4538c82 swaps an artifact in with one atomic exchange of two names
+    import kvq.exporters.paths as _paths
+    _paths._exchange = _wrap(_paths._exchange)
+except (ImportError, AttributeError):
+    pass
 """
 
 # SIGINT itself inside FL_MODULE.FL_ATTR (before or after the real call): a Ctrl-C at that point.
@@ -995,9 +1001,8 @@ def _after_kill(r: Run, art: Path, d: Path) -> Verdict:
         labels.append("destroyed-user-data")
         notes.append("nothing (or a partial artifact) at --out")
     left = new_entries(d, {"art"})
-    if left:
-        labels.append("leftover-files")
-        notes.append(f"left: {', '.join(left)}")
+    if left:  # a killed process cannot clean up; the next run must (next-run-after-kill)
+        notes.append(f"left until the next run: {', '.join(left)}")
     return Verdict(labels or ["ok"], "; ".join(notes), None, r.seconds)
 
 
