@@ -2,9 +2,16 @@
 
 from kvq.errors import IncompatibleArtifact, KvqError
 
-__all__ = ["IncompatibleArtifact", "KvqError", "load_artifact", "load_model", "make_cache"]
+__all__ = [
+    "IncompatibleArtifact",
+    "KvqError",
+    "QuantizedKVCache",
+    "load_artifact",
+    "load_model",
+    "make_cache",
+]
 
-_API = ("load_artifact", "load_model", "make_cache")
+_API = ("load_artifact", "load_model", "make_cache", "QuantizedKVCache")
 
 
 def __getattr__(name: str):

@@ -8,6 +8,7 @@ only parses, calls and renders.
 from __future__ import annotations
 
 import hashlib
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -246,7 +247,11 @@ def cache_for(
         apply_transforms(loaded, artifact.tensors)  # once per model (a no-op after that)
         static = {n: t for n, t in artifact.tensors.items() if tensor_kind(n) == "policy"}
         policy_obj = artifact.manifest.policy.only(quantize)
-        return build_cache(loaded.model, policy_obj, static, loaded.adapter, backend)
+        cache = build_cache(loaded.model, policy_obj, static, loaded.adapter, backend)
+        # the whole artifact (transforms folded into the weights included) names the state
+        index = {n: e.sha256 for n, e in sorted(artifact.manifest.tensors.items())}
+        cache.identity["artifact"] = hashlib.sha256(json.dumps(index).encode()).hexdigest()
+        return cache
     info = loaded.adapter.info
     named = named_policy(policy, info.num_layers, info.head_dim).only(quantize)
     return build_cache(loaded.model, named, {}, loaded.adapter, backend)

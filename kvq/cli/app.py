@@ -21,6 +21,11 @@ from kvq.cli.common import (
 )
 from kvq.textsafe import printable
 
+POLICY_HELP = (
+    "calibration-free layout: fp16, int8, int4, int2 (per token), kivi2, kivi4 "
+    "(KIVI; kivi2-g64-r256 sets the token group and the exact window)"
+)
+
 app = typer.Typer(
     cls=OneLineErrors,
     no_args_is_help=True,
@@ -68,7 +73,7 @@ def inspect(artifact: Path = typer.Argument(..., help="artifact directory")) -> 
 def run_eval(
     model: str = MODEL,
     artifact: Path | None = typer.Option(None, "--artifact", help="artifact directory"),
-    policy: str | None = typer.Option(None, "--policy", help="calibration-free policy name"),
+    policy: str | None = typer.Option(None, "--policy", help=POLICY_HELP),
     dataset: str = typer.Option("wikitext2", "--dataset"),
     tasks: str = typer.Option("ppl,kld,bytes", "--tasks", help="comma list of ppl, kld, bytes"),
     windows: int = typer.Option(16, "--windows"),
@@ -135,7 +140,7 @@ def generate(
     prompt: str = typer.Option(..., "--prompt"),
     model: str = MODEL,
     artifact: Path | None = typer.Option(None, "--artifact"),
-    policy: str | None = typer.Option(None, "--policy"),
+    policy: str | None = typer.Option(None, "--policy", help=POLICY_HELP),
     max_new_tokens: int = typer.Option(64, "--max-new-tokens"),
     backend: str | None = BACKEND,
 ) -> None:

@@ -42,7 +42,8 @@ class QuantScheme:
                 a floating offset (x ~ code * scale + offset).
     axis:       what one qparam set covers: "token" (one row of one head,
                 optionally split in groups of `group_size` channels),
-                "channel" (one channel of one head across tokens),
+                "channel" (one channel of one head across tokens: static, or
+                dynamic over each group of `group_size` tokens, KIVI's keys),
                 "head" (one head, all its rows), "tensor" (the whole layer).
     lifetime:   "static" qparams come from calibration and never change;
                 "dynamic" qparams are computed from each appended row.
@@ -77,9 +78,10 @@ class QuantScheme:
             raise KvqError("sparse outliers and Q-Norm are only defined for format='nuq'")
         if self.group_size is not None and not 0 < self.group_size <= MAX_GROUP:
             raise KvqError(f"group_size must be in [1, {MAX_GROUP}], got {self.group_size}")
-        if self.axis == "channel" and self.lifetime != "static":
-            # Online per-channel scales rewrite history (article 0x05A): refuse.
-            raise KvqError("per-channel qparams must be static (calibrated); see KIVI for grouping")
+        if self.axis == "channel" and self.lifetime != "static" and not self.group_size:
+            # Online per-channel scales over all tokens rewrite history (article 0x05A); KIVI
+            # fixes them per group of `group_size` tokens once the group is full.
+            raise KvqError("dynamic per-channel qparams need a token group size (KIVI)")
         if self.axis == "token" and self.lifetime != "dynamic":
             raise KvqError("per-token qparams are computed at append time (dynamic)")
 
@@ -117,10 +119,15 @@ class LayerPolicy:
     value: QuantScheme
     key_stage: KeyStage = "post-rope"
     sink_tokens: int = 0
+    residual_tokens: int = 0  # most recent tokens kept exact (KIVI's residual window)
 
     def __post_init__(self) -> None:
         if not 0 <= self.sink_tokens <= MAX_SINK:
             raise KvqError(f"sink_tokens must be in [0, {MAX_SINK}], got {self.sink_tokens}")
+        if not 0 <= self.residual_tokens <= MAX_SINK:
+            raise KvqError(
+                f"residual_tokens must be in [0, {MAX_SINK}], got {self.residual_tokens}"
+            )
         if self.value.axis == "channel":
             raise KvqError("per-channel V is not supported: V rows are quantized at append time")
 
@@ -175,6 +182,7 @@ class CachePolicy:
                 value=_scheme(layer["value"]),
                 key_stage=layer["key_stage"],
                 sink_tokens=layer["sink_tokens"],
+                residual_tokens=layer.get("residual_tokens", 0),
             )
             for layer in data["layers"]
         )
@@ -205,13 +213,42 @@ NAMED_POLICIES: dict[str, tuple[QuantScheme, QuantScheme, str]] = {
 }
 
 
+KIVI_GROUP, KIVI_RESIDUAL = 32, 128  # the KIVI paper's defaults
+KIVI_NAMES = {"kivi2": 2, "kivi4": 4}
+
+
+def kivi_policy(name: str, num_layers: int, head_dim: int | None = None) -> CachePolicy:
+    """KIVI (article 0x06): `kivi{2,4}[-g{G}][-r{R}]`, e.g. "kivi2", "kivi4-g64-r256".
+
+    Keys per channel over groups of G tokens, values per token in groups of G channels,
+    asymmetric; the most recent R tokens (up to R + G - 1) stay exact. Post-RoPE keys.
+    """
+    base, *opts = name.split("-")
+    group, residual = KIVI_GROUP, KIVI_RESIDUAL
+    for opt in opts:
+        if opt[:1] in ("g", "r") and opt[1:].isdigit() and 0 < int(opt[1:]) <= MAX_GROUP:
+            group, residual = (int(opt[1:]), residual) if opt[0] == "g" else (group, int(opt[1:]))
+        else:
+            raise KvqError(f"policy {name!r}: options are -g<group> and -r<residual>, got {opt!r}")
+    bits = KIVI_NAMES[base]
+    key = QuantScheme(format="int", bits=bits, axis="channel", group_size=group)
+    value = _int_token(bits, group)
+    if head_dim is not None:
+        value = _fit_group(value, head_dim)
+    layer = LayerPolicy(key=key, value=value, key_stage="post-rope", residual_tokens=residual)
+    return CachePolicy(name=name, layers=(layer,) * num_layers)
+
+
 def named_policy(name: str, num_layers: int, head_dim: int | None = None) -> CachePolicy:
-    """A calibration-free policy applied to every layer.
+    """A calibration-free policy applied to every layer (KIVI: see `kivi_policy`).
 
     Groups larger than the model's head_dim shrink to one group per head.
     """
+    if name.split("-")[0] in KIVI_NAMES:
+        return kivi_policy(name, num_layers, head_dim)
     if name not in NAMED_POLICIES:
-        raise KvqError(f"unknown policy {name!r}; known: {', '.join(sorted(NAMED_POLICIES))}")
+        known = ", ".join(sorted([*NAMED_POLICIES, *KIVI_NAMES]))
+        raise KvqError(f"unknown policy {name!r}; known: {known}")
     key, value, _ = NAMED_POLICIES[name]
     if head_dim is not None:
         key, value = (_fit_group(s, head_dim) for s in (key, value))
@@ -220,6 +257,6 @@ def named_policy(name: str, num_layers: int, head_dim: int | None = None) -> Cac
 
 
 def _fit_group(scheme: QuantScheme, head_dim: int) -> QuantScheme:
-    if scheme.group_size is not None and scheme.group_size >= head_dim:
+    if scheme.axis == "token" and scheme.group_size is not None and scheme.group_size >= head_dim:
         return replace(scheme, group_size=None)
     return scheme

@@ -21,6 +21,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
 from kvq.runtime.kernels.decode_attention import decode_attention
+from kvq.runtime.sink import kernel_mask
 
 NAME = "kvq"
 
@@ -45,13 +46,14 @@ def kvq_attention(
     view: LayerView = key
     q_len = query.shape[2]
     scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
-    mask = _bool_mask(attention_mask, query, view.state.visible)
+    mask = _bool_mask(attention_mask, query, view.columns)
+    state = view.prepare(mask)
     out = decode_attention(
         query,
-        view.layer.segments(view.state),
+        view.layer.segments(state),
         scaling=scaling,
-        rope=view.layer.rope(view.state),
-        mask=mask,
+        rope=view.layer.rope(state),
+        mask=_rows_mask(mask, view, state, query),
         softcap=kwargs.get("softcap"),
         backend=view.cache.backend,
     )
@@ -61,18 +63,34 @@ def kvq_attention(
 
 
 def _bool_mask(mask: Tensor | None, query: Tensor, kv_len: int) -> Tensor | None:
-    """A [B, 1, Q, K] boolean mask, True = attend; None means plain causal."""
-    q_len = query.shape[2]
+    """A [B, 1, Q, K] boolean mask over the mask columns, True = attend; None means plain
+    causal (transformers skips the mask when it is purely causal, bottom-right aligned)."""
     if mask is None:
-        # transformers skips the mask when it is purely causal (bottom-right aligned)
-        q_pos = torch.arange(kv_len - q_len, kv_len, device=query.device)
-        k_pos = torch.arange(kv_len, device=query.device)
-        return (k_pos[None, :] <= q_pos[:, None])[None, None]
+        return None
     if mask.dtype != torch.bool:
         mask = mask == 0  # additive float mask: 0 = attend
     if mask.shape[-1] != kv_len:
         raise RuntimeError(f"mask covers {mask.shape[-1]} keys, cache layer holds {kv_len}")
     return mask
+
+
+def _rows_mask(mask: Tensor | None, view, state, query: Tensor) -> Tensor | None:
+    """The mask over the kernel's rows (see `kvq.runtime.sink.kernel_mask`); None when every
+    row is visible to the single query, the common decode step."""
+    sink = state.sink
+    b, _, q_len, _ = query.shape
+    settled = view.layer.settled_seen_encoded(state, q_len)
+    plain = settled is None and (
+        sink is None or bool((sink.valid() & (sink.cols < state.lead)).all())
+    )
+    if mask is None:
+        if q_len == 1 and plain:
+            return None
+        cols = state.visible
+        q_pos = torch.arange(cols - q_len, cols, device=query.device)
+        causal = torch.arange(cols, device=query.device)[None, :] <= q_pos[:, None]
+        mask = causal[None, None].expand(b, 1, q_len, cols)
+    return kernel_mask(mask, sink, state.lead, state.main.length, settled)
 
 
 def install_attention(model) -> None:

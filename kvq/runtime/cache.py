@@ -11,6 +11,9 @@ an append is visible in all layers at once or not at all.
 
 from __future__ import annotations
 
+import copy
+import hashlib
+import json
 from dataclasses import dataclass, field
 
 import torch
@@ -19,6 +22,7 @@ from transformers.cache_utils import Cache
 
 from kvq.errors import KvqError
 from kvq.manifests.ledger import ByteLedger
+from kvq.models.fingerprint import config_sha256
 from kvq.quant.schemes import CachePolicy
 from kvq.runtime.attention import install_attention
 from kvq.runtime.codecs import make_codec
@@ -29,9 +33,11 @@ from kvq.runtime.layers import KvqLayer, LayerState
 
 @dataclass
 class _Transaction:
-    """Private successors of the layers prepared so far in one forward."""
+    """New rows of one forward: waiting for their layer's attention call (`pending`,
+    which brings the mask that tells padding apart), then private successors."""
 
     base_seen: int
+    pending: dict[int, tuple[Tensor, Tensor, Tensor]] = field(default_factory=dict)
     prepared: dict[int, LayerState] = field(default_factory=dict)
     query_len: int = 0
 
@@ -40,17 +46,24 @@ class _Transaction:
 class LayerView:
     """What `update` hands to the attention function instead of K/V tensors.
 
-    It carries the layer and the transaction-private successor state so the
-    kvq attention function can decode the packed rows chunk by chunk.
+    The attention function calls `prepare(mask)`: the layer's new rows become its
+    transaction-private successor state, which it then reads chunk by chunk.
     """
 
     cache: QuantizedKVCache
     layer: KvqLayer
-    state: LayerState
+
+    @property
+    def columns(self) -> int:
+        """Mask columns once this forward's rows are appended."""
+        return self.layer.state.visible + self.cache._txn.query_len
+
+    def prepare(self, mask: Tensor | None) -> LayerState:
+        return self.cache._prepare(self.layer.layer_idx, mask)
 
     @property
     def shape(self) -> tuple[int, ...]:  # informative only; never a real tensor
-        return (-1, -1, self.state.visible, -1)
+        return (-1, -1, self.columns, -1)
 
 
 class QuantizedKVCache(Cache):
@@ -60,9 +73,19 @@ class QuantizedKVCache(Cache):
     rather than directly: that also installs the kvq attention function.
     """
 
-    def __init__(self, layers: list[KvqLayer], policy: CachePolicy, backend: str | None = None):
+    def __init__(
+        self,
+        layers: list[KvqLayer],
+        policy: CachePolicy,
+        backend: str | None = None,
+        identity: dict[str, str] | None = None,
+    ):
         super().__init__(layers=layers)
         self.policy = policy
+        # what saved state must match: model config, artifact, layout (see kvq.runtime.saved)
+        self.identity = dict(identity or {})
+        self.max_position: int | None = None  # the model's context, set by build_cache
+        self._pre_rope = any(lp.key_stage == "pre-rope" for lp in policy.layers)
         self.backend = None if backend is None else check_choice(backend)  # None: KVQ_BACKEND
         self._txn: _Transaction | None = None
         self.publications = 0  # number of published appends, for tests and telemetry
@@ -85,10 +108,37 @@ class QuantizedKVCache(Cache):
         if positions is None:
             positions = torch.arange(txn.base_seen, txn.base_seen + t, device=key_states.device)
         positions = positions.to(torch.long).expand(key_states.shape[0], t)
-        layer = self.layers[layer_idx]
-        txn.prepared[layer_idx] = layer.prepare(key_states, value_states, positions, self.backend)
-        view = LayerView(self, layer, txn.prepared[layer_idx])
+        if layer_idx == 0 and self.max_position is not None and self._pre_rope:
+            top = int(positions.max())  # pre-RoPE keys re-rotate from tables that stop there
+            if top >= self.max_position:
+                self._txn = None
+                raise KvqError(
+                    f"position {top} is past the model's context of {self.max_position} "
+                    "tokens; this cache stores pre-RoPE keys only within it"
+                )
+        txn.pending[layer_idx] = (key_states, value_states, positions)
+        view = LayerView(self, self.layers[layer_idx])
         return view, view
+
+    def _prepare(self, layer_idx: int, mask: Tensor | None) -> LayerState:
+        """The pending rows of `layer_idx` as its private successor.
+
+        mask: [B, 1, Q, C] bool over the mask columns (None: causal, nothing padded); a new
+        row is real (not padding) when its own query may attend to it.
+        """
+        txn = self._txn
+        if txn is None or layer_idx not in txn.pending:
+            raise KvqError(f"layer {layer_idx} has no rows waiting for attention")
+        key, value, positions = txn.pending.pop(layer_idx)
+        real = None
+        if mask is not None:
+            b, t = key.shape[0], key.shape[2]
+            diag = torch.arange(t, device=mask.device)
+            cols = mask.shape[-1] - t + diag
+            real = mask.expand(b, 1, t, mask.shape[-1])[:, 0, diag, cols]  # [B, T]
+        layer = self.layers[layer_idx]
+        txn.prepared[layer_idx] = layer.prepare(key, value, positions, real, self.backend)
+        return txn.prepared[layer_idx]
 
     def attended(self, layer_idx: int) -> None:
         """Called by the attention function once a layer has read its private view."""
@@ -111,6 +161,49 @@ class QuantizedKVCache(Cache):
         """Forget the pending transaction (the committed state is untouched)."""
         self._txn = None
 
+    # --- state beyond one request -------------------------------------------------------
+
+    def fork(self) -> QuantizedKVCache:
+        """A second cache over the same rows (a shared prompt, two continuations).
+
+        Copy on write: both caches share the stored pages until either side appends,
+        which copies that side's rows first; neither ever sees the other's tokens.
+        """
+        if self._txn is not None:
+            raise KvqError("cannot fork a cache in the middle of a forward")
+        twin = copy.copy(self)
+        twin.layers = [copy.copy(layer) for layer in self.layers]
+        for mine, theirs in zip(self.layers, twin.layers, strict=True):
+            mine.state = theirs.state = mine.state.shared()
+        return twin
+
+    def release(self, finished: Tensor) -> Tensor:
+        """Free the rows of sequences that finished inside a batch.
+
+        finished: [B] bool. Returns the batch indices kept, in order (index the caller's
+        own per-sequence tensors with it).
+        """
+        if finished.dtype != torch.bool or finished.shape != (self.batch_size,):
+            raise KvqError(f"release needs a [{self.batch_size}] bool tensor of finished rows")
+        keep = (~finished).nonzero(as_tuple=True)[0]
+        self.batch_select_indices(keep)
+        return keep
+
+    def save(self, path) -> None:
+        """Write the committed state to a safetensors file (see `kvq.runtime.saved`)."""
+        from kvq.runtime.saved import save_cache
+
+        save_cache(self, path)
+
+    @classmethod
+    def load(cls, path, model, artifact=None, policy: str | None = None) -> QuantizedKVCache:
+        """A cache for `model` (loaded by kvq) from `artifact` or `policy`, holding the state
+        saved at `path`; refuses a state saved for another model, artifact or layout."""
+        from kvq.api import make_cache
+        from kvq.runtime.saved import restore_cache
+
+        return restore_cache(make_cache(model, artifact=artifact, policy=policy), path)
+
     # --- measurements ----------------------------------------------------------------
 
     def nbytes(self) -> ByteLedger:
@@ -122,24 +215,28 @@ class QuantizedKVCache(Cache):
         for layer in self.layers:
             for cat, n in layer.ledger_bytes().items():
                 totals[cat] += n
-            b = layer.batch_size()
+            b = layer.batch_size
             head_dim = layer.key_codec.head_dim
             heads = _heads(layer)
             # what the same retained rows would cost as fp16 K and V
             fp16 += 2 * 2 * b * heads * layer.state.visible * head_dim
         tokens = max((layer.state.seen for layer in self.layers), default=0)
-        batch = max((layer.batch_size() for layer in self.layers), default=0)
+        batch = max((layer.batch_size for layer in self.layers), default=0)
         return ByteLedger(tokens=tokens * batch, fp16_bytes=fp16, **totals)
 
     def allocated_bytes(self) -> int:
         return sum(layer.allocated_bytes() for layer in self.layers)
 
+    @property
+    def max_batch_size(self) -> int:
+        """Sequences the cache holds (it grows on demand: no fixed maximum)."""
+        return max((layer.batch_size for layer in self.layers), default=0)
+
 
 def _heads(layer: KvqLayer) -> int:
-    for store in (layer.state.main, layer.state.sink):
-        for buf in store.buffers.values():
-            return buf.shape[1]
-    return 0
+    for buf in layer.state.main.buffers.values():
+        return buf.shape[1]
+    return 0 if layer.state.sink is None else layer.state.sink.rows["k"].shape[1]
 
 
 def build_cache(
@@ -176,7 +273,23 @@ def build_cache(
                 rope_table=ropes.for_layer(i, needed=lp.key_stage == "pre-rope"),
             )
         )
-    return QuantizedKVCache(layers, policy, backend)
+    identity = {
+        "model": config_sha256(model.config),
+        "policy": _digest(policy.to_json()),
+        "artifact": _digest({n: _tensor_digest(t) for n, t in sorted(static.items())}),
+    }
+    cache = QuantizedKVCache(layers, policy, backend, identity)
+    cache.max_position = adapter.max_positions
+    return cache
+
+
+def _digest(obj) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()
+
+
+def _tensor_digest(t: Tensor) -> str:
+    data = t.detach().to("cpu").contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+    return hashlib.sha256(f"{t.dtype}{tuple(t.shape)}".encode() + data).hexdigest()
 
 
 class _RopeTables:
@@ -200,6 +313,8 @@ class _RopeTables:
         key = self.adapter.info.rope[layer_idx]
 
         def table(n: int) -> Rope:
+            limit = self.adapter.max_positions  # never past the context (refused earlier)
+            n = min(n, limit) if limit else n
             have = self.tables.get(key)
             if have is None or have[0].shape[0] < n:
                 self.tables[key] = have = self._build(layer_idx, n)

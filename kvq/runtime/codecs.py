@@ -29,6 +29,8 @@ NO_FLAT: Flat = {}
 class Codec:
     """Base: full precision. Stores rows unchanged in the activation dtype."""
 
+    group_rows = 1  # rows encoded together (KIVI keys: a group of tokens shares qparams)
+
     #: tensors of the codec's own (static) state, for the ledger
     static: dict[str, Tensor]
 
@@ -196,6 +198,10 @@ def make_codec(
         return Codec(head_dim, activation_dtype)
     if scheme.format == "int" and scheme.axis == "token":
         return IntTokenCodec(scheme, head_dim)
+    if scheme.format == "int" and scheme.axis == "channel" and scheme.lifetime == "dynamic":
+        from kvq.runtime.kivi import KiviKeyCodec
+
+        return KiviKeyCodec(scheme, head_dim)
     if scheme.format == "int" and scheme.axis == "channel":
         if "scale" not in state:
             raise KvqError(

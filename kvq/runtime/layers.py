@@ -19,6 +19,7 @@ from kvq.runtime.codecs import Codec
 from kvq.runtime.kernels.backend import resolve_backend
 from kvq.runtime.kernels.decode_attention import Rope, Segment, rotate
 from kvq.runtime.packed import PackedRows, decode_packed
+from kvq.runtime.sink import SinkRows
 from kvq.runtime.state import FlatStore, RowStore
 
 RopeFn = Callable[[Tensor, Tensor], Tensor]  # (x [B, H, T, D], positions [B, T]) -> x rotated
@@ -27,18 +28,38 @@ RopeTable = Callable[[int], Rope]  # n -> cos, sin [n, D/2] for positions 0..n-1
 
 @dataclass(frozen=True)
 class LayerState:
-    sink: RowStore  # full-precision rows of the first `sink_tokens` positions
+    """The committed rows of one layer, in mask columns 0 .. visible - 1.
+
+    Columns run: `lead` columns held only by the sink (an unpadded batch's first tokens are
+    every sequence's sink), then the main store's encoded rows, then the residual window's
+    exact rows (the most recent tokens, KIVI).
+    In a padded batch a sequence's sink rows lie past the lead: main holds them too
+    (attention hides that copy), and the sink holds them exact.
+    """
+
+    sink: SinkRows | None  # each sequence's first real tokens, exact (None: no sink)
     main: RowStore  # encoded rows
     seen: int  # tokens appended so far (including evicted ones)
-    evicted: int  # rows dropped from the front (sliding-window layers)
+    evicted: int  # columns dropped from the front (sliding-window eviction)
+    lead: int = 0  # leading columns held only by the sink
     flat: dict[str, FlatStore] = field(default_factory=dict)  # "k"/"v" variable-length entries
+    residual: RowStore = field(default_factory=RowStore.empty)  # "k"/"v" exact recent rows
+    settled: int = 0  # leading residual rows already encoded in main, kept for a rollback
+    skipped: int = 0  # rows ever held only by the sink (never entered main or the residual)
 
     @property
     def visible(self) -> int:
-        return self.sink.length + self.main.length
+        """Mask columns: tokens still attended to (appended minus evicted)."""
+        return self.lead + self.main.length + self.residual.length - self.settled
+
+    def shared(self) -> LayerState:
+        """The same rows, marked as seen by a fork: the next append copies them."""
+        flat = {p: replace(f, shared=True) for p, f in self.flat.items()}
+        main, residual = (replace(s, shared=True) for s in (self.main, self.residual))
+        return replace(self, main=main, residual=residual, flat=flat)
 
 
-EMPTY = LayerState(RowStore.empty(), RowStore.empty(), 0, 0)
+EMPTY = LayerState(None, RowStore.empty(), 0, 0)
 
 
 class KvqLayer(CacheLayerMixin):
@@ -72,42 +93,98 @@ class KvqLayer(CacheLayerMixin):
         # otherwise cost twice the bytes of the unquantized reference); bf16 stays bf16.
         self.sink_dtype = torch.float16 if activation_dtype == torch.float32 else activation_dtype
         self.sliding_window = sliding_window
+        # rows wait exact in the residual window until a whole group of them can be encoded
+        self.group_rows = key_codec.group_rows
+        self.windowed = policy.residual_tokens > 0 or self.group_rows > 1
         self.is_sliding = sliding_window is not None
         self.unrotate, self.rope_table = unrotate, rope_table
         self._rope: Rope | None = None
         self.state = EMPTY
+        self.record_past = False  # see activate_past_recording
         self.is_initialized = True
 
     # --- append --------------------------------------------------------------------
 
     def prepare(
-        self, key: Tensor, value: Tensor, positions: Tensor, backend: str | None = None
+        self,
+        key: Tensor,
+        value: Tensor,
+        positions: Tensor,
+        real: Tensor | None = None,
+        backend: str | None = None,
     ) -> LayerState:
         """Successor state with new rows appended.
 
-        key, value: [B, H_kv, T, D] (key post-RoPE); positions: [B, T] RoPE positions.
-        backend: where the rows are quantized (Triton append kernels or torch).
+        key, value: [B, H_kv, T, D] (key post-RoPE); positions: [B, T] RoPE positions;
+        real: [B, T] bool, False for padding (None: all real); a sequence's first
+        `sink_tokens` real rows are also kept exact. backend: where rows are quantized.
         """
         st = self.state
-        t = key.shape[2]
-        n_sink = max(0, min(self.policy.sink_tokens - st.seen, t))
+        b, h, t, d = key.shape
         if self.policy.key_stage == "pre-rope":
             key = self.unrotate(key.float(), positions)
-        sink, main = st.sink, st.main
-        if n_sink:
-            sink = sink.prepared(
-                {
-                    "k": key[:, :, :n_sink].to(self.sink_dtype),
-                    "v": value[:, :, :n_sink].to(self.sink_dtype),
-                },
-                positions[:, :n_sink],
-            )
+        sink, lead, skip = st.sink, st.lead, 0
+        if self.policy.sink_tokens:
+            if sink is None:
+                sink = SinkRows.empty(b, h, self.policy.sink_tokens, d, self.sink_dtype, key.device)
+            if not sink.full:
+                real = torch.ones(b, t, dtype=torch.bool) if real is None else real
+                sink, taken = sink.appended(key, value, positions, real.to(key.device), st.visible)
+                if st.main.length == 0 and st.evicted == 0:
+                    # still in the first columns, which every sequence has as its sink: rows
+                    # taken in every sequence need no encoded copy
+                    every = taken.all(0).long()  # [T]
+                    skip = int(every.cumprod(0).sum())
+                    lead += skip
         flat = dict(st.flat)
-        if t > n_sink:
-            main = self._append_main(
-                main, key[:, :, n_sink:], value[:, :, n_sink:], flat, positions[:, n_sink:], backend
-            )
-        return LayerState(sink=sink, main=main, seen=st.seen + t, evicted=st.evicted, flat=flat)
+        main, residual = st.main, st.residual
+        key, value, positions = key[:, :, skip:], value[:, :, skip:], positions[:, skip:]
+        settled = st.settled
+        if t > skip and self.windowed:
+            rows = {"k": key.to(self.sink_dtype), "v": value.to(self.sink_dtype)}
+            residual = residual.prepared(rows, positions)
+            # encode the oldest whole groups beyond the R most recent rows
+            live = residual.length - settled
+            move = self._main_rows(live) if live >= self.policy.residual_tokens else 0
+            if move:
+                old = residual.rows(settled, settled + move)
+                main = self._append_main(
+                    main, old["k"].float(), old["v"], flat,
+                    residual.row_positions(settled, settled + move), backend,
+                )  # fmt: skip
+                settled += move  # their exact rows stay until published (see kernel_mask)
+        elif t > skip:
+            main = self._append_main(main, key, value, flat, positions, backend)
+        return replace(
+            st, sink=sink, main=main, residual=residual, settled=settled, seen=st.seen + t,
+            lead=lead, skipped=st.skipped + skip, flat=flat,
+        )  # fmt: skip
+
+    def settled_seen_encoded(self, state: LayerState, queries: int) -> Tensor | None:
+        """[Q, S] bool: whether each of this forward's queries sees each settled row through
+        its encoded copy (else through its exact copy), or None when nothing is settled.
+
+        Query i sees a row encoded iff greedy decoding would have encoded it by then: a
+        forward of many tokens (prefill, chunked prefill, draft verification) then gives
+        every query what one-token-at-a-time decoding gives it.
+        """
+        if not state.settled:
+            return None
+        tail = state.seen - state.skipped  # tail rows through the last query
+        live = state.residual.length - state.settled
+        first = tail - live - state.settled  # tail index of the first settled row
+        x = first + torch.arange(state.settled)  # [S]
+        counts = [max(0, tail - (queries - 1 - i)) for i in range(queries)]
+        limits = torch.tensor([self._main_rows(c) for c in counts])  # [Q]
+        return x[None, :] < limits[:, None]
+
+    def _main_rows(self, rows: int) -> int:
+        """Of `rows` tail rows (after the sink-only ones), how many are encoded: whole groups
+        beyond the R most recent. A function of the count alone, however the rows arrived."""
+        if not self.windowed:
+            return rows
+        beyond = max(0, rows - self.policy.residual_tokens)
+        return beyond - beyond % self.group_rows
 
     def _append_main(self, main, key, value, flat, positions, backend) -> RowStore:
         """Encode new rows into the successor of `main`; flat entries are added to `flat`.
@@ -145,40 +222,52 @@ class KvqLayer(CacheLayerMixin):
         return successor
 
     def evict(self, state: LayerState) -> LayerState:
-        """Drop rows a sliding-window layer can never attend to again.
+        """Drop columns a sliding-window layer can never attend to again.
 
-        Keeps at least `window - 1` rows (what the next query needs) and only
-        compacts once twice the window is stored, so eviction copies are rare.
+        Keeps at least `window - 1` columns (what the next query needs) and only compacts
+        once twice the window is stored, so eviction copies are rare. While transformers
+        records the past (assisted decoding may roll back), nothing is dropped until `crop`.
         """
+        if self.record_past:
+            return state
+        return self._compacted(state)
+
+    def _compacted(self, state: LayerState) -> LayerState:
+        if state.settled and not self.record_past:  # no rollback can need the exact copies
+            state = replace(state, residual=state.residual.dropped_front(state.settled), settled=0)
         w = self.sliding_window
         if w is None or state.visible <= 2 * w:
             return state
         drop = state.visible - (w - 1)
-        if drop < state.sink.length:
-            return state
-        rows = drop - state.sink.length
+        # main rows dropped: whole groups only (the mask hides what a group keeps too long);
+        # the residual window is never evicted: it holds the most recent rows
+        rows = min(max(0, drop - state.lead), state.main.length - state.settled)
+        rows -= rows % self.group_rows
+        drop = min(drop, state.lead) + rows
         flat = {
             p: f.dropped_front(int(_row_ptr(state.main, p)[rows])) for p, f in state.flat.items()
         }
-        main = state.main.dropped_front(rows)
         return replace(
-            state, sink=RowStore.empty(), main=main, evicted=state.evicted + drop, flat=flat
+            state,
+            sink=None if state.sink is None else state.sink.shifted(drop),
+            main=state.main.dropped_front(rows),
+            lead=max(0, state.lead - drop),
+            evicted=state.evicted + drop,
+            flat=flat,
         )
 
     # --- read ----------------------------------------------------------------------
 
     def segments(self, state: LayerState) -> list[Segment]:
-        """The visible rows as attention segments: sink rows first, then encoded rows.
-
-        Their order is the order of the mask columns.
-        """
+        """The rows as attention segments: the sink slots first, then the encoded rows
+        (see `kvq.runtime.sink.kernel_mask` for the mask over them)."""
         pre = self.policy.key_stage == "pre-rope"
         out = []
-        if state.sink.length:
-            r = state.sink.rows()
+        if state.sink is not None:
+            r = state.sink.rows
             key = PackedRows("full", self.key_codec.head_dim, r["k"], pre_rope=pre)
             value = PackedRows("full", self.value_codec.head_dim, r["v"])
-            out.append(Segment(key, value, state.sink.row_positions()))
+            out.append(Segment(key, value, state.sink.positions))
         if state.main.length:
             rows = state.main.rows()
             flat = {p: f.entries(0, f.length) for p, f in state.flat.items()}
@@ -187,20 +276,29 @@ class KvqLayer(CacheLayerMixin):
                 key = replace(key, pre_rope=True)
             value = self.value_codec.packed(_strip(rows, "v."), flat.get("v", {}))
             out.append(Segment(key, value, state.main.row_positions()))
+        if state.residual.length:  # settled exact copies first, then the live window
+            r = state.residual.rows()
+            key = PackedRows("full", self.key_codec.head_dim, r["k"], pre_rope=pre)
+            value = PackedRows("full", self.value_codec.head_dim, r["v"])
+            out.append(Segment(key, value, state.residual.row_positions()))
         return out
 
     def rope(self, state: LayerState) -> Rope | None:
         """cos/sin tables covering every stored position (pre-RoPE keys only); grown on demand."""
         if self.policy.key_stage != "pre-rope" or not state.visible:
             return None
-        tops = [s.row_positions().max() for s in (state.sink, state.main) if s.length]
+        tops = [s.row_positions().max() for s in (state.main, state.residual) if s.length]
+        # (settled residual rows repeat main rows: their positions are already counted)
+        if state.sink is not None:
+            tops.append(state.sink.positions.max())
         top = int(torch.stack(tops).max())  # one device sync, not one per store
         if self._rope is None or self._rope[0].shape[0] <= top:
             self._rope = self.rope_table(max(1024, 1 << top.bit_length()))
         return self._rope
 
     def decoded(self, state: LayerState) -> tuple[Tensor, Tensor]:
-        """All visible rows decoded: key post-RoPE, value; each [B, H, visible, D] float32."""
+        """The segments' rows decoded (sink slots, then main rows): key post-RoPE, value;
+        each [B, H, slots + main rows, D] float32."""
         rope = self.rope(state)
         keys, values = [], []
         for seg in self.segments(state):
@@ -214,7 +312,9 @@ class KvqLayer(CacheLayerMixin):
     def ledger_bytes(self) -> dict[str, int]:
         """Measured bytes per ledger category of the committed state."""
         out = dict.fromkeys(("codes", "qparams", "sparse", "sink", "residual", "full_precision"), 0)
-        out["sink"] += sum(self.state.sink.nbytes().values())
+        if self.state.sink is not None:
+            out["sink"] += self.state.sink.nbytes()
+        out["residual"] += sum(self.state.residual.nbytes().values())
         cats = {f"k.{n}": c for n, c in self.key_codec.categories().items()}
         cats |= {f"v.{n}": c for n, c in self.value_codec.categories().items()}
         for name, nbytes in self.state.main.nbytes().items():
@@ -229,7 +329,8 @@ class KvqLayer(CacheLayerMixin):
     def allocated_bytes(self) -> int:
         st = self.state
         flat = sum(f.allocated_bytes() for f in st.flat.values())
-        return st.sink.allocated_bytes() + st.main.allocated_bytes() + flat
+        sink = 0 if st.sink is None else st.sink.allocated_bytes()
+        return sink + st.main.allocated_bytes() + st.residual.allocated_bytes() + flat
 
     # --- CacheLayerMixin -------------------------------------------------------------
 
@@ -251,42 +352,122 @@ class KvqLayer(CacheLayerMixin):
     def reset(self) -> None:
         self.state = EMPTY
 
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        st = self.state
-        flat = {p: f.reordered(_batch_order(st.main, p, beam_idx)) for p, f in st.flat.items()}
-        self.state = replace(
-            st, sink=st.sink.select_batch(beam_idx), main=st.main.select_batch(beam_idx), flat=flat
+    def _rolled_back(self, st: LayerState, columns: int, lead: int, n: int) -> LayerState:
+        """`st` without its last n tokens: the state greedy decoding would have at that length.
+
+        Encoded groups that greedy would not yet have encoded go back to the residual window,
+        exact when their rows were kept for the rollback (transformers' past recording), else
+        as decoded (the values attention already saw).
+        """
+        skipped = min(st.skipped, st.seen - n)
+        before, after = st.seen - st.skipped, st.seen - n - skipped  # tail rows
+        keep = st.main.length - (self._main_rows(before) - self._main_rows(after))
+        if keep < 0:
+            raise RuntimeError(f"layer {self.layer_idx}: rollback past evicted rows")
+        tail = columns - lead - keep  # rows the residual window keeps
+        residual = st.residual.truncated(st.residual.length)
+        if self.windowed:
+            base = st.main.length - st.settled  # main row of the residual's first row
+            if keep >= base:
+                rows = st.residual.rows(keep - base, keep - base + tail)
+                pos = st.residual.row_positions(keep - base, keep - base + tail)
+            else:  # the exact rows are gone: decode what attention saw
+                k, v = self._decoded_main(st, keep, base)
+                live = st.residual.rows(0, tail - (base - keep))
+                rows = {
+                    "k": torch.cat([k.to(self.sink_dtype), live["k"]], dim=2),
+                    "v": torch.cat([v.to(self.sink_dtype), live["v"]], dim=2),
+                }
+                pos = torch.cat(
+                    [
+                        st.main.row_positions(keep, base),
+                        st.residual.row_positions(0, tail - (base - keep)),
+                    ],
+                    dim=1,
+                )
+            residual = RowStore.empty().prepared(rows, pos) if tail else RowStore.empty()
+        return replace(
+            st,
+            sink=None if st.sink is None else st.sink.cropped(columns),
+            main=st.main.truncated(keep),
+            residual=residual,
+            settled=0,
+            seen=st.seen - n,
+            lead=lead,
+            skipped=skipped,
+            flat={p: f.truncated(int(_row_ptr(st.main, p)[keep])) for p, f in st.flat.items()},
         )
 
-    def crop(self, max_length: int) -> None:
-        """Keep the first `max_length` tokens (negative: drop that many from the end)."""
+    def _decoded_main(self, st: LayerState, start: int, stop: int) -> tuple[Tensor, Tensor]:
+        """Main rows [start, stop) decoded as stored (pre-RoPE keys stay unrotated)."""
+        rows = st.main.rows()
+        flat = {p: f.entries(0, f.length) for p, f in st.flat.items()}
+        key = self.key_codec.packed(_strip(rows, "k."), flat.get("k", {}))
+        value = self.value_codec.packed(_strip(rows, "v."), flat.get("v", {}))
+        return decode_packed(key.narrow(start, stop)), decode_packed(value.narrow(start, stop))
+
+    def activate_past_recording(self) -> None:
+        """Keep evictable rows until the next `crop` (transformers may roll back drafts)."""
+        self.record_past = True
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Batch rows picked by `beam_idx`: any index, repeated or dropped rows included."""
+        self.state = self._selected(self.state, beam_idx)
+
+    def _selected(self, st: LayerState, index: Tensor) -> LayerState:
+        if not self.batch_size:
+            return st
+        index = index.to(device=self._device(st), dtype=torch.long)
+        flat = {p: f.reordered(_batch_order(st.main, p, index)) for p, f in st.flat.items()}
+        sink = None if st.sink is None else st.sink.selected(index)
+        main, residual = st.main.select_batch(index), st.residual.select_batch(index)
+        return replace(st, sink=sink, main=main, residual=residual, flat=flat)
+
+    @staticmethod
+    def _device(st: LayerState) -> torch.device:
+        for t in (st.main.positions, st.residual.positions):
+            if t is not None:
+                return t.device
+        return st.sink.cols.device
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Remove the last `-tokens_to_remove` tokens (transformers 5 semantics: 0 removes
+        nothing; a positive value, the legacy absolute length, is refused as transformers'
+        own layers refuse it). A sliding layer then compacts back to its working size."""
+        if tokens_to_remove > 0:
+            raise ValueError(
+                f"crop({tokens_to_remove}): pass a negative number of tokens to remove, "
+                "as transformers' caches expect"
+            )
         st = self.state
-        keep = st.seen + max_length if max_length < 0 else max_length
-        if keep >= st.seen:
-            return
-        if st.evicted:
-            raise RuntimeError("cannot crop a sliding-window layer that has evicted rows")
-        rows = max(0, keep - st.sink.length)
-        self.state = LayerState(
-            sink=st.sink.truncated(keep),
-            main=st.main.truncated(rows),
-            seen=keep,
-            evicted=0,
-            flat={p: f.truncated(int(_row_ptr(st.main, p)[rows])) for p, f in st.flat.items()},
-        )
+        n = min(-tokens_to_remove, st.seen)
+        if n:
+            columns = st.visible - n
+            w = self.sliding_window
+            if st.evicted and (columns < 0 or (w is not None and columns < w - 1)):
+                raise RuntimeError(
+                    f"layer {self.layer_idx}: cannot remove {n} tokens, the sliding window "
+                    "has already dropped the rows before them (call activate_past_recording "
+                    "before appending tokens that may be rolled back)"
+                )
+            lead = min(st.lead, columns)
+            st = self._rolled_back(st, columns, lead, n)
+        self.state = self._compacted(st)
 
     def batch_repeat_interleave(self, repeats: int) -> None:
-        index = torch.arange(self.batch_size()).repeat_interleave(repeats)
+        index = torch.arange(self.batch_size).repeat_interleave(repeats)
         self.reorder_cache(index)
 
     def batch_select_indices(self, indices: Tensor) -> None:
         self.reorder_cache(indices)
 
+    @property
     def batch_size(self) -> int:
-        for store in (self.state.main, self.state.sink):
+        """Sequences held (0 before the first append)."""
+        for store in (self.state.main, self.state.residual):
             if store.positions is not None:
                 return store.positions.shape[0]
-        return 0
+        return 0 if self.state.sink is None else self.state.sink.cols.shape[0]
 
 
 def _strip(rows: dict[str, Tensor], prefix: str) -> dict[str, Tensor]:

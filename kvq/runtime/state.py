@@ -1,5 +1,8 @@
 """Row storage with prepare/publish semantics (article 0x05D, 0x0CA).
 
+Forks (`QuantizedKVCache.fork`) share snapshots: a store marked `shared` never writes
+into its buffers again, so each side's next append copies (copy on write).
+
 A `RowStore` is an immutable snapshot: named buffers `[B, H, capacity, ...]`
 and a committed length. Readers only ever look at rows `[:length]`.
 
@@ -30,6 +33,7 @@ class RowStore:
     buffers: dict[str, Tensor]  # name -> [B, H, capacity, ...]
     length: int  # committed rows
     positions: Tensor | None  # [B, capacity] int64 RoPE position of each row
+    shared: bool = False  # buffers also seen by a fork: the next append copies (see `fork`)
 
     @staticmethod
     def empty() -> RowStore:
@@ -67,7 +71,7 @@ class RowStore:
         """
         t = positions.shape[1]
         need = self.length + t
-        if self.buffers and need <= self.capacity:
+        if self.buffers and need <= self.capacity and not self.shared:
             buffers, pos = self.buffers, self.positions
         else:
             cap = max(need, 2 * self.capacity, 64)
@@ -101,7 +105,7 @@ class RowStore:
 
     def truncated(self, length: int) -> RowStore:
         """Successor keeping the first `length` rows; later rows become invisible and are overwritten."""
-        return RowStore(self.buffers, min(length, self.length), self.positions)
+        return RowStore(self.buffers, min(length, self.length), self.positions, self.shared)
 
     @property
     def capacity(self) -> int:
@@ -145,6 +149,7 @@ class FlatStore:
 
     buffers: dict[str, Tensor]  # name -> [capacity]
     length: int
+    shared: bool = False  # as RowStore.shared
 
     @staticmethod
     def empty() -> FlatStore:
@@ -159,7 +164,7 @@ class FlatStore:
             return self
         need = self.length + n
         cap = next(iter(self.buffers.values())).shape[0] if self.buffers else 0
-        if self.buffers and need <= cap:
+        if self.buffers and need <= cap and not self.shared:
             buffers = self.buffers
         else:
             cap = max(need, 2 * cap, 256)
@@ -180,12 +185,12 @@ class FlatStore:
         return FlatStore(bufs, self.length - count)
 
     def truncated(self, length: int) -> FlatStore:
-        return FlatStore(self.buffers, min(length, self.length))
+        return FlatStore(self.buffers, min(length, self.length), self.shared)
 
     def reordered(self, order: Tensor) -> FlatStore:
         """Successor with committed entries permuted by `order` (a LongTensor of entry indices)."""
         bufs = {n: b[: self.length].index_select(0, order) for n, b in self.buffers.items()}
-        return FlatStore(bufs, self.length)
+        return FlatStore(bufs, order.numel())  # repeated or dropped batch rows change the count
 
     def nbytes(self) -> dict[str, int]:
         return {n: b[: self.length].nbytes for n, b in self.buffers.items()}

@@ -76,7 +76,8 @@ def test_cache_stores_packed_codes_not_floats(model):
     assert not any(t.is_floating_point() and t.shape[-1] == head_dim for t in stored.values())
     ledger = cache.nbytes()
     measured = sum(
-        sum(layer.state.main.nbytes().values()) + sum(layer.state.sink.nbytes().values())
+        sum(layer.state.main.nbytes().values())
+        + (layer.state.sink.nbytes() if layer.state.sink is not None else 0)
         for layer in cache.layers
     )
     assert ledger.total == measured
@@ -148,13 +149,15 @@ def test_sink_rows_stay_exact():
     ids = _ids(9)
     model(ids, cache=cache)
     layer = cache.layers[0]
-    assert layer.state.sink.length == 2 and layer.state.main.length == 7
+    # an unpadded batch's first two tokens are every sequence's sink: not encoded at all
+    assert layer.state.lead == 2 and layer.state.main.length == 7 - 0
+    assert layer.state.visible == 9 and layer.state.sink.filled.tolist() == [2]
     ref = DynamicCache(config=model.config)
     model(ids, cache=ref)
     # kept exactly as an fp16 cache keeps them (fp32 activations are stored in fp16)
     want = ref.layers[0].keys[:, :, :2].to(layer.sink_dtype)
-    assert layer.state.sink.rows()["k"].dtype == torch.float16
-    assert torch.equal(layer.state.sink.rows()["k"], want)
+    assert layer.state.sink.rows["k"].dtype == torch.float16
+    assert torch.equal(layer.state.sink.rows["k"], want)
     assert cache.nbytes().sink > 0
 
 
@@ -196,9 +199,13 @@ def test_reorder_and_crop_move_codes_and_positions_together():
     cache.reorder_cache(torch.tensor([1, 0]))
     after = cache.layers[0].state.main.rows()["k.codes"]
     assert torch.equal(after[0], before[1]) and torch.equal(after[1], before[0])
-    cache.crop(4)
+    cache.crop(-2)  # transformers 5: remove the last two tokens
     assert cache.get_seq_length() == 4
     assert cache.layers[0].state.main.length == 4
+    cache.crop(0)  # removes nothing
+    assert cache.get_seq_length() == 4
+    with pytest.raises(ValueError, match="negative"):
+        cache.crop(3)
 
 
 def test_policy_layer_count_must_match_model():
@@ -284,3 +291,17 @@ def test_triton_backend_appends_the_same_codes(model, monkeypatch):
     assert stored["triton"].keys() == stored["reference"].keys()
     for name, t in stored["reference"].items():
         assert torch.equal(stored["triton"][name], t), name
+
+
+@torch.no_grad()
+def test_pre_rope_positions_past_the_context_are_refused_and_tables_stay_small():
+    from kvq.errors import KvqError
+
+    model = make_tiny_model("llama")  # context 256
+    cache = _cache(model, "int4", key_stage="pre-rope")
+    model(_ids(2), cache=cache)
+    with pytest.raises(KvqError, match="past the model's context of 256"):
+        model(_ids(1), position_ids=torch.tensor([[100_000]]), cache=cache)
+    assert cache.get_seq_length() == 2  # nothing appended
+    model(_ids(1), cache=cache)  # and the cache goes on
+    assert cache.layers[0]._rope[0].shape[0] <= 256

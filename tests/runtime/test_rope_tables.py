@@ -10,7 +10,8 @@ from tests.conftest import make_tiny_model
 
 @torch.no_grad()
 def test_layers_with_one_rope_share_one_table_far_into_the_sequence():
-    model = make_tiny_model("gemma3")  # 3 sliding layers (theta 1e4) + 1 global (1e6)
+    # 3 sliding layers (theta 1e4) + 1 global (1e6); a context that reaches position 20,000
+    model = make_tiny_model("gemma3", max_position_embeddings=32_768)
     ad = get_adapter(model)
     base = named_policy("fp16", ad.info.num_layers).layers[0]
     layer = LayerPolicy(key=base.key, value=base.value, key_stage="pre-rope")

@@ -1,0 +1,181 @@
+"""A cache's committed state in a safetensors file, and back (article 0x05E).
+
+Saved state is only meaningful for the model, artifact and layout that wrote it: a
+prefix reused under another schema silently decodes garbage. The header therefore
+records the cache's identity (model config, layout, static tensors), and loading
+refuses any mismatch with a one-line error before reading a single row.
+
+File layout: tensors `layers.{i}.main.{name}` [B, H, T, ...] (committed rows only),
+`layers.{i}.main.positions` [B, T], `layers.{i}.residual.{k|v|positions}` (exact recent rows), `layers.{i}.flat.{k|v}.{name}` [E],
+`layers.{i}.sink.{k|v|positions|cols|filled}`; metadata "kvq" = JSON of the identity
+and each layer's counters.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+
+from kvq.errors import KvqError
+from kvq.runtime.sink import SinkRows
+from kvq.runtime.state import FlatStore, RowStore
+
+FORMAT = "kvq-cache-state/1"
+COUNTERS = ("seen", "evicted", "lead", "settled", "skipped")  # LayerState's integers
+
+
+def save_cache(cache, path) -> None:
+    """Write `cache`'s committed state to `path` (a .safetensors file), atomically."""
+    if cache._txn is not None:
+        raise KvqError("cannot save a cache in the middle of a forward")
+    tensors, layers = {}, []
+    for i, layer in enumerate(cache.layers):
+        st = layer.state
+        pre = f"layers.{i}."
+        for name, rows in st.main.rows().items():
+            tensors[f"{pre}main.{name}"] = rows
+        if st.main.positions is not None:
+            tensors[f"{pre}main.positions"] = st.main.row_positions()
+        for name, rows in st.residual.rows().items():
+            tensors[f"{pre}residual.{name}"] = rows
+        if st.residual.positions is not None:
+            tensors[f"{pre}residual.positions"] = st.residual.row_positions()
+        for part, store in st.flat.items():
+            for name, entries in store.entries(0, store.length).items():
+                tensors[f"{pre}flat.{part}.{name}"] = entries
+        if st.sink is not None:
+            tensors |= {f"{pre}sink.{n}": r for n, r in st.sink.rows.items()}
+            for n in ("positions", "cols", "filled"):
+                tensors[f"{pre}sink.{n}"] = getattr(st.sink, n)
+        layers.append({k: getattr(st, k) for k in COUNTERS})
+    meta = {"format": FORMAT, "identity": cache.identity, "layers": layers}
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tensors = {n: t.detach().to("cpu").contiguous().clone() for n, t in tensors.items()}
+    try:
+        save_file(tensors, str(tmp), metadata={"kvq": json.dumps(meta)})
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def restore_cache(cache, path):
+    """Fill the fresh `cache` with the state saved at `path`; returns `cache`."""
+    path = Path(path)
+    if not path.is_file():
+        raise KvqError(f"no saved cache state at {path}")
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = json.loads((f.metadata() or {}).get("kvq", "null"))
+            names = list(f.keys())
+            if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+                raise KvqError(f"{path} is not a saved kvq cache state ({FORMAT})")
+            _check_identity(meta.get("identity"), cache.identity, path)
+            tensors = {n: f.get_tensor(n) for n in names}
+    except (OSError, ValueError, SafetensorError) as e:  # JSON errors are ValueErrors
+        raise KvqError(f"cannot read saved cache state {path}: {e}") from None
+    layers = meta.get("layers")
+    if not isinstance(layers, list) or len(layers) != len(cache.layers):
+        raise KvqError(f"{path}: saved state has the wrong number of layers")
+    device = _device(cache)
+    for i, (layer, counters) in enumerate(zip(cache.layers, layers, strict=True)):
+        pre = f"layers.{i}."
+        mine = {n[len(pre) :]: t.to(device) for n, t in tensors.items() if n.startswith(pre)}
+        layer.state = _layer_state(layer, counters, mine, f"{path}: layer {i}")
+    return cache
+
+
+def _check_identity(saved, expected: dict, path: Path) -> None:
+    if not isinstance(saved, dict):
+        raise KvqError(f"{path}: saved state records no identity")
+    for field, what in (("model", "model"), ("artifact", "artifact"), ("policy", "cache layout")):
+        if saved.get(field) != expected.get(field):
+            raise KvqError(
+                f"{path} was saved for another {what} ({field} {str(saved.get(field))[:16]}, "
+                f"this cache has {str(expected.get(field))[:16]}); it cannot be reused here"
+            )
+
+
+def _device(cache):
+    for layer in cache.layers:
+        for t in layer.key_codec.static.values():
+            return t.device
+    return torch.device("cpu")
+
+
+def _layer_state(layer, counters: dict, t: dict, where: str):
+    """One layer's `LayerState` from its saved tensors, checked against the layer's codecs."""
+    from kvq.runtime.layers import EMPTY
+
+    try:
+        seen, evicted, lead, settled, skipped = (int(counters[k]) for k in COUNTERS)
+    except (KeyError, TypeError, ValueError):
+        raise KvqError(f"{where}: counters are missing") from None
+    main = RowStore.empty()
+    rows = {n[len("main.") :]: x for n, x in t.items() if n.startswith("main.")}
+    positions = rows.pop("positions", None)
+    if rows:
+        spec = _row_spec(layer, next(iter(rows.values())).shape[1])
+        if set(rows) != set(spec):
+            raise KvqError(f"{where}: stored tensors {sorted(rows)} do not match the layout")
+        lead_dims = positions.shape if positions is not None else None
+        for name, x in rows.items():
+            shape, dtype = spec[name]
+            if x.dtype != dtype or tuple(x.shape[3:]) != shape or x.shape[0:3:2] != lead_dims:
+                raise KvqError(f"{where}: {name} has the wrong shape or dtype")
+        main = RowStore(rows, positions.shape[1], positions)
+    residual = RowStore.empty()
+    res = {n[len("residual.") :]: x for n, x in t.items() if n.startswith("residual.")}
+    if res:
+        res_pos = res.pop("positions", None)
+        if set(res) != {"k", "v"} or res_pos is None:
+            raise KvqError(f"{where}: residual rows are incomplete")
+        for x in res.values():
+            if x.dtype != layer.sink_dtype or x.shape[0:3:2] != res_pos.shape:
+                raise KvqError(f"{where}: residual rows have the wrong shape or dtype")
+        residual = RowStore(res, res_pos.shape[1], res_pos)
+    flat = {}
+    for part in ("k", "v"):
+        entries = {n.split(".", 2)[2]: x for n, x in t.items() if n.startswith(f"flat.{part}.")}
+        if entries:
+            flat[part] = FlatStore(entries, next(iter(entries.values())).shape[0])
+    sink = None
+    if "sink.k" in t:
+        sink = SinkRows(
+            rows={"k": t["sink.k"], "v": t["sink.v"]},
+            positions=t["sink.positions"],
+            cols=t["sink.cols"],
+            filled=t["sink.filled"],
+        )
+        if sink.slots != layer.policy.sink_tokens:
+            raise KvqError(f"{where}: saved with {sink.slots} sink tokens, the layout has "
+                           f"{layer.policy.sink_tokens}")  # fmt: skip
+    state = replace(
+        EMPTY, sink=sink, main=main, residual=residual, seen=seen, evicted=evicted, lead=lead,
+        flat=flat, settled=settled, skipped=skipped,
+    )  # fmt: skip
+    if not (
+        0 <= lead <= state.visible <= seen - evicted
+        and min(evicted, settled, skipped) >= 0
+        and settled <= residual.length
+    ):
+        raise KvqError(f"{where}: inconsistent counters {counters}")
+    return state
+
+
+def _row_spec(layer, heads: int) -> dict:
+    """Per-row shape and dtype of each stored tensor, from encoding one zero row."""
+    spec = {}
+    for part, codec in (("k", layer.key_codec), ("v", layer.value_codec)):
+        try:
+            rows, _ = codec.encode(torch.zeros(1, heads, 1, codec.head_dim))
+        except (KvqError, RuntimeError):
+            raise KvqError(f"saved rows have {heads} heads, the layout has another") from None
+        spec |= {f"{part}.{n}": (tuple(r.shape[3:]), r.dtype) for n, r in rows.items()}
+    return spec
