@@ -33,7 +33,7 @@ from kvq.manifests.schema import Calibration, DatasetInfo, new_manifest
 from kvq.models.loading import LoadedModel, load_model
 from kvq.progress import Progress
 from kvq.quant.schemes import CachePolicy, named_policy
-from kvq.runtime.cache import QuantizedKVCache, build_cache
+from kvq.runtime.cache import QuantizedKVCache, build_cache, unit_scales
 
 
 def load_windows(
@@ -249,4 +249,4 @@ def cache_for(
         return build_cache(loaded.model, policy_obj, static, loaded.adapter, backend)
     info = loaded.adapter.info
     named = named_policy(policy, info.num_layers, info.head_dim).only(quantize)
-    return build_cache(loaded.model, named, {}, loaded.adapter, backend)
+    return build_cache(loaded.model, named, unit_scales(named), loaded.adapter, backend)
