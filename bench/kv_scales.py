@@ -1,0 +1,144 @@
+"""Static FP8 / INT8 K/V scales as engines serve them: calibrated, scale 1.0, dynamic.
+
+    .venv/bin/python bench/kv_scales.py [--windows 16] [--seqlen 512] [--protocol prefill]
+                                        [--only NAME,...] [--json FILE]
+
+Every configuration on the same WikiText-2 test windows: FP8 E4M3 with scales calibrated
+per tensor and per KV head (`kvq calibrate kv-scales`, absmax, on 16 x 512 windows of
+`calibration/groups_merged.txt`), the same with the sliding-window layers kept in 16 bits,
+scale = 1.0 (what an engine does uncalibrated: `--policy fp8-e4m3`), dynamic per-token
+scales (`--policy fp8-e4m3-dynamic`), E5M2, and static INT8 per head against the dynamic
+per-token `--policy int8`. Prints perplexity ratio, KLD, top-1 agreement and bytes
+against fp16, and writes the rows as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from kvq.calibrators.options import KVScalesOptions
+from kvq.eval.quality import evaluate
+from kvq.models.loading import load_model
+from kvq.pipeline import load_windows, run_pass
+from kvq.progress import Progress
+from kvq.quant.schemes import named_policy
+from kvq.runtime.cache import build_cache, unit_scales
+
+SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
+
+# name -> calibrated options, or the name of a calibration-free policy
+CONFIGS: dict[str, KVScalesOptions | str] = {
+    "e4m3-tensor": KVScalesOptions("fp8-e4m3", "tensor"),
+    "e4m3-head": KVScalesOptions("fp8-e4m3", "head"),
+    "e4m3-unit": "fp8-e4m3",
+    "e4m3-dynamic": "fp8-e4m3-dynamic",
+    "e4m3-tensor-skip-sliding": KVScalesOptions("fp8-e4m3", "tensor", skip_layers="sliding"),
+    "e4m3-head-skip-sliding": KVScalesOptions("fp8-e4m3", "head", skip_layers="sliding"),
+    "e5m2-tensor": KVScalesOptions("fp8-e5m2", "tensor"),
+    "e5m2-unit": "fp8-e5m2",
+    "int8-head": KVScalesOptions("int8", "head"),
+    "int8-dynamic": "int8",
+}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--model", default="gemma3-270m")
+    ap.add_argument("--samples", type=int, default=16)
+    ap.add_argument("--windows", type=int, default=16)
+    ap.add_argument("--seqlen", type=int, default=512)
+    ap.add_argument("--protocol", default="prefill")
+    ap.add_argument("--only", default=",".join(CONFIGS))
+    ap.add_argument("--calibration", default=str(SHARED / "calibration" / "groups_merged.txt"))
+    ap.add_argument("--data-dir", default=str(SHARED))
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args()
+    console = Console(stderr=True)
+    loaded = load_model(args.model)
+    info = loaded.adapter.info
+    cal = load_windows(loaded, args.calibration, args.samples, args.seqlen, 0, None)
+    ev = load_windows(loaded, "wikitext2", args.windows, args.seqlen, 0, args.data_dir)
+    results = []
+    for name in args.only.split(","):
+        config = CONFIGS[name]
+        start = time.perf_counter()
+        if isinstance(config, str):
+            policy = named_policy(config, info.num_layers, info.head_dim)
+            static = unit_scales(policy)
+            source = f"--policy {config}"
+        else:
+            state = run_pass(loaded, cal, config, Progress())
+            policy, static = state.policy, state.of_kind("policy")
+            source = "kv-scales " + " ".join(f"{k}={v}" for k, v in config.as_dict().items())
+        cal_s = time.perf_counter() - start
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            res = evaluate(
+                loaded.model,
+                ev.ids,
+                lambda p=policy, s=static: build_cache(loaded.model, p, s, loaded.adapter),
+                args.protocol,
+                Progress(),
+            )
+        out = res.as_json(("ppl", "kld", "bytes"))
+        row = {
+            "config": name,
+            "source": source,
+            "policy": policy.name,
+            "layers_16bit": sum(layer.full_precision for layer in policy.layers),
+            "protocol": args.protocol,
+            "ppl_baseline": out["ppl"]["baseline"],
+            "ppl": out["ppl"]["quantized"],
+            "ratio": out["ppl"]["ratio"],
+            "kld": out["kld"]["mean"],
+            "top1": out["kld"]["top1_agreement"],
+            "bytes_ratio": res.ledger.ratio,
+            "calibration_s": round(cal_s, 1),
+            "eval_s": round(time.perf_counter() - t0, 1),
+        }
+        results.append(row)
+        console.print(
+            f"{name:<26} ratio {row['ratio']:.5f} kld {row['kld']:.6f} "
+            f"top1 {row['top1']:.4f} bytes {row['bytes_ratio']:.4f}"
+        )
+    table = Table(
+        title=f"{args.model} · WikiText-2 test {args.windows}×{args.seqlen} ({args.protocol}) · "
+        f"scales calibrated on {args.samples}×{args.seqlen} groups_merged"
+    )
+    for col in ("config", "16-bit layers", "ppl", "ratio", "KLD", "top-1", "bytes/fp16"):
+        table.add_column(col, justify="left" if col == "config" else "right")
+    for r in results:
+        table.add_row(
+            r["config"],
+            str(r["layers_16bit"]),
+            f"{r['ppl']:.4f}",
+            f"{r['ratio']:.5f}",
+            f"{r['kld']:.6f}",
+            f"{r['top1']:.4f}",
+            f"{r['bytes_ratio']:.4f}",
+        )
+    Console().print(table)
+    if results:
+        Console().print(f"baseline perplexity {results[0]['ppl_baseline']:.4f}")
+    if args.json:
+        payload = {
+            "model": args.model,
+            "dataset": ev.source.spec,
+            "windows_sha256": ev.fingerprint,
+            "windows": args.windows,
+            "seqlen": args.seqlen,
+            "protocol": args.protocol,
+            "results": results,
+        }
+        args.json.write_text(json.dumps(payload, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
