@@ -55,6 +55,52 @@ def export_manifest(
         typer.echo(f"JSON Schema written to {printable(str(schema_out))}", err=True)
 
 
+def _export_engine(engine: str, artifact: Path, model: str, out: Path, overwrite: bool) -> None:
+    from kvq.exporters.engines import check_export
+    from kvq.models.spec import check_model_spec
+
+    check_model_spec(model)
+    check_export(engine, artifact, out, overwrite)  # before torch loads
+
+    from kvq.cli.progress import RichProgress
+    from kvq.exporters.engines import export_job
+
+    quiet_transformers()
+    with RichProgress() as progress:
+        marker = export_job(engine, artifact, model, out, overwrite, progress)
+    kv = marker["kv_cache"]
+    typer.echo(
+        f"{printable(str(out))}: {marker['target']} checkpoint, K/V {kv['format']} with "
+        f"static per-{kv['granularity']} scales for {len(kv['layers'])} layers"
+    )
+
+
+EXPORT_OUT = typer.Option(..., "--out", help="checkpoint directory to write")
+EXPORT_OVERWRITE = typer.Option(False, "--overwrite", help="replace a previous kvq export")
+
+
+@export_app.command("vllm")
+def export_vllm(
+    artifact: Path = typer.Argument(..., help="artifact directory"),
+    model: str = MODEL,
+    out: Path = EXPORT_OUT,
+    overwrite: bool = EXPORT_OVERWRITE,
+) -> None:
+    """A compressed-tensors checkpoint vLLM loads: weights, kv_cache_scheme, k/v_scale."""
+    _export_engine("vllm", artifact, model, out, overwrite)
+
+
+@export_app.command("modelopt")
+def export_modelopt(
+    artifact: Path = typer.Argument(..., help="artifact directory"),
+    model: str = MODEL,
+    out: Path = EXPORT_OUT,
+    overwrite: bool = EXPORT_OVERWRITE,
+) -> None:
+    """A ModelOpt-layout checkpoint (TensorRT-LLM, SGLang): hf_quant_config.json + scales."""
+    _export_engine("modelopt", artifact, model, out, overwrite)
+
+
 @app.command("inspect")
 def inspect(artifact: Path = typer.Argument(..., help="artifact directory")) -> None:
     """Summary, byte ledger and validation result of an artifact."""
