@@ -11,6 +11,8 @@ from kvq.cli.calibrate import calibrate_app
 from kvq.cli.common import (
     BACKEND,
     DATA_DIR,
+    DEVICE_MAP,
+    MAX_MEMORY,
     MODEL,
     OneLineErrors,
     artifact_files,
@@ -130,14 +132,18 @@ def run_eval(
     json_out: Path | None = typer.Option(None, "--json", help="write the report here"),
     data_dir: str | None = DATA_DIR,
     backend: str | None = BACKEND,
+    device_map: str | None = DEVICE_MAP,
+    max_memory: str | None = MAX_MEMORY,
 ) -> None:
     """Perplexity, KL divergence and bytes of the quantized cache vs the unquantized model."""
     from kvq.data.text import check_seed, read_corpus
     from kvq.eval.inputs import check_cache_source, check_protocol, check_quantize, parse_tasks
     from kvq.exporters.paths import check_output_file
+    from kvq.models.placement import parse_placement
     from kvq.models.spec import check_model_spec
 
     positive(windows=windows, seqlen=seqlen)
+    placement = parse_placement(device_map, max_memory)
     parse_tasks(tasks)
     check_protocol(protocol)
     check_quantize(quantize)
@@ -170,6 +176,7 @@ def run_eval(
             backend,
             corpus,
             quantize,
+            placement,
         )
     if json_out is not None:  # first: the report is kept whatever happens on the terminal
         write_json(json_out, report)
