@@ -2,6 +2,11 @@
 
     .venv/bin/python bench/kv_scales.py [--windows 16] [--seqlen 512] [--protocol prefill]
                                         [--only NAME,...] [--json FILE]
+    .venv/bin/python bench/kv_scales.py --merge A.json B.json ... --json FILE
+
+(--json is rewritten after every configuration, so a run split over processes with
+--only, or stopped early, keeps what it measured; --merge joins such files, checking
+they scored the same windows, and prints the table.)
 
 Every configuration on the same WikiText-2 test windows: FP8 E4M3 with scales calibrated
 per tensor and per KV head (`kvq calibrate kv-scales`, absmax, on 16 x 512 windows of
@@ -48,6 +53,56 @@ CONFIGS: dict[str, KVScalesOptions | str] = {
 }
 
 
+def _payload(args, ev, results) -> dict:
+    return {
+        "model": args.model,
+        "dataset": ev.source.spec,
+        "windows_sha256": ev.fingerprint,
+        "windows": args.windows,
+        "seqlen": args.seqlen,
+        "protocol": args.protocol,
+        "results": results,
+    }
+
+
+def print_table(payload: dict) -> None:
+    table = Table(
+        title=f"{payload['model']} · WikiText-2 test {payload['windows']}×{payload['seqlen']} "
+        f"({payload['protocol']}) · scales calibrated on groups_merged"
+    )
+    for col in ("config", "16-bit layers", "ppl", "ratio", "KLD", "top-1", "bytes/fp16"):
+        table.add_column(col, justify="left" if col == "config" else "right")
+    for r in payload["results"]:
+        table.add_row(
+            r["config"],
+            str(r["layers_16bit"]),
+            f"{r['ppl']:.4f}",
+            f"{r['ratio']:.5f}",
+            f"{r['kld']:.6f}",
+            f"{r['top1']:.4f}",
+            f"{r['bytes_ratio']:.4f}",
+        )
+    Console(width=120).print(table)
+    if payload["results"]:
+        Console().print(f"baseline perplexity {payload['results'][0]['ppl_baseline']:.4f}")
+
+
+def merge(files: list[Path], out: Path | None) -> None:
+    """Join the rows of runs split with --only (same model, windows and protocol), in
+    CONFIGS order."""
+    payloads = [json.loads(f.read_text()) for f in files]
+    keys = ("model", "windows_sha256", "windows", "seqlen", "protocol")
+    for other in payloads[1:]:
+        for k in keys:
+            if other[k] != payloads[0][k]:
+                raise SystemExit(f"cannot merge: {k} differs ({other[k]} vs {payloads[0][k]})")
+    rows = {r["config"]: r for p in payloads for r in p["results"]}
+    merged = dict(payloads[0], results=[rows[n] for n in CONFIGS if n in rows])
+    print_table(merged)
+    if out:
+        out.write_text(json.dumps(merged, indent=2) + "\n")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--model", default="gemma3-270m")
@@ -59,7 +114,11 @@ def main() -> None:
     ap.add_argument("--calibration", default=str(SHARED / "calibration" / "groups_merged.txt"))
     ap.add_argument("--data-dir", default=str(SHARED))
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--merge", type=Path, nargs="+", help="join the JSON of split runs")
     args = ap.parse_args()
+    if args.merge:
+        merge(args.merge, args.json)
+        return
     console = Console(stderr=True)
     loaded = load_model(args.model)
     info = loaded.adapter.info
@@ -108,36 +167,9 @@ def main() -> None:
             f"{name:<26} ratio {row['ratio']:.5f} kld {row['kld']:.6f} "
             f"top1 {row['top1']:.4f} bytes {row['bytes_ratio']:.4f}"
         )
-    table = Table(
-        title=f"{args.model} · WikiText-2 test {args.windows}×{args.seqlen} ({args.protocol}) · "
-        f"scales calibrated on {args.samples}×{args.seqlen} groups_merged"
-    )
-    for col in ("config", "16-bit layers", "ppl", "ratio", "KLD", "top-1", "bytes/fp16"):
-        table.add_column(col, justify="left" if col == "config" else "right")
-    for r in results:
-        table.add_row(
-            r["config"],
-            str(r["layers_16bit"]),
-            f"{r['ppl']:.4f}",
-            f"{r['ratio']:.5f}",
-            f"{r['kld']:.6f}",
-            f"{r['top1']:.4f}",
-            f"{r['bytes_ratio']:.4f}",
-        )
-    Console().print(table)
-    if results:
-        Console().print(f"baseline perplexity {results[0]['ppl_baseline']:.4f}")
-    if args.json:
-        payload = {
-            "model": args.model,
-            "dataset": ev.source.spec,
-            "windows_sha256": ev.fingerprint,
-            "windows": args.windows,
-            "seqlen": args.seqlen,
-            "protocol": args.protocol,
-            "results": results,
-        }
-        args.json.write_text(json.dumps(payload, indent=2) + "\n")
+        if args.json:  # after every row: a split or stopped run keeps what it measured
+            args.json.write_text(json.dumps(_payload(args, ev, results), indent=2) + "\n")
+    print_table(_payload(args, ev, results))
 
 
 if __name__ == "__main__":
