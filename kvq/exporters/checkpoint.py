@@ -80,6 +80,7 @@ def _add_tensors(folder: Path, tensors: dict[str, Tensor]) -> None:
         safetensors.torch.save_file(
             {**weights, **tensors}, str(folder / SINGLE_FILE), metadata={"format": "pt"}
         )
+        _readable_like_config(folder / SINGLE_FILE)
         return
     index_path = folder / INDEX_FILE
     if not index_path.is_file():
@@ -89,8 +90,15 @@ def _add_tensors(folder: Path, tensors: dict[str, Tensor]) -> None:
     if clash:
         raise KvqError(f"the model already has a tensor named {clash[0]}")
     safetensors.torch.save_file(tensors, str(folder / EXTRA_SHARD), metadata={"format": "pt"})
+    _readable_like_config(folder / EXTRA_SHARD)
     index["weight_map"].update(dict.fromkeys(tensors, EXTRA_SHARD))
     index_path.write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
+
+
+def _readable_like_config(path: Path) -> None:
+    """safetensors writes 0600; an engine running as another user must read the weights as
+    it reads config.json (which save_pretrained wrote under the umask)."""
+    shutil.copymode(path.parent / "config.json", path)
 
 
 def read_checkpoint_tensors(folder: Path) -> dict[str, Tensor]:

@@ -122,6 +122,9 @@ def test_int8_exports_as_int_and_overwrite_replaces_only_an_export(llama, data, 
     assert _run("export", "vllm", art, "--model", llama, "--out", out).exit_code == 0
     kv = json.loads((out / "config.json").read_text())["quantization_config"]["kv_cache_scheme"]
     assert kv["type"] == "int"
+    # readable by whoever reads config.json (safetensors alone would write 0600)
+    mode = (out / "config.json").stat().st_mode
+    assert (out / "model.safetensors").stat().st_mode == mode
     again = _run("export", "vllm", art, "--model", llama, "--out", out)
     _one_line_error(again, "exists", "--overwrite")
     assert _run("export", "vllm", art, "--model", llama, "--out", out, "--overwrite").exit_code == 0
