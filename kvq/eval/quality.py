@@ -99,6 +99,33 @@ def evaluate(
     return QualityResult(totals=totals, ledger=ledger)
 
 
+def evaluate_many(
+    model,
+    windows: Tensor,
+    make_caches: dict[str, Callable[[], object]],
+    progress: Progress,
+    on_window: Callable[[int, dict[str, QualityResult]], None] | None = None,
+) -> dict[str, QualityResult]:
+    """The prefill protocol for several caches at once: each window's baseline forward runs
+    once and every cache is scored against it (what `evaluate` computes for each alone,
+    at about half the forwards for a comparison of many). on_window(i, results so far)."""
+    totals = {name: QualityTotals() for name in make_caches}
+    ledgers: dict[str, ByteLedger | None] = dict.fromkeys(make_caches)
+    with progress.stage("eval (prefill, shared baseline)", total=windows.shape[0]) as bar:
+        for i in range(windows.shape[0]):
+            ids = windows[i : i + 1].to(input_device(model))
+            base = model(ids, use_cache=False).logits[0, :-1].float()  # [L - 1, V]
+            for name, make_cache in make_caches.items():
+                cache = make_cache()
+                quant = model(ids, cache=cache, use_cache=True).logits[0, :-1].float()
+                _accumulate(totals[name], base, quant, ids[0, 1:])
+                ledgers[name] = cache.nbytes()
+            if on_window is not None:
+                on_window(i, {n: QualityResult(totals[n], ledgers[n]) for n in make_caches})
+            bar.advance()
+    return {n: QualityResult(totals[n], ledgers[n]) for n in make_caches}
+
+
 def _evaluate_decode(model, windows: Tensor, make_cache, progress: Progress) -> QualityResult:
     """Prefill the first half of each window into the cache, then teacher-force the rest one
     token at a time, a batch of windows at once; score the teacher-forced positions."""

@@ -40,6 +40,8 @@ class Engine:
     tensors: Callable[[ServingScales, dict[int, str]], dict[str, Tensor]]
     edit_config: Callable[[ServingScales], Callable[[dict], None]]
     files: Callable[[ServingScales], dict[str, dict]]
+    # how the engine is told to use the scales, and what it needs (the manifest records it)
+    serve: Callable[[ServingScales], str]
 
 
 # --- vLLM (compressed-tensors) --------------------------------------------------------
@@ -85,6 +87,10 @@ VLLM = Engine(
     _vllm_tensors,
     _vllm_config,
     lambda s: {},
+    lambda s: (
+        "vllm serve DIR --kv-cache-dtype fp8"
+        + (" (per-head scales: the FlashAttention backend)" if s.granularity == "head" else "")
+    ),
 )
 
 
@@ -115,6 +121,9 @@ MODELOPT = Engine(
     _modelopt_tensors,
     lambda s: lambda config: None,
     lambda s: {"hf_quant_config.json": hf_quant_config(s)},
+    lambda s: (
+        "TensorRT-LLM or SGLang: ModelOpt checkpoint, KV cache quant from hf_quant_config.json"
+    ),
 )
 
 ENGINES = {"vllm": VLLM, "modelopt": MODELOPT}
@@ -202,6 +211,7 @@ def _marker(name, engine, artifact: Artifact, path: Path, model_spec, loaded, s)
             "scale_dtype": "float32",
             "key_stage": "post-rope",
             "query_quantized": False,
+            "serve": engine.serve(s),
             "layers": sorted(s.key),
             "skipped_layers": [],
         },
