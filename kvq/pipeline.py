@@ -32,9 +32,10 @@ from kvq.exporters.paths import check_artifact_out
 from kvq.manifests.ledger import ByteLedger
 from kvq.manifests.schema import Calibration, DatasetInfo, new_manifest
 from kvq.models.loading import LoadedModel, load_model
+from kvq.models.placement import Placement, input_device
 from kvq.progress import Progress
 from kvq.quant.schemes import CachePolicy, named_policy
-from kvq.runtime.cache import QuantizedKVCache, build_cache
+from kvq.runtime.cache import QuantizedKVCache, build_cache, unit_scales
 
 
 def load_windows(
@@ -66,7 +67,7 @@ def measure_ledger(
 ) -> ByteLedger:
     """Run one window through a real cache and read its ledger from the stored tensors."""
     cache = build_cache(loaded.model, policy, tensors, loaded.adapter)
-    loaded.model(ids.to(loaded.model.device), cache=cache, use_cache=True)
+    loaded.model(ids.to(input_device(loaded.model)), cache=cache, use_cache=True)
     return cache.nbytes()
 
 
@@ -85,6 +86,7 @@ class CalibrationRequest:
     overwrite: bool = False
     data_dir: str | None = None
     base: Path | None = None
+    placement: Placement = Placement()  # --device-map / --max-memory; default one device
 
 
 def calibrate_job(
@@ -102,7 +104,7 @@ def calibrate_job(
     out = check_artifact_out(r.out, r.overwrite)
     corpus = corpus or read_corpus(r.dataset, r.samples, r.seqlen, r.data_dir)
     with progress.stage("load model"):
-        loaded = load_model(r.model_spec)
+        loaded = load_model(r.model_spec, placement=r.placement)
     state, chain = None, []
     if r.base is not None:
         with progress.stage("load base artifact"):
@@ -254,4 +256,4 @@ def cache_for(
         return cache
     info = loaded.adapter.info
     named = named_policy(policy, info.num_layers, info.head_dim).only(quantize)
-    return build_cache(loaded.model, named, {}, loaded.adapter, backend)
+    return build_cache(loaded.model, named, unit_scales(named), loaded.adapter, backend)

@@ -103,6 +103,7 @@ def sources(llama, shared_data, tmp_path_factory):
     for name, extra in {
         "channel-scales": ["--v-group", 8],
         "kvquant": ["--bits", 3],
+        "kv-scales": ["--granularity", "head"],
     }.items():
         out = root / name
         result = runner.invoke(app, ["calibrate", name, *map(str, base + extra), "--out", str(out)])
@@ -191,7 +192,7 @@ def _mutate_tensor(tensors: dict[str, torch.Tensor], draw) -> None:
     tensors[name] = f if op == "float32" else f.to(t.dtype)
 
 
-@pytest.mark.parametrize("source", ["channel-scales", "kvquant"])
+@pytest.mark.parametrize("source", ["channel-scales", "kvquant", "kv-scales"])
 @FUZZ
 @given(data=st.data())
 def test_mutated_artifacts_are_refused_or_load(sources, llama, tmp_path_factory, source, data):
@@ -254,8 +255,14 @@ OPTIONS = {
         "--samples": ints, "--seqlen": ints, "--bits": ints, "--outliers": floats,
         "--sink": ints, "--seed": ints,
     },
+    "calibrate kv-scales": {
+        "--samples": ints, "--seqlen": ints, "--format": texts, "--granularity": texts,
+        "--method": texts, "--percentile": floats, "--skip-layers": texts, "--seed": ints,
+        "--device-map": texts, "--max-memory": texts,
+    },
     "run-eval": {
-        "--policy": st.sampled_from(["int8", "int4", "fp16", "nope", ""]), "--tasks": texts,
+        "--policy": st.sampled_from(["int8", "int4", "fp16", "fp8-e4m3", "nope", ""]),
+        "--tasks": texts, "--device-map": texts, "--max-memory": texts,
         "--windows": ints, "--seqlen": ints, "--protocol": texts, "--quantize": texts,
         "--seed": ints, "--backend": texts,
     },

@@ -14,6 +14,8 @@ from contextlib import contextmanager
 import torch
 from torch import Tensor
 
+from kvq.models.placement import input_device
+
 Consumer = Callable[[int, str, Tensor], None]  # (layer, "key"|"value"|"query", [B, H, T, D])
 
 
@@ -71,6 +73,6 @@ def run_windows(model, windows: Tensor, on_window: Callable[[int], None] | None 
     """
     body = model.get_decoder() if hasattr(model, "get_decoder") else model
     for i in range(windows.shape[0]):
-        body(input_ids=windows[i : i + 1].to(model.device), use_cache=False)
+        body(input_ids=windows[i : i + 1].to(input_device(model)), use_cache=False)
         if on_window is not None:
             on_window(i)

@@ -32,6 +32,7 @@ from torch import Tensor
 
 from kvq.errors import IncompatibleArtifact, KvqError
 from kvq.models.loading import cache_root
+from kvq.models.placement import input_device
 from kvq.progress import Progress
 
 FORMAT = "kvq.fisher/1"
@@ -107,7 +108,8 @@ def _grad_hooks(adapter, key_sum: Tensor, value_sum: Tensor, exclude_first: int)
             # contiguous(): to_heads may .view() and a gradient can have odd strides.
             g = to_heads(grad.contiguous()).float()  # [B, H_kv, T, D]
             g = g[:, :, exclude_first:]  # sinks stay full precision at runtime: not fitted
-            acc[layer] += g.square().sum(dim=(0, 2))
+            # a dispatched model's layers may sit on other devices than the sums
+            acc[layer] += g.square().sum(dim=(0, 2)).to(acc.device)
 
         def forward_hook(_module, _inputs, output: Tensor) -> None:
             if output.requires_grad:
@@ -163,7 +165,7 @@ def collect_fisher(
             f"windows of {seqlen} tokens leave no Fisher tokens after {exclude_first} sink tokens"
         )
     progress = progress or Progress()
-    device = next(model.parameters()).device
+    device = input_device(model)
     shape = (info.num_layers, info.num_kv_heads, info.head_dim)
     key_sum = torch.zeros(shape, dtype=torch.float32, device=device)
     value_sum = torch.zeros(shape, dtype=torch.float32, device=device)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import typing
 from dataclasses import dataclass, field, fields
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 from kvq.errors import KvqError
 from kvq.quant.schemes import MAX_GROUP, KeyStage
@@ -174,3 +174,63 @@ class KVQuantOptions(PassOptions):
             raise KvqError(f"--sink must be >= 0, got {self.sink}")
         if self.key_outliers not in ("fisher", "uniform"):
             raise KvqError(f"key_outliers must be 'fisher' or 'uniform', got {self.key_outliers!r}")
+
+
+KVFormat = Literal["fp8-e4m3", "fp8-e5m2", "int8"]
+Granularity = Literal["tensor", "head"]
+ScaleMethod = Literal["absmax", "percentile", "mse"]
+KV_FORMATS = typing.get_args(KVFormat)
+GRANULARITIES = typing.get_args(Granularity)
+SCALE_METHODS = typing.get_args(ScaleMethod)
+
+
+def parse_skip_layers(text: str) -> tuple[str | int, ...]:
+    """--skip-layers: "none" -> (), "sliding" -> ("sliding",), "0,5" -> (0, 5). Layer
+    numbers are checked against the model when it is loaded."""
+    text = text.strip()
+    if text in ("none", ""):
+        return ()
+    if text == "sliding":
+        return ("sliding",)
+    parts = [p.strip() for p in text.split(",")]
+    if not all(p.isdigit() for p in parts):
+        raise KvqError(
+            f"--skip-layers must be sliding, none or comma-separated layer numbers, got {text!r}"
+        )
+    layers = tuple(sorted({int(p) for p in parts}))
+    if layers[-1] >= 1 << 16:
+        raise KvqError(f"--skip-layers: layer {layers[-1]} is out of range")
+    return layers
+
+
+@dataclass(frozen=True)
+class KVScalesOptions(PassOptions):
+    NAME: ClassVar[str] = "kv-scales"
+    SUMMARY: ClassVar[str] = (
+        "Static FP8/INT8 K and V scales per tensor or KV head, post-RoPE, as engines serve."
+    )
+
+    kv_format: KVFormat = option("fp8-e4m3", "fp8-e4m3, fp8-e5m2 or int8", flag="--format")
+    granularity: Granularity = option("tensor", "one scale per tensor or per KV head")
+    method: ScaleMethod = option("absmax", "absmax, percentile or mse (clip search)")
+    percentile: float = option(99.99, "|x| percentile for --method percentile")
+    skip_layers: str = option("none", "layers kept in 16 bits: sliding, none or e.g. 0,5")
+
+    def __post_init__(self) -> None:
+        if self.kv_format not in KV_FORMATS:
+            raise KvqError(
+                f"--format must be one of {', '.join(KV_FORMATS)}, got {self.kv_format!r}"
+            )
+        if self.granularity not in GRANULARITIES:
+            raise KvqError(f"--granularity must be tensor or head, got {self.granularity!r}")
+        if self.method not in SCALE_METHODS:
+            raise KvqError(
+                f"--method must be one of {', '.join(SCALE_METHODS)}, got {self.method!r}"
+            )
+        if not 50.0 < self.percentile <= 100.0:
+            raise KvqError(f"--percentile must be in (50, 100], got {self.percentile}")
+        parse_skip_layers(self.skip_layers)
+
+    @property
+    def skipped(self) -> tuple[str | int, ...]:
+        return parse_skip_layers(self.skip_layers)

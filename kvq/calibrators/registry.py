@@ -13,7 +13,12 @@ import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from kvq.calibrators.options import ChannelScalesOptions, KVQuantOptions, PassOptions
+from kvq.calibrators.options import (
+    ChannelScalesOptions,
+    KVQuantOptions,
+    KVScalesOptions,
+    PassOptions,
+)
 from kvq.errors import KvqError
 
 
@@ -36,6 +41,7 @@ PASSES: dict[str, PassEntry] = {
     for entry in (
         PassEntry(ChannelScalesOptions, "kvq.calibrators.channel_scales:fit"),
         PassEntry(KVQuantOptions, "kvq.calibrators.kvquant:fit"),
+        PassEntry(KVScalesOptions, "kvq.calibrators.kv_scales:fit"),
     )
 }
 

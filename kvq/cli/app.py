@@ -11,6 +11,8 @@ from kvq.cli.calibrate import calibrate_app
 from kvq.cli.common import (
     BACKEND,
     DATA_DIR,
+    DEVICE_MAP,
+    MAX_MEMORY,
     MODEL,
     OneLineErrors,
     artifact_files,
@@ -23,7 +25,8 @@ from kvq.textsafe import printable
 
 POLICY_HELP = (
     "calibration-free layout: fp16, int8, int4, int2 (per token), kivi2, kivi4 "
-    "(KIVI; kivi2-g64-r256 sets the token group and the exact window)"
+    "(KIVI; kivi2-g64-r256 sets the token group and the exact window), fp8-e4m3, "
+    "fp8-e5m2 (scale 1.0), fp8-e4m3-dynamic"
 )
 
 app = typer.Typer(
@@ -60,6 +63,52 @@ def export_manifest(
         typer.echo(f"JSON Schema written to {printable(str(schema_out))}", err=True)
 
 
+def _export_engine(engine: str, artifact: Path, model: str, out: Path, overwrite: bool) -> None:
+    from kvq.exporters.engines import check_export
+    from kvq.models.spec import check_model_spec
+
+    check_model_spec(model)
+    check_export(engine, artifact, out, overwrite)  # before torch loads
+
+    from kvq.cli.progress import RichProgress
+    from kvq.exporters.engines import export_job
+
+    quiet_transformers()
+    with RichProgress() as progress:
+        marker = export_job(engine, artifact, model, out, overwrite, progress)
+    kv = marker["kv_cache"]
+    typer.echo(
+        f"{printable(str(out))}: {marker['target']} checkpoint, K/V {kv['format']} with "
+        f"static per-{kv['granularity']} scales for {len(kv['layers'])} layers"
+    )
+
+
+EXPORT_OUT = typer.Option(..., "--out", help="checkpoint directory to write")
+EXPORT_OVERWRITE = typer.Option(False, "--overwrite", help="replace a previous kvq export")
+
+
+@export_app.command("vllm")
+def export_vllm(
+    artifact: Path = typer.Argument(..., help="artifact directory"),
+    model: str = MODEL,
+    out: Path = EXPORT_OUT,
+    overwrite: bool = EXPORT_OVERWRITE,
+) -> None:
+    """A compressed-tensors checkpoint vLLM loads: weights, kv_cache_scheme, k/v_scale."""
+    _export_engine("vllm", artifact, model, out, overwrite)
+
+
+@export_app.command("modelopt")
+def export_modelopt(
+    artifact: Path = typer.Argument(..., help="artifact directory"),
+    model: str = MODEL,
+    out: Path = EXPORT_OUT,
+    overwrite: bool = EXPORT_OVERWRITE,
+) -> None:
+    """A ModelOpt-layout checkpoint (TensorRT-LLM, SGLang): hf_quant_config.json + scales."""
+    _export_engine("modelopt", artifact, model, out, overwrite)
+
+
 @app.command("inspect")
 def inspect(artifact: Path = typer.Argument(..., help="artifact directory")) -> None:
     """Summary, byte ledger and validation result of an artifact."""
@@ -89,14 +138,18 @@ def run_eval(
     json_out: Path | None = typer.Option(None, "--json", help="write the report here"),
     data_dir: str | None = DATA_DIR,
     backend: str | None = BACKEND,
+    device_map: str | None = DEVICE_MAP,
+    max_memory: str | None = MAX_MEMORY,
 ) -> None:
     """Perplexity, KL divergence and bytes of the quantized cache vs the unquantized model."""
     from kvq.data.text import check_seed, read_corpus
     from kvq.eval.inputs import check_cache_source, check_protocol, check_quantize, parse_tasks
     from kvq.exporters.paths import check_output_file
+    from kvq.models.placement import parse_placement
     from kvq.models.spec import check_model_spec
 
     positive(windows=windows, seqlen=seqlen)
+    placement = parse_placement(device_map, max_memory)
     parse_tasks(tasks)
     check_protocol(protocol)
     check_quantize(quantize)
@@ -129,6 +182,7 @@ def run_eval(
             backend,
             corpus,
             quantize,
+            placement,
         )
     if json_out is not None:  # first: the report is kept whatever happens on the terminal
         write_json(json_out, report)

@@ -16,7 +16,15 @@ import typer
 
 from kvq.calibrators.options import PassOptions
 from kvq.calibrators.registry import PASSES, PassEntry, get_pass
-from kvq.cli.common import DATA_DIR, MODEL, OneLineErrors, positive, quiet_transformers
+from kvq.cli.common import (
+    DATA_DIR,
+    DEVICE_MAP,
+    MAX_MEMORY,
+    MODEL,
+    OneLineErrors,
+    positive,
+    quiet_transformers,
+)
 from kvq.errors import KvqError
 
 calibrate_app = typer.Typer(cls=OneLineErrors, no_args_is_help=True, help="Run a calibration pass.")
@@ -40,6 +48,8 @@ COMMON = [
     ),
     ("overwrite", bool, typer.Option(False, "--overwrite", help="replace an existing artifact")),
     ("data_dir", str | None, DATA_DIR),
+    ("device_map", str | None, DEVICE_MAP),
+    ("max_memory", str | None, MAX_MEMORY),
 ]
 
 
@@ -99,6 +109,8 @@ def calibrate_recipe(
     base: Path | None = typer.Option(None, "--base", help="start from this artifact"),
     overwrite: bool = typer.Option(False, "--overwrite", help="replace an existing artifact"),
     data_dir: str | None = DATA_DIR,
+    device_map: str | None = DEVICE_MAP,
+    max_memory: str | None = MAX_MEMORY,
 ) -> None:
     """Run a chain of passes from a recipe file, each on the model the ones before left.
 
@@ -122,7 +134,10 @@ def calibrate_recipe(
     passes = tuple(
         get_pass(name).options.from_recipe(values, settings["seed"]) for name, values in r.passes
     )
-    calibrate(passes=passes, out=out, base=base, overwrite=overwrite, data_dir=data_dir, **settings)
+    calibrate(
+        passes=passes, out=out, base=base, overwrite=overwrite, data_dir=data_dir,
+        device_map=device_map, max_memory=max_memory, **settings,
+    )  # fmt: skip
 
 
 def calibrate(
@@ -137,14 +152,18 @@ def calibrate(
     base: Path | None,
     overwrite: bool,
     data_dir: str | None,
+    device_map: str | None = None,
+    max_memory: str | None = None,
 ) -> None:
     """Check everything a calibration needs before torch loads (the model spec, the seed,
     the destination, the base artifact, the dataset, read once here), then run the chain."""
     from kvq.data.text import check_seed, read_corpus
     from kvq.exporters.paths import check_artifact_out
+    from kvq.models.placement import parse_placement
     from kvq.models.spec import check_model_spec
 
     positive(samples=samples, seqlen=seqlen)
+    placement = parse_placement(device_map, max_memory)
     check_seed(seed)
     check_model_spec(model)
     if base is not None and not Path(base).is_dir():
@@ -168,6 +187,7 @@ def calibrate(
         overwrite=overwrite,
         data_dir=data_dir,
         base=base,
+        placement=placement,
     )
     with RichProgress() as progress:
         artifact = calibrate_job(request, progress, corpus)

@@ -82,6 +82,15 @@ MODEL = typer.Option(
 DATA_DIR = typer.Option(
     None, "--data-dir", help="folder holding wikitext-2-raw/ (else $KVQ_DATA_DIR)"
 )
+DEVICE_MAP = typer.Option(
+    None,
+    "--device-map",
+    help="spread the model over devices (accelerate): auto, balanced, balanced_low_0, "
+    "sequential, or a JSON file of module name -> GPU number, cpu or disk",
+)
+MAX_MEMORY = typer.Option(
+    None, "--max-memory", help="with --device-map: per-device limits, e.g. 0=70GiB,cpu=200GiB"
+)
 BACKEND = typer.Option(
     None,
     "--backend",

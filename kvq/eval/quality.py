@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 
 from kvq.manifests.ledger import ByteLedger
+from kvq.models.placement import input_device
 from kvq.progress import Progress
 
 
@@ -88,7 +89,7 @@ def evaluate(
     ledger = None
     with progress.stage(f"eval ({protocol})", total=windows.shape[0]) as bar:
         for i in range(windows.shape[0]):
-            ids = windows[i : i + 1].to(model.device)
+            ids = windows[i : i + 1].to(input_device(model))
             base = model(ids, use_cache=False).logits[0, :-1].float()  # [L - 1, V]
             cache = make_cache()
             quant = model(ids, cache=cache, use_cache=True).logits[0, :-1].float()
@@ -96,6 +97,33 @@ def evaluate(
             ledger = cache.nbytes()
             bar.advance()
     return QualityResult(totals=totals, ledger=ledger)
+
+
+def evaluate_many(
+    model,
+    windows: Tensor,
+    make_caches: dict[str, Callable[[], object]],
+    progress: Progress,
+    on_window: Callable[[int, dict[str, QualityResult]], None] | None = None,
+) -> dict[str, QualityResult]:
+    """The prefill protocol for several caches at once: each window's baseline forward runs
+    once and every cache is scored against it (what `evaluate` computes for each alone,
+    at about half the forwards for a comparison of many). on_window(i, results so far)."""
+    totals = {name: QualityTotals() for name in make_caches}
+    ledgers: dict[str, ByteLedger | None] = dict.fromkeys(make_caches)
+    with progress.stage("eval (prefill, shared baseline)", total=windows.shape[0]) as bar:
+        for i in range(windows.shape[0]):
+            ids = windows[i : i + 1].to(input_device(model))
+            base = model(ids, use_cache=False).logits[0, :-1].float()  # [L - 1, V]
+            for name, make_cache in make_caches.items():
+                cache = make_cache()
+                quant = model(ids, cache=cache, use_cache=True).logits[0, :-1].float()
+                _accumulate(totals[name], base, quant, ids[0, 1:])
+                ledgers[name] = cache.nbytes()
+            if on_window is not None:
+                on_window(i, {n: QualityResult(totals[n], ledgers[n]) for n in make_caches})
+            bar.advance()
+    return {n: QualityResult(totals[n], ledgers[n]) for n in make_caches}
 
 
 def _evaluate_decode(model, windows: Tensor, make_cache, progress: Progress) -> QualityResult:
@@ -110,7 +138,7 @@ def _evaluate_decode(model, windows: Tensor, make_cache, progress: Progress) -> 
     batch = max(1, min(n, DECODE_LOGITS_BUDGET // max(1, 4 * scored * vocab)))
     with progress.stage("eval (decode)", total=n * scored) as bar:  # window-steps
         for a in range(0, n, batch):
-            ids = windows[a : a + batch].to(model.device)  # [B, L]
+            ids = windows[a : a + batch].to(input_device(model))  # [B, L]
             base = model(ids, use_cache=False, logits_to_keep=scored + 1).logits  # [B, S + 1, V]
             cache = make_cache()
             model(ids[:, :half], cache=cache, use_cache=True, logits_to_keep=1)

@@ -13,6 +13,7 @@ from kvq.eval.inputs import check_cache_source, check_protocol, check_quantize, 
 from kvq.eval.quality import evaluate
 from kvq.manifests.ledger import ByteLedger
 from kvq.models.loading import load_model
+from kvq.models.placement import Placement, input_device
 from kvq.pipeline import (
     apply_transforms,
     cache_for,
@@ -39,6 +40,7 @@ def run_eval_job(
     backend: str | None = None,
     corpus: tuple[str, TextSource] | None = None,
     quantize: str = "both",
+    placement: Placement | None = None,
 ) -> dict:
     """corpus: `read_corpus` of the dataset when the caller has read it already.
     quantize: "both", or "keys" / "values" alone (the other side at full precision)."""
@@ -50,7 +52,7 @@ def run_eval_job(
     corpus = corpus or read_corpus(dataset, windows, seqlen, data_dir)
     start = time.perf_counter()
     with progress.stage("load model"):
-        loaded = load_model(model_spec)
+        loaded = load_model(model_spec, placement=placement)
     artifact = None
     if artifact_path is not None:
         with progress.stage("load artifact"):
@@ -58,7 +60,7 @@ def run_eval_job(
         apply_transforms(loaded, artifact.tensors, progress)  # shown as "apply <kind>"
     with progress.stage("sample windows"):
         tw = load_windows(loaded, dataset, windows, seqlen, seed, data_dir, corpus)
-    resolve_backend(backend, loaded.model.device)  # fail fast: e.g. triton without CUDA
+    resolve_backend(backend, input_device(loaded.model))  # fail fast: e.g. triton without CUDA
     # fail fast on an unusable policy
     cache_for(loaded, artifact=artifact, policy=policy, quantize=quantize)
     result = evaluate(
@@ -108,7 +110,7 @@ def generate_text(
     check_cache_source(artifact_path, policy, backend)
     loaded = load_model(model_spec)
     artifact = load_artifact(artifact_path, loaded) if artifact_path is not None else None
-    resolve_backend(backend, loaded.model.device)
+    resolve_backend(backend, input_device(loaded.model))
     cache = cache_for(loaded, artifact=artifact, policy=policy, backend=backend)
     inputs = loaded.tokenizer(prompt, return_tensors="pt")
     prompt_len = inputs["input_ids"].shape[1]

@@ -28,6 +28,9 @@ from kvq.errors import KvqError
 MANIFEST_FILE = "manifest.json"
 TENSORS_FILE = "tensors.safetensors"
 RESERVED = (MANIFEST_FILE, TENSORS_FILE)
+# a serving checkpoint kvq wrote (`kvq export vllm|modelopt`) carries this file: its
+# provenance, and what lets --overwrite recognise the folder as kvq's to replace
+EXPORT_MARKER = "kvq_export.json"
 # the fields every kvq manifest has had, whatever its schema version
 _MANIFEST_KEYS = {"schema_version", "kvq_version", "identity", "architecture", "policy"}
 _MAX_MANIFEST_BYTES = 64 << 20
@@ -46,6 +49,18 @@ def is_artifact_dir(path: Path) -> bool:
     except (OSError, ValueError, RecursionError):
         return False
     return isinstance(data, dict) and data.keys() >= _MANIFEST_KEYS
+
+
+def is_export_dir(path: Path) -> bool:
+    """True for a directory holding a kvq serving export's marker (`EXPORT_MARKER`)."""
+    marker = path / EXPORT_MARKER
+    try:
+        if not marker.is_file() or marker.stat().st_size > _MAX_MANIFEST_BYTES:
+            return False
+        data = json.loads(marker.read_bytes())
+    except (OSError, ValueError, RecursionError):
+        return False
+    return isinstance(data, dict) and "kvq_export" in data and "artifact" in data
 
 
 def _inside(path: Path, folder: Path) -> bool:
@@ -80,9 +95,11 @@ def _check_creatable(path: Path, what: str) -> None:
 # --- destinations ------------------------------------------------------------------------
 
 
-def check_artifact_out(out: Path, overwrite: bool) -> Path:
+def check_artifact_out(out: Path, overwrite: bool, export: bool = False) -> Path:
     """The absolute artifact directory to write, or a one-line KvqError; changes nothing
-    except restoring what a killed write left at `out` (see `recover`)."""
+    except restoring what a killed write left at `out` (see `recover`). export=True: a
+    serving checkpoint's folder (`kvq export vllm|modelopt`), which may replace only a
+    previous kvq export or an empty folder."""
     out = Path(os.path.abspath(out))
     recover(out)
     real = Path(os.path.realpath(out))
@@ -96,9 +113,17 @@ def check_artifact_out(out: Path, overwrite: bool) -> Path:
     if os.path.lexists(out):
         if not overwrite:
             raise KvqError(f"output {out} exists; pass --overwrite to replace it")
-        check_replaceable(out)
+        check_export_replaceable(out) if export else check_replaceable(out)
     _check_creatable(out, "--out")
     return out
+
+
+def check_export_replaceable(path: Path) -> None:
+    """Only a folder kvq exported (it holds `EXPORT_MARKER`) or an empty one may be replaced."""
+    if not path.is_dir():
+        raise KvqError(f"{path} exists and is not a directory; refusing to overwrite it")
+    if any(path.iterdir()) and not is_export_dir(path):
+        raise KvqError(f"{path} is a non-empty directory that is not a kvq export; not replacing")
 
 
 def check_replaceable(path: Path) -> None:

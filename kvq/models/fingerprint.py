@@ -66,10 +66,24 @@ def weights_sha256(model: nn.Module) -> str:
     CPU tensors, and bf16/fp8 work because no numpy dtype is needed.
     """
     h = hashlib.sha256()
-    seen: set[tuple[int, int, tuple[int, ...], torch.dtype]] = set()
-    for name, t in sorted(model.state_dict().items()):
+    seen: set = set()
+    state = model.state_dict()
+    offloaded = any(t.device.type == "meta" for t in state.values())
+    if offloaded:
+        # a dispatched model keeps disk-offloaded weights as meta tensors: read them back
+        # one module at a time, and tell tied weights apart by their Parameter objects
+        # (meta tensors have no storage), so the digest equals the one-device digest
+        from accelerate.utils.modeling import get_state_dict_offloaded_model
+
+        owners = dict(model.named_parameters(remove_duplicate=False))
+        owners |= dict(model.named_buffers(remove_duplicate=False))
+        state = get_state_dict_offloaded_model(model)
+    for name, t in sorted(state.items()):
         t = t.detach()
-        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.dtype)
+        if offloaded:
+            key = id(owners[name]) if name in owners else name
+        else:
+            key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.dtype)
         if key in seen:
             continue
         seen.add(key)

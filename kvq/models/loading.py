@@ -30,6 +30,7 @@ from kvq.exporters import paths
 from kvq.manifests.identity import ModelIdentity
 from kvq.models.adapters import ArchitectureAdapter, get_adapter
 from kvq.models.fingerprint import model_identity
+from kvq.models.placement import Placement
 from kvq.models.spec import DEFAULT_MODEL, model_kind
 from kvq.textsafe import printable
 
@@ -56,16 +57,27 @@ def cache_root() -> Path:
     return Path(os.environ.get("KVQ_CACHE") or "~/.cache/kvq").expanduser()
 
 
-def load_model(spec: str = DEFAULT_MODEL, *, dtype: torch.dtype = torch.float32) -> LoadedModel:
-    """Load `spec` and compute its adapter (refusing unsupported families) and identity."""
-    model, tokenizer = load_model_pair(spec, dtype=dtype)
+def load_model(
+    spec: str = DEFAULT_MODEL,
+    *,
+    dtype: torch.dtype = torch.float32,
+    placement: Placement | None = None,
+) -> LoadedModel:
+    """Load `spec` and compute its adapter (refusing unsupported families) and identity.
+    placement: --device-map / --max-memory (accelerate); None: one device."""
+    model, tokenizer = load_model_pair(spec, dtype=dtype, placement=placement)
     adapter = get_adapter(model)
     return LoadedModel(model, tokenizer, spec, model_identity(model, tokenizer), adapter)
 
 
-def load_model_pair(spec: str = DEFAULT_MODEL, *, dtype: torch.dtype = torch.float32):
+def load_model_pair(
+    spec: str = DEFAULT_MODEL,
+    *,
+    dtype: torch.dtype = torch.float32,
+    placement: Placement | None = None,
+):
     """(model, tokenizer) for `spec`; the model is in eval mode and `dtype`."""
-    return _load_dir(resolve_model_dir(spec), dtype=dtype, what=spec)
+    return _load_dir(resolve_model_dir(spec), dtype=dtype, what=spec, placement=placement)
 
 
 def resolve_model_dir(spec: str) -> Path | str:
@@ -78,11 +90,14 @@ def resolve_model_dir(spec: str) -> Path | str:
     return Path(spec).expanduser() if kind == "dir" else spec
 
 
-def _load_dir(where: Path | str, *, dtype: torch.dtype, what: str):
+def _load_dir(where: Path | str, *, dtype: torch.dtype, what: str, placement=None):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    kw = placement.load_kwargs() if placement is not None else {}
     try:
-        model = AutoModelForCausalLM.from_pretrained(where, dtype=dtype, local_files_only=True)
+        model = AutoModelForCausalLM.from_pretrained(
+            where, dtype=dtype, local_files_only=True, **kw
+        )
         tokenizer = AutoTokenizer.from_pretrained(where, local_files_only=True)
     except (OSError, ValueError) as e:
         if isinstance(where, str):  # a hub id that is not in the local cache

@@ -204,13 +204,28 @@ def _int_token(bits: int, group: int | None) -> QuantScheme:
     return QuantScheme(format="int", bits=bits, axis="token", group_size=group)
 
 
+def _fp8(fmt: str, lifetime: str) -> QuantScheme:
+    axis = "tensor" if lifetime == "static" else "token"
+    return QuantScheme(
+        format="fp8", bits=8, axis=axis, symmetric=True, scale_dtype="float32",
+        lifetime=lifetime, fp8_format=fmt,
+    )  # fmt: skip
+
+
 NAMED_POLICIES: dict[str, tuple[QuantScheme, QuantScheme, str]] = {
     # name: (key scheme, value scheme, description)
     "fp16": (FULL_PRECISION, FULL_PRECISION, "no quantization (reference)"),
     "int8": (_int_token(8, None), _int_token(8, None), "K and V INT8 per token, post-RoPE"),
     "int4": (_int_token(4, 64), _int_token(4, 64), "K and V INT4 per token, groups of 64"),
     "int2": (_int_token(2, 32), _int_token(2, 32), "K and V INT2 per token, groups of 32"),
+    # what an engine does without calibration: a static scale of exactly 1.0 (not fitted)
+    "fp8-e4m3": (_fp8("e4m3", "static"),) * 2 + ("FP8 E4M3 K and V, static scale 1.0",),
+    "fp8-e5m2": (_fp8("e5m2", "static"),) * 2 + ("FP8 E5M2 K and V, static scale 1.0",),
+    "fp8-e4m3-dynamic": (_fp8("e4m3", "dynamic"),) * 2
+    + ("FP8 E4M3 K and V, scale per token from its absmax",),
 }
+# named policies whose static scales are all 1.0 (`kvq.runtime.cache.unit_scales`)
+UNIT_SCALE_POLICIES = ("fp8-e4m3", "fp8-e5m2")
 
 
 KIVI_GROUP, KIVI_RESIDUAL = 32, 128  # the KIVI paper's defaults

@@ -239,6 +239,23 @@ def _heads(layer: KvqLayer) -> int:
     return 0 if layer.state.sink is None else layer.state.sink.rows["k"].shape[1]
 
 
+def unit_scales(policy: CachePolicy) -> dict[str, Tensor]:
+    """Static scales of exactly 1.0 for every per-tensor static scheme of `policy`: the
+    state of a calibration-free policy such as "fp8-e4m3" (what engines use uncalibrated)."""
+    from kvq.quant.qparams import storage_dtype
+
+    state = {}
+    for i, layer in enumerate(policy.layers):
+        for part, scheme in (("key", layer.key), ("value", layer.value)):
+            if scheme.stored and scheme.lifetime == "static":
+                if scheme.axis != "tensor":
+                    raise KvqError(f"layers.{i}.{part}: unit scales are per tensor only")
+                state[f"layers.{i}.{part}.scale"] = torch.ones(
+                    1, dtype=storage_dtype(scheme.scale_dtype)
+                )
+    return state
+
+
 def build_cache(
     model, policy: CachePolicy, static: dict[str, Tensor], adapter, backend: str | None = None
 ) -> QuantizedKVCache:

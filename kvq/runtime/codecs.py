@@ -128,42 +128,87 @@ class IntTokenCodec(Codec):
         return {"codes": "codes", "scale": "qparams", "offset": "qparams"}
 
 
+STATIC_SCALE_SHAPES = {"tensor": "[1]", "head": "[H_kv]", "channel": "[H_kv, D]"}
+
+
+def static_scale(scale: Tensor, axis: str, top: float, where: str) -> None:
+    """Refuse a static scale the codec would misuse: wrong rank for `axis` ("tensor" [1],
+    "head" [H], "channel" [H, D]), non-finite, not positive, or so large that scale x `top`
+    (the largest code's magnitude) overflows float32 and decodes to Inf."""
+    rank = {"tensor": 1, "head": 1, "channel": 2}.get(axis)
+    if rank is None or scale.dim() != rank or (axis == "tensor" and scale.numel() != 1):
+        raise KvqError(
+            f"{where}.scale: a per-{axis} scale must be {STATIC_SCALE_SHAPES.get(axis, '?')}, "
+            f"got {list(scale.shape)}"
+        )
+    x = scale.float()
+    check_finite(x, f"{where}.scale")
+    if not bool((x > 0).all()):
+        raise KvqError(f"{where}.scale: scales must be positive")
+    if not bool(torch.isfinite(x * top).all()):
+        raise KvqError(f"{where}.scale: scale x {top:g} overflows float32")
+
+
 class IntChannelStaticCodec(Codec):
-    """Uniform integer codes with calibrated, fixed qparams per (head, channel).
+    """Uniform integer codes with calibrated, fixed qparams per (head, channel), or
+    symmetric ones per KV head or per tensor (the layouts serving engines store).
 
     Static state means appending a row never reinterprets history (article 0x05A,
     design 2): scale and offset are read from the artifact once.
     """
 
-    def __init__(self, scheme: QuantScheme, head_dim: int, scale: Tensor, offset: Tensor | None):
+    def __init__(
+        self,
+        scheme: QuantScheme,
+        head_dim: int,
+        scale: Tensor,
+        offset: Tensor | None,
+        where: str = "codec",
+    ):
         super().__init__(head_dim, torch.float32)
         self.bits = scheme.bits
         self.symmetric = scheme.symmetric
-        if scale.ndim != 2 or scale.shape[-1] != head_dim:
+        self.axis = scheme.axis
+        if scheme.axis == "channel" and (scale.ndim != 2 or scale.shape[-1] != head_dim):
             raise KvqError(
                 f"per-channel scale must be [H_kv, {head_dim}], got {tuple(scale.shape)}"
             )
+        if scheme.axis != "channel" and not self.symmetric:
+            raise KvqError(f"{where}: static per-{scheme.axis} INT must be symmetric")
+        static_scale(scale, scheme.axis, float(1 << self.bits), where)
         if not self.symmetric and (offset is None or offset.shape != scale.shape):
             raise KvqError("asymmetric per-channel scheme needs an offset shaped like its scale")
         self.static = {"scale": scale} if self.symmetric else {"scale": scale, "offset": offset}
-        # [1, H, 1, D] views for broadcasting against rows
-        self._scale = scale[None, :, None, :]
         self._offset = None if offset is None else offset[None, :, None, :]
+
+    def _channel_scale(self, h: int) -> Tensor:
+        """[H, D]: the stored scale broadcast to every channel (the encoders' layout)."""
+        s = self.static["scale"]
+        if self.axis == "channel":
+            return s
+        return s.float().view(-1, 1).expand(h, self.head_dim).contiguous()
+
+    def _packed_scale(self, h: int) -> Tensor:
+        """The stored scale as the decoders index it: [H, D] or [H] (a tensor's repeated)."""
+        s = self.static["scale"]
+        return s.float().expand(h).contiguous() if self.axis == "tensor" else s
 
     def encode(self, x: Tensor) -> tuple[Rows, Flat]:
         check_finite(x, "key/value rows")
         x = x.float()
+        scale = self._channel_scale(x.shape[1]).to(x.device)[None, :, None, :]  # [1, H, 1, D]
         if self.symmetric:
-            codes = affine.symmetric_encode(x, self._scale, self.bits)
+            codes = affine.symmetric_encode(x, scale, self.bits)
             ucodes = (codes.to(torch.int16) + (1 << (self.bits - 1))).to(torch.uint8)
         else:
-            ucodes = affine.affine_encode(x, self._scale, self._offset, self.bits)
+            ucodes = affine.affine_encode(x, scale, self._offset, self.bits)
         return {"codes": packing.pack_bits(ucodes, self.bits)}, NO_FLAT
 
     def packed(self, rows: Rows, flat: Flat) -> PackedRows:
-        scale, offset = self.static["scale"], self.static.get("offset")
+        codes = rows["codes"]
+        scale, offset = self._packed_scale(codes.shape[1]), self.static.get("offset")
         zero = float(1 << (self.bits - 1)) if self.symmetric else 0.0
-        return PackedRows("affine", self.head_dim, rows["codes"], self.bits, zero, scale, offset)
+        return PackedRows("affine", self.head_dim, codes, self.bits, zero, scale, offset)
 
     def row_spec(self, x: Tensor):
         return {"codes": ((packing.packed_len(x.shape[-1], self.bits),), torch.uint8)}
@@ -172,8 +217,9 @@ class IntChannelStaticCodec(Codec):
         from kvq.runtime.kernels.append import append_int_channel
 
         offset = self.static.get("offset")
+        scale = self._channel_scale(x.shape[1]).to(x.device)
         append_int_channel(
-            x, buffers["codes"], start, self.static["scale"], offset, self.bits, self.symmetric,
+            x, buffers["codes"], start, scale, offset, self.bits, self.symmetric,
             backend="triton",
         )  # fmt: skip
         return NO_FLAT
@@ -202,12 +248,16 @@ def make_codec(
         from kvq.runtime.kivi import KiviKeyCodec
 
         return KiviKeyCodec(scheme, head_dim)
-    if scheme.format == "int" and scheme.axis == "channel":
+    if scheme.format == "int" and scheme.lifetime == "static":
         if "scale" not in state:
             raise KvqError(
-                f"{where}: static per-channel scheme but the artifact has no {where}.scale"
+                f"{where}: static per-{scheme.axis} scheme but the artifact has no {where}.scale"
             )
-        return IntChannelStaticCodec(scheme, head_dim, state["scale"], state.get("offset"))
+        return IntChannelStaticCodec(scheme, head_dim, state["scale"], state.get("offset"), where)
+    if scheme.format == "fp8":
+        from kvq.runtime.fp8_codecs import make_fp8_codec
+
+        return make_fp8_codec(scheme, head_dim, state, where)
     if scheme.format == "nuq":
         from kvq.runtime.nuq_codecs import make_nuq_codec
 

@@ -33,6 +33,8 @@ _RULES = {
     "codebook": ("levels", "increasing"),
     "qnorm_levels": ("levels", "finite"),
 }
+# a static scale of a whole KV head or tensor (FP8/INT8 as serving engines store them)
+_STATIC_AXIS_SHAPES = {"head": lambda heads: (heads,), "tensor": lambda heads: (1,)}
 _QPARAMS = ("scale", "offset", "center")  # stored in the scheme's scale dtype
 # layers.{i}.KIND.* other than the policy's key/value state: model transforms
 _TRANSFORM = re.compile(r"^layers\.\d+\.(?!key\.|value\.)[^.]+\.")
@@ -88,6 +90,8 @@ def _check_tensor(
         raise IncompatibleArtifact(f"tensors[{full}]", "a known static tensor", "unknown name")
     shape_kind, rule = _RULES[name]
     shape = (heads, head_dim) if shape_kind == "channel" else (2**scheme.bits,)
+    if name == "scale" and scheme.axis in _STATIC_AXIS_SHAPES:
+        shape = _STATIC_AXIS_SHAPES[scheme.axis](heads)
     _check_shape(full, t, shape)
     if not t.dtype.is_floating_point:
         raise IncompatibleArtifact(f"tensors[{full}].dtype", "a float dtype", dtype_name(t.dtype))

@@ -52,3 +52,26 @@ def test_decode_batches_windows_like_one_at_a_time(monkeypatch):
     assert math.isclose(batched.nll_quant, single.nll_quant, rel_tol=1e-4)
     assert math.isclose(batched.kl, single.kl, rel_tol=1e-3, abs_tol=1e-6)
     assert batched.kl > 1e-5  # the quantized cache is really in the loop
+
+
+def test_evaluate_many_shares_the_baseline_and_scores_each_cache_as_evaluate_does():
+    from kvq.eval.quality import evaluate_many
+
+    model = make_tiny_model("gemma3")
+    ad = get_adapter(model)
+    windows = torch.randint(3, 200, (3, 16), generator=torch.Generator().manual_seed(1))
+
+    def maker(name):
+        policy = named_policy(name, ad.info.num_layers, ad.info.head_dim)
+        return lambda: build_cache(model, policy, {}, ad)
+
+    names = ("int4", "fp8-e4m3-dynamic")
+    seen = []
+    many = evaluate_many(
+        model, windows, {n: maker(n) for n in names}, Progress(), lambda i, r: seen.append(i)
+    )
+    assert seen == [0, 1, 2]
+    tasks = ("ppl", "kld", "bytes")
+    for name in names:
+        alone = evaluate(model, windows, maker(name), "prefill", Progress())
+        assert many[name].as_json(tasks) == alone.as_json(tasks)

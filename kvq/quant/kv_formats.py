@@ -1,0 +1,51 @@
+"""The static K/V formats serving engines run: FP8 E4M3 / E5M2 and symmetric INT8, with
+one float32 scale per tensor or per KV head.
+
+Names as on the command line ("fp8-e4m3", "fp8-e5m2", "int8"). The scale maps a range's
+absolute maximum to the format's largest code; `round_trip` is exactly what the cache
+stores and reads back (the codecs call the same `fp8` / `affine` functions), so a scale
+search that minimises its error optimises what the runtime will do.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from kvq.errors import KvqError
+from kvq.quant import affine, fp8
+from kvq.quant.schemes import QuantScheme
+
+KV_FORMATS = ("fp8-e4m3", "fp8-e5m2", "int8")
+SCALE_DTYPE = "float32"  # what vLLM, SGLang and TensorRT-LLM load k_scale / v_scale as
+
+
+def _check(fmt: str) -> None:
+    if fmt not in KV_FORMATS:
+        raise KvqError(f"unknown K/V format {fmt!r}; known: {', '.join(KV_FORMATS)}")
+
+
+def scheme_for(fmt: str, axis: str) -> QuantScheme:
+    """The static scheme of `fmt` with one scale per `axis` ("tensor" or "head")."""
+    _check(fmt)
+    if fmt == "int8":
+        return QuantScheme("int", 8, axis=axis, symmetric=True, lifetime="static",
+                           scale_dtype=SCALE_DTYPE)  # fmt: skip
+    return QuantScheme("fp8", 8, axis=axis, symmetric=True, lifetime="static",
+                       scale_dtype=SCALE_DTYPE, fp8_format=fmt.removeprefix("fp8-"))  # fmt: skip
+
+
+def scale_for(amax: Tensor, fmt: str) -> Tensor:
+    """Stored float32 scales amax / top code (1 where amax == 0); amax [...] >= 0."""
+    _check(fmt)
+    if fmt == "int8":
+        return affine.symmetric_qparams(amax, 8, torch.float32)
+    return fp8.fp8_scale(amax, fmt.removeprefix("fp8-"), torch.float32)
+
+
+def round_trip(x: Tensor, scale: Tensor, fmt: str) -> Tensor:
+    """x as the cache returns it after storing with `scale` (broadcast against x), fp32."""
+    _check(fmt)
+    if fmt == "int8":
+        return affine.symmetric_decode(affine.symmetric_encode(x, scale, 8), scale)
+    return fp8.fp8_decode(fp8.fp8_encode(x, scale, fmt.removeprefix("fp8-")), scale)
