@@ -16,7 +16,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
 
 from kvq.errors import KvqError
-from kvq.quant.schemes import MAX_GROUP, KeyStage
+from kvq.quant.schemes import MAX_GROUP, NAMED_POLICIES, KeyStage
 
 OptionValue = str | int | float | bool | None
 
@@ -174,3 +174,29 @@ class KVQuantOptions(PassOptions):
             raise KvqError(f"--sink must be >= 0, got {self.sink}")
         if self.key_outliers not in ("fisher", "uniform"):
             raise KvqError(f"key_outliers must be 'fisher' or 'uniform', got {self.key_outliers!r}")
+
+
+@dataclass(frozen=True)
+class SmoothAttentionOptions(PassOptions):
+    NAME: ClassVar[str] = "smoothattention"
+    SUMMARY: ClassVar[str] = (
+        "QServe SmoothAttention: move post-RoPE key range into queries (RoPE-paired scales)."
+    )
+
+    alpha: float = option(0.5, "key exponent: lambda = max|K|^alpha / max|Q|^beta, in [0, 1]")
+    beta: float = option(0.0, "query exponent, in [0, 1]")
+    # None: kv4-qserve, or the base artifact's layout with --base
+    layout: str | None = option(
+        None, "calibration-free cache policy of the artifact (default kv4-qserve)"
+    )
+
+    def __post_init__(self) -> None:
+        for name in ("alpha", "beta"):
+            value = getattr(self, name)
+            if not 0.0 <= value <= 1.0:  # NaN fails too
+                raise KvqError(f"--{name} must be in [0, 1], got {value}")
+        if self.layout is not None and self.layout not in NAMED_POLICIES:
+            known = ", ".join(sorted(NAMED_POLICIES))
+            raise KvqError(
+                f"--layout must be a calibration-free policy ({known}), got {self.layout!r}"
+            )

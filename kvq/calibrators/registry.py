@@ -13,7 +13,12 @@ import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from kvq.calibrators.options import ChannelScalesOptions, KVQuantOptions, PassOptions
+from kvq.calibrators.options import (
+    ChannelScalesOptions,
+    KVQuantOptions,
+    PassOptions,
+    SmoothAttentionOptions,
+)
 from kvq.errors import KvqError
 
 
@@ -36,6 +41,7 @@ PASSES: dict[str, PassEntry] = {
     for entry in (
         PassEntry(ChannelScalesOptions, "kvq.calibrators.channel_scales:fit"),
         PassEntry(KVQuantOptions, "kvq.calibrators.kvquant:fit"),
+        PassEntry(SmoothAttentionOptions, "kvq.calibrators.smooth_attention:fit"),
     )
 }
 
@@ -48,7 +54,9 @@ def get_pass(name: str) -> PassEntry:
 
 # Model transforms stored in artifacts as layers.{i}.KIND.*, by KIND: "module:function"
 # taking (loaded model, that kind's tensors) and folding them into the model's weights.
-TRANSFORMS: dict[str, str] = {}
+TRANSFORMS: dict[str, str] = {
+    "smooth": "kvq.models.smoothing:fold_smooth",  # SmoothAttention's lambda [H_kv, D]
+}
 
 
 def transform_function(kind: str) -> Callable:

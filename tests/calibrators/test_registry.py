@@ -8,7 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvq.calibrators.options import ChannelScalesOptions, KVQuantOptions
+from kvq.calibrators.options import (
+    ChannelScalesOptions,
+    KVQuantOptions,
+    SmoothAttentionOptions,
+)
 from kvq.calibrators.recipe import read_recipe
 from kvq.calibrators.registry import PASSES, get_pass
 from kvq.errors import KvqError
@@ -22,6 +26,7 @@ from tests.cli.test_cli import _one_line_error, _run
 SMALL = {
     "channel-scales": ChannelScalesOptions(bits=4, value_group=8),
     "kvquant": KVQuantOptions(bits=3, fisher=False),
+    "smoothattention": SmoothAttentionOptions(alpha=0.5),
 }
 
 
