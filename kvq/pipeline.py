@@ -192,7 +192,7 @@ def weights_key(loaded: LoadedModel, base: ChainState | None) -> str:
 
 def apply_transforms(
     loaded: LoadedModel, tensors: dict[str, Tensor], progress: Progress | None = None
-) -> None:
+) -> tuple[str, ...]:
     """Fold an artifact's model transforms (e.g. SmoothAttention's scales) into `loaded`,
     each by the function its kind registers, as a progress stage ("apply smooth").
 
@@ -205,6 +205,7 @@ def apply_transforms(
         if tensor_kind(name) == "transform":
             kinds.setdefault(name.split(".")[2], {})[name] = t
     applied = loaded.model.__dict__.setdefault("_kvq_transforms", {})  # kind -> digest
+    done = []
     for kind, group in sorted(kinds.items()):
         digest = hashlib.sha256(repr(sorted(tensor_index(group).items())).encode()).hexdigest()
         if applied.get(kind) == digest:
@@ -216,6 +217,8 @@ def apply_transforms(
         with (progress or Progress()).stage(f"apply {kind}"):
             transform_function(kind)(loaded, group)
         applied[kind] = digest
+        done.append(kind)
+    return tuple(done)
 
 
 def load_artifact(path: str | Path, loaded: LoadedModel | None = None) -> Artifact:

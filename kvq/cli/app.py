@@ -152,6 +152,10 @@ def generate(
 
     quiet_transformers()
     gen = generate_text(model, artifact, policy, prompt, max_new_tokens, backend)
+    if gen.transforms:
+        typer.echo(
+            f"[applied the artifact's model transforms: {', '.join(gen.transforms)}]", err=True
+        )
     typer.echo(printable(gen.text, keep_newlines=True))  # the model's text, not commands
     ledger = gen.ledger
     typer.echo(

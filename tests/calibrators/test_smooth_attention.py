@@ -158,6 +158,11 @@ def test_cli_calibrate_then_run_eval_says_it_applies_the_smoothing(
     assert "apply smooth" in result.stderr
     tasks = json.loads(report.read_text())["tasks"]
     assert math.isfinite(tasks["ppl"]["quantized"]) and tasks["bytes"]["ledger"]["codes"] > 0
+    gen = _run(
+        "generate", "--model", model_dir, "--artifact", art, "--prompt", "The", "--max-new-tokens", 3
+    )  # fmt: skip
+    assert gen.exit_code == 0, gen.stderr
+    assert "applied the artifact's model transforms: smooth" in gen.stderr
     other = _run(
         "calibrate", "smoothattention", "--model", model_dir, "--dataset", _data(shared_data),
         "--samples", 2, "--seqlen", 24, "--layout", "int8", "--out", tmp_path / "B",

@@ -1,0 +1,157 @@
+"""SmoothAttention on QServe's KV4 layout: an alpha (and beta) sweep on the same windows.
+
+    .venv/bin/python bench/smooth_attention.py [--alphas 0.3,0.4,0.5,0.6,0.7] [--betas 0]
+        [--samples 16] [--windows 16] [--seqlen 512] [--json FILE]
+
+Rows: kv4-qserve without smoothing, then one per (alpha, beta): lambda fitted on the
+calibration windows (one capture of post-RoPE key and query maxima serves every row),
+folded into the model, the same kv4-qserve cache. Each evaluation window's baseline
+logits are computed once and every row is scored against them (prefill protocol, as
+`kvq run-eval`). Also per layer: the widest post-RoPE key channel range over the median
+one (`key_channel_spread`, on the evaluation windows), without smoothing and per row.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from kvq.calibrators.smooth_attention import channel_maxima, key_channel_spread, smooth_lambda
+from kvq.eval.quality import QualityTotals, _accumulate
+from kvq.models.adapters import rope_partners
+from kvq.models.loading import load_model
+from kvq.models.smoothing import fold_smooth
+from kvq.pipeline import load_windows
+from kvq.progress import Progress
+from kvq.quant.schemes import named_policy
+from kvq.runtime.cache import build_cache
+
+SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
+
+
+def _floats(text: str) -> list[float]:
+    return [float(v) for v in text.split(",") if v]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--model", default="gemma3-270m")
+    ap.add_argument("--alphas", type=_floats, default=[0.3, 0.4, 0.5, 0.6, 0.7])
+    ap.add_argument("--betas", type=_floats, default=[0.0])
+    ap.add_argument("--policy", default="kv4-qserve")
+    ap.add_argument("--samples", type=int, default=16)
+    ap.add_argument("--windows", type=int, default=16)
+    ap.add_argument("--seqlen", type=int, default=512)
+    ap.add_argument("--calibration", default=str(SHARED / "calibration" / "groups_merged.txt"))
+    ap.add_argument("--data-dir", default=str(SHARED))
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args()
+    torch.set_grad_enabled(False)
+    console = Console(stderr=True)
+    start = time.perf_counter()
+
+    loaded = load_model(args.model)
+    model, adapter = loaded.model, loaded.adapter
+    info = adapter.info
+    policy = named_policy(args.policy, info.num_layers, info.head_dim)
+    sink = policy.layers[0].sink_tokens
+    cal = load_windows(loaded, args.calibration, args.samples, args.seqlen, 0, None)
+    ev = load_windows(loaded, "wikitext2", args.windows, args.seqlen, 0, args.data_dir)
+    kmax, qmax = channel_maxima(adapter, cal.ids, sink, Progress())
+    partners = [rope_partners(info.head_dim, r.rotary_dim, r.pairing) for r in info.rope]
+
+    def lambdas(alpha: float, beta: float) -> dict:
+        return {
+            f"layers.{i}.smooth.lambda": smooth_lambda(kmax[i], qmax[i], alpha, beta, partners[i])
+            for i in range(info.num_layers)
+        }
+
+    configs = [("no smoothing", None, None, None)] + [
+        (f"alpha {a:g} beta {b:g}", a, b, lambdas(a, b)) for b in args.betas for a in args.alphas
+    ]
+    # the attention modules' weights as loaded, restored before each row's fold
+    original = [
+        {n: t.clone() for n, t in adapter.attention(i).state_dict().items()}
+        for i in range(info.num_layers)
+    ]
+
+    def use(tensors: dict | None) -> None:
+        for i, state in enumerate(original):
+            adapter.attention(i).load_state_dict(state)
+        if tensors is not None:
+            fold_smooth(loaded, tensors)
+
+    rows = []
+    for name, alpha, beta, tensors in configs:
+        use(tensors)
+        spread = key_channel_spread(adapter, ev.ids, sink, Progress())
+        rows.append(
+            {"config": name, "alpha": alpha, "beta": beta, "key_spread": spread,
+             "totals": QualityTotals()}
+        )  # fmt: skip
+    console.print(f"{len(configs)} configurations; scoring {args.windows} x {args.seqlen} windows")
+    for w in range(ev.ids.shape[0]):
+        ids = ev.ids[w : w + 1]
+        use(None)
+        base = model(ids).logits[0, :-1].float()  # [L - 1, V]
+        for row, (_, _, _, tensors) in zip(rows, configs, strict=True):
+            use(tensors)
+            cache = build_cache(model, policy, {}, adapter)
+            quant = model(ids, cache=cache).logits[0, :-1].float()
+            _accumulate(row["totals"], base, quant, ids[0, 1:])
+            row["bytes_ratio"] = cache.nbytes().ratio
+        console.print(f"window {w + 1}/{args.windows} ({time.perf_counter() - start:.0f} s)")
+
+    for row in rows:
+        t = row.pop("totals")
+        row |= {
+            "ppl_baseline": t.ppl_base(),
+            "ppl": t.ppl_quant(),
+            "ratio": t.ppl_quant() / t.ppl_base(),
+            "kld": t.kl / t.tokens,
+            "top1": t.top1_agree / t.tokens,
+        }
+    plain_kld = rows[0]["kld"]
+    table = Table(
+        title=f"SmoothAttention · {args.model} · {args.policy} · WikiText-2 "
+        f"{args.windows}×{args.seqlen} · prefill"
+    )
+    cols = ("config", "perplexity", "ratio", "KLD", "KLD cut", "top-1", "key spread max/med")
+    for col in cols:
+        table.add_column(col, justify="left" if col == "config" else "right")
+    for r in rows:
+        s = r["key_spread"]
+        table.add_row(
+            r["config"], f"{r['ppl']:.3f}", f"{r['ratio']:.4f}", f"{r['kld']:.4f}",
+            f"{1 - r['kld'] / plain_kld:.1%}", f"{r['top1']:.3f}",
+            f"{max(s):.1f} (median {sorted(s)[len(s) // 2]:.1f})",
+        )  # fmt: skip
+    out = Console()
+    out.print(table)
+    out.print(f"baseline perplexity {rows[0]['ppl_baseline']:.3f}")
+    spread = Table(title="post-RoPE key channel range, max / median, per layer")
+    spread.add_column("layer")
+    for r in rows:
+        spread.add_column(r["config"], justify="right")
+    for i in range(info.num_layers):
+        kind = "full" if info.layer_types[i] == "full_attention" else "slide"
+        spread.add_row(f"{i} ({kind})", *(f"{r['key_spread'][i]:.1f}" for r in rows))
+    out.print(spread)
+    report = {
+        "model": args.model, "policy": args.policy, "calibration": cal.source.spec,
+        "samples": args.samples, "windows": args.windows, "seqlen": args.seqlen,
+        "windows_sha256": ev.fingerprint, "seconds": round(time.perf_counter() - start, 1),
+        "results": rows,
+    }  # fmt: skip
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
