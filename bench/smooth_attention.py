@@ -1,13 +1,15 @@
 """SmoothAttention on QServe's KV4 layout: an alpha (and beta) sweep on the same windows.
 
     .venv/bin/python bench/smooth_attention.py [--alphas 0.3,0.4,0.5,0.6,0.7] [--betas 0]
-        [--samples 16] [--windows 16] [--seqlen 512] [--json FILE]
+        [--samples 16] [--windows 16] [--seqlen 512] [--artifacts ART ...] [--json FILE]
 
 Rows: kv4-qserve without smoothing, then one per (alpha, beta): lambda fitted on the
 calibration windows (one capture of post-RoPE key and query maxima serves every row),
 folded into the model, the same kv4-qserve cache. Each evaluation window's baseline
 logits are computed once and every row is scored against them (prefill protocol, as
-`kvq run-eval`). Also per layer: the widest post-RoPE key channel range over the median
+`kvq run-eval`). `--artifacts`: more rows, each an artifact as `run-eval --artifact` would
+use it (its transforms folded, its policy and qparams), e.g. channel-scales with and
+without SmoothAttention before it. Also per layer: the widest post-RoPE key channel range over the median
 one (`key_channel_spread`, on the evaluation windows), without smoothing and per row.
 """
 
@@ -22,12 +24,13 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from kvq.calibrators.base import tensor_kind
 from kvq.calibrators.smooth_attention import channel_maxima, key_channel_spread, smooth_lambda
 from kvq.eval.quality import QualityTotals, _accumulate
 from kvq.models.adapters import rope_partners
 from kvq.models.loading import load_model
 from kvq.models.smoothing import fold_smooth
-from kvq.pipeline import load_windows
+from kvq.pipeline import load_artifact, load_windows
 from kvq.progress import Progress
 from kvq.quant.schemes import named_policy
 from kvq.runtime.cache import build_cache
@@ -50,6 +53,7 @@ def main() -> None:
     ap.add_argument("--seqlen", type=int, default=512)
     ap.add_argument("--calibration", default=str(SHARED / "calibration" / "groups_merged.txt"))
     ap.add_argument("--data-dir", default=str(SHARED))
+    ap.add_argument("--artifacts", type=Path, nargs="*", default=[])
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     torch.set_grad_enabled(False)
@@ -72,9 +76,21 @@ def main() -> None:
             for i in range(info.num_layers)
         }
 
-    configs = [("no smoothing", None, None, None)] + [
-        (f"alpha {a:g} beta {b:g}", a, b, lambdas(a, b)) for b in args.betas for a in args.alphas
+    # (name, alpha, beta, smooth tensors or None, cache policy, its static tensors)
+    configs = [("no smoothing", None, None, None, policy, {})] + [
+        (f"alpha {a:g} beta {b:g}", a, b, lambdas(a, b), policy, {})
+        for b in args.betas
+        for a in args.alphas
     ]
+    for path in args.artifacts:
+        art = load_artifact(path, loaded)
+        kinds = {n: tensor_kind(n) for n in art.tensors}
+        smooth = {n: t for n, t in art.tensors.items() if kinds[n] == "transform"}
+        static = {n: t for n, t in art.tensors.items() if kinds[n] == "policy"}
+        chain = "+".join(p.method for p in art.manifest.passes)
+        configs.append(
+            (f"{path.name} ({chain})", None, None, smooth or None, art.manifest.policy, static)
+        )
     # the attention modules' weights as loaded, restored before each row's fold
     original = [
         {n: t.clone() for n, t in adapter.attention(i).state_dict().items()}
@@ -88,7 +104,7 @@ def main() -> None:
             fold_smooth(loaded, tensors)
 
     rows = []
-    for name, alpha, beta, tensors in configs:
+    for name, alpha, beta, tensors, _, _ in configs:
         use(tensors)
         spread = key_channel_spread(adapter, ev.ids, sink, Progress())
         rows.append(
@@ -100,9 +116,9 @@ def main() -> None:
         ids = ev.ids[w : w + 1]
         use(None)
         base = model(ids).logits[0, :-1].float()  # [L - 1, V]
-        for row, (_, _, _, tensors) in zip(rows, configs, strict=True):
+        for row, (_, _, _, tensors, row_policy, static) in zip(rows, configs, strict=True):
             use(tensors)
-            cache = build_cache(model, policy, {}, adapter)
+            cache = build_cache(model, row_policy, static, adapter)
             quant = model(ids, cache=cache).logits[0, :-1].float()
             _accumulate(row["totals"], base, quant, ids[0, 1:])
             row["bytes_ratio"] = cache.nbytes().ratio
@@ -132,7 +148,7 @@ def main() -> None:
             f"{1 - r['kld'] / plain_kld:.1%}", f"{r['top1']:.3f}",
             f"{max(s):.1f} (median {sorted(s)[len(s) // 2]:.1f})",
         )  # fmt: skip
-    out = Console()
+    out = Console(width=160)  # the full table, also in a log file
     out.print(table)
     out.print(f"baseline perplexity {rows[0]['ppl_baseline']:.3f}")
     spread = Table(title="post-RoPE key channel range, max / median, per layer")
