@@ -10,7 +10,8 @@ logits are computed once and every row is scored against them (prefill protocol,
 `kvq run-eval`). `--artifacts`: more rows, each an artifact as `run-eval --artifact` would
 use it (its transforms folded, its policy and qparams), e.g. channel-scales with and
 without SmoothAttention before it. Also per layer: the widest post-RoPE key channel range over the median
-one (`key_channel_spread`, on the evaluation windows), without smoothing and per row.
+one (`key_channel_spread`, on the first --spread-windows evaluation windows), without
+smoothing and per row.
 """
 
 from __future__ import annotations
@@ -54,6 +55,12 @@ def main() -> None:
     ap.add_argument("--calibration", default=str(SHARED / "calibration" / "groups_merged.txt"))
     ap.add_argument("--data-dir", default=str(SHARED))
     ap.add_argument("--artifacts", type=Path, nargs="*", default=[])
+    ap.add_argument(
+        "--split", type=float, default=0.5, help="alpha of the K-only and V-only rows (-1: none)"
+    )
+    ap.add_argument(
+        "--spread-windows", type=int, default=4, help="evaluation windows the key range uses"
+    )
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     torch.set_grad_enabled(False)
@@ -82,6 +89,11 @@ def main() -> None:
         for b in args.betas
         for a in args.alphas
     ]
+    if args.split >= 0:  # where the error left after smoothing comes from
+        split = lambdas(args.split, 0.0)
+        for side in ("keys", "values"):
+            name = f"alpha {args.split:g}, {side} only"
+            configs.append((name, args.split, 0.0, split, policy.only(side), {}))
     for path in args.artifacts:
         art = load_artifact(path, loaded)
         kinds = {n: tensor_kind(n) for n in art.tensors}
@@ -103,10 +115,15 @@ def main() -> None:
         if tensors is not None:
             fold_smooth(loaded, tensors)
 
-    rows = []
+    rows, spreads = [], {}  # spreads by the lambdas' bytes: rows sharing them share it
     for name, alpha, beta, tensors, _, _ in configs:
-        use(tensors)
-        spread = key_channel_spread(adapter, ev.ids, sink, Progress())
+        key = None if tensors is None else b"".join(t.numpy().tobytes() for t in tensors.values())
+        if key not in spreads:
+            use(tensors)
+            spreads[key] = key_channel_spread(
+                adapter, ev.ids[: args.spread_windows], sink, Progress()
+            )
+        spread = spreads[key]
         rows.append(
             {"config": name, "alpha": alpha, "beta": beta, "key_spread": spread,
              "totals": QualityTotals()}
@@ -162,6 +179,7 @@ def main() -> None:
     report = {
         "model": args.model, "policy": args.policy, "calibration": cal.source.spec,
         "samples": args.samples, "windows": args.windows, "seqlen": args.seqlen,
+        "spread_windows": args.spread_windows,
         "windows_sha256": ev.fingerprint, "seconds": round(time.perf_counter() - start, 1),
         "results": rows,
     }  # fmt: skip

@@ -8,6 +8,7 @@ only parses, calls and renders.
 from __future__ import annotations
 
 import hashlib
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -246,7 +247,12 @@ def cache_for(
         raise KvqError("give exactly one of an artifact or a policy name")
     if artifact is not None:
         check_model_compatible(artifact.manifest, loaded.identity, loaded.adapter.info)
-        apply_transforms(loaded, artifact.tensors)  # once per model (a no-op after that)
+        applied = apply_transforms(loaded, artifact.tensors)  # once per model, then a no-op
+        if applied:  # the caller's model object changed: say so
+            logging.getLogger("kvq").warning(
+                "kvq: folded the artifact's model transforms (%s) into the model's weights",
+                ", ".join(applied),
+            )
         static = {n: t for n, t in artifact.tensors.items() if tensor_kind(n) == "policy"}
         policy_obj = artifact.manifest.policy.only(quantize)
         return build_cache(loaded.model, policy_obj, static, loaded.adapter, backend)

@@ -68,7 +68,7 @@ def test_lambda_is_tied_within_pairs_and_one_where_a_pair_never_moved():
 @pytest.mark.parametrize("family", FAMILIES)
 @torch.no_grad()
 def test_folded_smoothing_keeps_the_logits_and_flattens_the_keys(
-    family, tiny_model_dir, shared_data, tmp_path
+    family, tiny_model_dir, shared_data, tmp_path, caplog
 ):
     """No quantization: logits equal within fp32 rounding (Qwen2's biases, Gemma's (1 + w)
     q/k norms and sliding layers included), and the widest key channel comes closer to
@@ -95,6 +95,7 @@ def test_folded_smoothing_keeps_the_logits_and_flattens_the_keys(
     assert all(a < b for a, b in zip(spread_after, spread_before, strict=True))
     # the cache runtime applies it once: a second artifact load changes nothing
     cache_for(loaded, artifact=artifact)
+    assert not caplog.records  # nothing newly folded, nothing said
     torch.testing.assert_close(loaded.model(ids).logits, after, atol=0, rtol=0)
 
 
@@ -115,7 +116,7 @@ def test_folded_smoothing_keeps_the_real_gemma3_logits(shared_data, tmp_path):
 
 
 def test_a_chain_calibrates_channel_scales_on_the_smoothed_keys(
-    tiny_model_dir, shared_data, tmp_path
+    tiny_model_dir, shared_data, tmp_path, caplog
 ):
     model_dir = tiny_model_dir("qwen2")
     _smooth(model_dir, shared_data, tmp_path / "A")
@@ -131,6 +132,7 @@ def test_a_chain_calibrates_channel_scales_on_the_smoothed_keys(
     assert ratio.median().item() == pytest.approx(1.0, rel=0.05)
     loaded = load_model(str(model_dir))
     cache = cache_for(loaded, artifact=chained)
+    assert "folded the artifact's model transforms (smooth)" in caplog.text
     with torch.no_grad():
         out = loaded.model(torch.randint(3, 200, (1, 9)), cache=cache).logits
     assert torch.isfinite(out).all()
