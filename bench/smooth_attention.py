@@ -39,6 +39,44 @@ from kvq.runtime.cache import build_cache
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
 
 
+def per_layer_alpha(adapter, ids, kmax, qmax, partners, grid, sink) -> list[float]:
+    """Per layer, the alpha of `grid` whose kv4-qserve keys (smoothed, quantized per token)
+    change the attention logits least on windows `ids`, each logit's squared change
+    weighted by its exact causal attention probability: a proxy, before any evaluation."""
+    from kvq.calibrators.capture import capture, run_windows
+    from kvq.quant import affine
+
+    info = adapter.info
+    group = info.num_q_heads // info.num_kv_heads
+    best: list[float] = []
+    seen: dict[int, dict[str, torch.Tensor]] = {}
+
+    def consume(layer: int, part: str, x: torch.Tensor) -> None:
+        seen.setdefault(layer, {})[part] = x[0].float()  # [H, T, D], the first window
+
+    with capture(adapter, consume, parts=("key", "query"), key_stage="post-rope"):
+        run_windows(adapter.model, ids[:1])
+    for i in range(info.num_layers):
+        k, q = seen[i]["key"], seen[i]["query"]  # [H_kv, T, D], [H_q, T, D]
+        t = k.shape[1]
+        logits = torch.einsum("htd,hsd->hts", q, k.repeat_interleave(group, 0))
+        causal = torch.ones(t, t, dtype=torch.bool).tril()
+        causal[:, :sink] = False  # sink keys are exact
+        p = torch.softmax(logits.masked_fill(~torch.ones(t, t).tril().bool(), -1e30), -1)
+        errors = []
+        for alpha in grid:
+            lam = smooth_lambda(kmax[i], qmax[i], alpha, 0.0, partners[i])[:, None, :]
+            ks = k[:, sink:] / lam
+            codes, scale, zp = affine.quantize_qserve(ks, -1)
+            dk = torch.zeros_like(k)
+            dk[:, sink:] = affine.qserve_decode(codes, scale, zp) - ks
+            qs = q * lam.repeat_interleave(group, 0)
+            dl = torch.einsum("htd,hsd->hts", qs, dk.repeat_interleave(group, 0))
+            errors.append(float((p * dl.square() * causal).sum()))
+        best.append(grid[min(range(len(grid)), key=errors.__getitem__)])
+    return best
+
+
 def _floats(text: str) -> list[float]:
     return [float(v) for v in text.split(",") if v]
 
@@ -60,6 +98,12 @@ def main() -> None:
     )
     ap.add_argument(
         "--spread-windows", type=int, default=4, help="evaluation windows the key range uses"
+    )
+    ap.add_argument(
+        "--pairs", type=str, default="", help="extra alpha:beta rows, e.g. 0.5:0.2,0.6:0.3"
+    )
+    ap.add_argument(
+        "--per-layer", action="store_true", help="a row with alpha chosen per layer (proxy)"
     )
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
@@ -89,6 +133,18 @@ def main() -> None:
         for b in args.betas
         for a in args.alphas
     ]
+    for pair in filter(None, args.pairs.split(",")):
+        a, b = (float(v) for v in pair.split(":"))
+        configs.append((f"alpha {a:g} beta {b:g}", a, b, lambdas(a, b), policy, {}))
+    if args.per_layer:
+        grid = [0.3, 0.4, 0.5, 0.6, 0.7, 0.8]
+        alphas = per_layer_alpha(adapter, cal.ids, kmax, qmax, partners, grid, sink)
+        console.print(f"per-layer alpha: {alphas}")
+        tensors = {
+            f"layers.{i}.smooth.lambda": smooth_lambda(kmax[i], qmax[i], a, 0.0, partners[i])
+            for i, a in enumerate(alphas)
+        }
+        configs.append(("alpha per layer", alphas, 0.0, tensors, policy, {}))
     if args.split >= 0:  # where the error left after smoothing comes from
         split = lambdas(args.split, 0.0)
         for side in ("keys", "values"):
