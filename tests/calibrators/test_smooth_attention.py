@@ -151,6 +151,9 @@ def test_cli_calibrate_then_run_eval_says_it_applies_the_smoothing(
     manifest = json.loads((art / "manifest.json").read_text())
     assert manifest["passes"][0]["options"] == {"alpha": 0.4, "beta": 0.1, "layout": None}
     assert manifest["policy"]["_data"]["name"] == "kv4-qserve"
+    shown = _run("inspect", art)
+    assert shown.exit_code == 0 and "smooth (folded into the weights at load)" in shown.stdout
+    assert "int4 asym zero-point per-token" in shown.stdout
     report = tmp_path / "eval.json"
     result = _run(
         "run-eval", "--model", model_dir, "--artifact", art, "--data-dir", shared_data,
