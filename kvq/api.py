@@ -51,6 +51,9 @@ def make_cache(
 
     backend: "auto" (Triton on CUDA, else the torch reference), "triton" or "reference";
     None reads the KVQ_BACKEND environment variable.
+    An artifact with model transforms (SmoothAttention's scales) folds them into `model`'s
+    weights in place, once (logged as a warning on the "kvq" logger); a second cache from
+    the same artifact leaves the model alone.
     """
     loaded = _loaded(model)
     if isinstance(artifact, (str, Path)):

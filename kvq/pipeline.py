@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -195,7 +196,7 @@ def weights_key(loaded: LoadedModel, base: ChainState | None) -> str:
 
 def apply_transforms(
     loaded: LoadedModel, tensors: dict[str, Tensor], progress: Progress | None = None
-) -> None:
+) -> tuple[str, ...]:
     """Fold an artifact's model transforms (e.g. SmoothAttention's scales) into `loaded`,
     each by the function its kind registers, as a progress stage ("apply smooth").
 
@@ -208,6 +209,7 @@ def apply_transforms(
         if tensor_kind(name) == "transform":
             kinds.setdefault(name.split(".")[2], {})[name] = t
     applied = loaded.model.__dict__.setdefault("_kvq_transforms", {})  # kind -> digest
+    done = []
     for kind, group in sorted(kinds.items()):
         digest = hashlib.sha256(repr(sorted(tensor_index(group).items())).encode()).hexdigest()
         if applied.get(kind) == digest:
@@ -219,6 +221,8 @@ def apply_transforms(
         with (progress or Progress()).stage(f"apply {kind}"):
             transform_function(kind)(loaded, group)
         applied[kind] = digest
+        done.append(kind)
+    return tuple(done)
 
 
 def load_artifact(path: str | Path, loaded: LoadedModel | None = None) -> Artifact:
@@ -246,7 +250,12 @@ def cache_for(
         raise KvqError("give exactly one of an artifact or a policy name")
     if artifact is not None:
         check_model_compatible(artifact.manifest, loaded.identity, loaded.adapter.info)
-        apply_transforms(loaded, artifact.tensors)  # once per model (a no-op after that)
+        applied = apply_transforms(loaded, artifact.tensors)  # once per model, then a no-op
+        if applied:  # the caller's model object changed: say so
+            logging.getLogger("kvq").warning(
+                "kvq: folded the artifact's model transforms (%s) into the model's weights",
+                ", ".join(applied),
+            )
         static = {n: t for n, t in artifact.tensors.items() if tensor_kind(n) == "policy"}
         policy_obj = artifact.manifest.policy.only(quantize)
         cache = build_cache(loaded.model, policy_obj, static, loaded.adapter, backend)

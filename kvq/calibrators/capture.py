@@ -29,8 +29,8 @@ def capture(
 ):
     """Install hooks feeding `consumer`; removed on exit even after an error.
 
-    With key_stage "post-rope" keys are rotated at `positions` ([T], set per
-    window through `set_positions`) with the model's own RoPE before delivery.
+    With key_stage "post-rope" keys and queries are rotated at `positions` ([T], set
+    per window through the yielded state) with the model's own RoPE before delivery.
     """
     handles = []
     state = {"positions": positions}
@@ -43,7 +43,7 @@ def capture(
     def make_hook(layer: int, part: str, to_heads):
         def hook(_module, _inputs, output):
             x = to_heads(output).detach()
-            if part == "key" and key_stage == "post-rope":
+            if part in ("key", "query") and key_stage == "post-rope":
                 pos = state["positions"]
                 if pos is None:
                     pos = torch.arange(x.shape[2], device=x.device)

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar, Literal
 
 from kvq.errors import KvqError
-from kvq.quant.schemes import MAX_GROUP, KeyStage
+from kvq.quant.schemes import MAX_GROUP, KeyStage, named_policy
 
 OptionValue = str | int | float | bool | None
 
@@ -234,3 +234,26 @@ class KVScalesOptions(PassOptions):
     @property
     def skipped(self) -> tuple[str | int, ...]:
         return parse_skip_layers(self.skip_layers)
+
+
+@dataclass(frozen=True)
+class SmoothAttentionOptions(PassOptions):
+    NAME: ClassVar[str] = "smoothattention"
+    SUMMARY: ClassVar[str] = (
+        "QServe SmoothAttention: move post-RoPE key range into queries (RoPE-paired scales)."
+    )
+
+    alpha: float = option(0.5, "key exponent: lambda = max|K|^alpha / max|Q|^beta, in [0, 1]")
+    beta: float = option(0.0, "query exponent, in [0, 1]")
+    # None: kv4-qserve, or the base artifact's layout with --base
+    layout: str | None = option(
+        None, "calibration-free cache policy of the artifact (default kv4-qserve)"
+    )
+
+    def __post_init__(self) -> None:
+        for name in ("alpha", "beta"):
+            value = getattr(self, name)
+            if not 0.0 <= value <= 1.0:  # NaN fails too
+                raise KvqError(f"--{name} must be in [0, 1], got {value}")
+        if self.layout is not None:
+            named_policy(self.layout, 1)  # one line naming the known policies

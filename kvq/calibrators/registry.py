@@ -18,6 +18,7 @@ from kvq.calibrators.options import (
     KVQuantOptions,
     KVScalesOptions,
     PassOptions,
+    SmoothAttentionOptions,
 )
 from kvq.errors import KvqError
 
@@ -42,6 +43,7 @@ PASSES: dict[str, PassEntry] = {
         PassEntry(ChannelScalesOptions, "kvq.calibrators.channel_scales:fit"),
         PassEntry(KVQuantOptions, "kvq.calibrators.kvquant:fit"),
         PassEntry(KVScalesOptions, "kvq.calibrators.kv_scales:fit"),
+        PassEntry(SmoothAttentionOptions, "kvq.calibrators.smooth_attention:fit"),
     )
 }
 
@@ -54,7 +56,9 @@ def get_pass(name: str) -> PassEntry:
 
 # Model transforms stored in artifacts as layers.{i}.KIND.*, by KIND: "module:function"
 # taking (loaded model, that kind's tensors) and folding them into the model's weights.
-TRANSFORMS: dict[str, str] = {}
+TRANSFORMS: dict[str, str] = {
+    "smooth": "kvq.models.smoothing:fold_smooth",  # SmoothAttention's lambda [H_kv, D]
+}
 
 
 def transform_function(kind: str) -> Callable:

@@ -26,7 +26,7 @@ from kvq.textsafe import printable
 POLICY_HELP = (
     "calibration-free layout: fp16, int8, int4, int2 (per token), kivi2, kivi4 "
     "(KIVI; kivi2-g64-r256 sets the token group and the exact window), fp8-e4m3, "
-    "fp8-e5m2 (scale 1.0), fp8-e4m3-dynamic"
+    "fp8-e5m2 (scale 1.0), fp8-e4m3-dynamic, kv4-qserve (QServe KV4)"
 )
 
 app = typer.Typer(
@@ -211,6 +211,10 @@ def generate(
 
     quiet_transformers()
     gen = generate_text(model, artifact, policy, prompt, max_new_tokens, backend)
+    if gen.transforms:
+        typer.echo(
+            f"[applied the artifact's model transforms: {', '.join(gen.transforms)}]", err=True
+        )
     typer.echo(printable(gen.text, keep_newlines=True))  # the model's text, not commands
     ledger = gen.ledger
     typer.echo(

@@ -8,6 +8,7 @@ as plain text (`rich.text.Text`, never parsed as markup) with control characters
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -99,6 +100,10 @@ def print_manifest(artifact: Artifact) -> None:
     OUT.print("[green]valid[/green]: schema, tensor hashes and policy check out", highlight=False)
 
 
+# layers.{i}.KIND.* other than the cache policy's key/value state (`calibrators.base`)
+_TRANSFORM = re.compile(r"^layers\.\d+\.(?!key\.|value\.)([^.]+)\.")
+
+
 def print_inspect(artifact: Artifact, path: Path) -> None:
     m = artifact.manifest
     head = Table(title=_t(f"kvq artifact {path}"), show_header=False)
@@ -127,6 +132,13 @@ def print_inspect(artifact: Artifact, path: Path) -> None:
         "tensors",
         f"{len(artifact.tensors)} ({sum(t.nbytes for t in artifact.tensors.values()):,} bytes)",
     )
+    from kvq.calibrators.base import tensor_kind
+
+    kinds = sorted({n.split(".")[2] for n in artifact.tensors if tensor_kind(n) == "transform"})
+    if kinds:  # folded into the model's weights whenever the artifact is loaded
+        head.add_row(
+            "model transforms", _t(", ".join(kinds) + " (folded into the weights at load)")
+        )
     OUT.print(head)
     OUT.print(_policy_rows(artifact))
     if m.ledger is not None:

@@ -96,6 +96,7 @@ class Generation:
     new_tokens: int
     seconds: float  # prefill + decode, model loading excluded
     ledger: ByteLedger  # the cache after the last step
+    transforms: tuple[str, ...] = ()  # model transforms the artifact applied, by kind
 
 
 @torch.no_grad()
@@ -111,6 +112,7 @@ def generate_text(
     loaded = load_model(model_spec)
     artifact = load_artifact(artifact_path, loaded) if artifact_path is not None else None
     resolve_backend(backend, input_device(loaded.model))
+    transforms = apply_transforms(loaded, artifact.tensors) if artifact is not None else ()
     cache = cache_for(loaded, artifact=artifact, policy=policy, backend=backend)
     inputs = loaded.tokenizer(prompt, return_tensors="pt")
     prompt_len = inputs["input_ids"].shape[1]
@@ -124,4 +126,4 @@ def generate_text(
     seconds = time.perf_counter() - start
     new = out[0, inputs["input_ids"].shape[1] :]  # [N]
     text = loaded.tokenizer.decode(new, skip_special_tokens=True)
-    return Generation(text, int(new.numel()), seconds, cache.nbytes())
+    return Generation(text, int(new.numel()), seconds, cache.nbytes(), transforms)

@@ -45,6 +45,21 @@ def _rotate_half(x: Tensor) -> Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
+def rope_partners(head_dim: int, rotary_dim: int, pairing: str) -> Tensor:
+    """[D] long: the channel each channel rotates with; channels past `rotary_dim` are
+    not rotated and partner themselves. rotate-half pairs (i, i + R/2), interleaved
+    pairs (2i, 2i + 1)."""
+    c = torch.arange(head_dim)
+    r = torch.arange(rotary_dim)
+    if pairing == "rotate-half":
+        c[:rotary_dim] = (r + rotary_dim // 2) % rotary_dim
+    elif pairing == "interleaved":
+        c[:rotary_dim] = r ^ 1
+    else:
+        raise KvqError(f"unknown RoPE pairing {pairing!r}")
+    return c
+
+
 def _canonical_scaling(params: dict) -> str | None:
     """Rope parameters other than theta as canonical JSON; None for plain default RoPE."""
     rest = {k: v for k, v in params.items() if k != "rope_theta"}
@@ -203,6 +218,36 @@ class ArchitectureAdapter:
         """Undo apply_rope: rotation by -angle, i.e. sin -> -sin. x [B, H, T, D]."""
         return cls.apply_rope(x, cos, -sin)
 
+    # ---- per-channel q/k scaling (SmoothAttention) -------------------------------------
+    def check_qk_scalable(self) -> None:
+        """Raise KvqError when per-(KV head, channel) q/k scales cannot be folded exactly
+        into this model's weights."""
+        for i in range(self.num_layers):
+            attn = self.attention(i)
+            for name in ("q_proj", "k_proj"):
+                if not isinstance(getattr(attn, name, None), nn.Linear):
+                    raise KvqError(
+                        f"{self.model_type}: layer {i} has no linear {name} to fold q/k scales into"
+                    )
+
+    @torch.no_grad()
+    def scale_qk(self, layer_idx: int, lam: Tensor) -> None:
+        """Fold lam [H_kv, D] into layer `layer_idx`: its queries multiplied by lam (each
+        query head by its KV head's row), its keys divided, pre-RoPE. With lam equal within
+        each RoPE pair the scaling commutes with the rotation, so q.k is unchanged.
+
+        Here: the q/k projection rows and their biases ([H*D, hidden] rows, head-major)."""
+        attn = self.attention(layer_idx)
+        group = self.num_q_heads // self.num_kv_heads  # query head j reads KV head j // group
+        for proj, factor in (
+            (attn.q_proj, lam.repeat_interleave(group, 0)),
+            (attn.k_proj, 1 / lam),
+        ):
+            f = factor.reshape(-1).to(proj.weight)  # [H*D], head-major like the rows
+            proj.weight.mul_(f[:, None])
+            if proj.bias is not None:
+                proj.bias.mul_(f)
+
 
 class LlamaAdapter(ArchitectureAdapter):
     """Llama and Mistral: no biases, no q/k norm, one RoPE for all layers."""
@@ -247,6 +292,25 @@ class Gemma3Adapter(ArchitectureAdapter):
 
     def _rotary_call(self, layer_idx: int, x: Tensor, position_ids: Tensor):
         return self.text_model.rotary_emb(x, position_ids, self.layer_type(layer_idx))
+
+    def check_qk_scalable(self) -> None:
+        # q/k are RMS-normalised after the projection, so a scale there would be normalised
+        # away; it goes into the norm weights, which one [D] vector per layer shares across
+        # all heads: per-head scales fit only a model with one KV head (270M, 1B)
+        if self.num_kv_heads != 1:
+            raise KvqError(
+                f"{self.model_type} with {self.num_kv_heads} KV heads: its q/k RMSNorm weights "
+                "are shared by all heads, so per-head q/k scales cannot be folded"
+            )
+
+    @torch.no_grad()
+    def scale_qk(self, layer_idx: int, lam: Tensor) -> None:
+        """Here: into the q/k RMSNorm weights, in Gemma's (1 + w) parametrisation."""
+        attn = self.attention(layer_idx)
+        (row,) = lam  # one KV head (check_qk_scalable)
+        for norm, factor in ((attn.q_norm, row), (attn.k_norm, 1 / row)):
+            w = norm.weight
+            w.copy_((1.0 + w.float()) * factor.float().to(w.device) - 1.0)
 
     def _inv_freq(self, layer_idx: int) -> Tensor:
         return getattr(self.text_model.rotary_emb, f"{self.layer_type(layer_idx)}_inv_freq")

@@ -47,6 +47,11 @@ class QuantScheme:
                 "head" (one head, all its rows), "tensor" (the whole layer).
     lifetime:   "static" qparams come from calibration and never change;
                 "dynamic" qparams are computed from each appended row.
+    zero_point: int asymmetric per-token only: the offset is a floating zero-point in
+                code units, added before rounding and neither rounded nor clamped,
+                x ~ (code - zero_point) * scale (QServe's KV4 ABI, `affine.quantize_qserve`:
+                4 bits, one fp16 pair per token and head), instead of x ~ code * scale +
+                offset.
     """
 
     format: Format
@@ -59,6 +64,7 @@ class QuantScheme:
     fp8_format: Fp8Format | None = None
     outlier_fraction: float = 0.0  # nuq: share of values kept exactly as sparse exceptions
     qnorm: bool = False  # nuq: decode through mean/std-corrected levels (KVQuant Q-Norm)
+    zero_point: bool = False
 
     def __post_init__(self) -> None:
         if self.format == "none":
@@ -84,6 +90,14 @@ class QuantScheme:
             raise KvqError("dynamic per-channel qparams need a token group size (KIVI)")
         if self.axis == "token" and self.lifetime != "dynamic":
             raise KvqError("per-token qparams are computed at append time (dynamic)")
+        if self.zero_point:
+            qserve = QuantScheme(format="int", bits=4, zero_point=False)
+            if replace(self, zero_point=False) != qserve:
+                # the one layout its quantizer and kernels implement
+                raise KvqError(
+                    "a floating zero-point is QServe's layout only: int, 4 bits, asymmetric, "
+                    "per token and head (no groups), float16 qparams"
+                )
 
     @property
     def stored(self) -> bool:
@@ -95,6 +109,7 @@ class QuantScheme:
         name = f"{self.format}{self.bits}" if self.format != "fp8" else f"fp8-{self.fp8_format}"
         group = f"/g{self.group_size}" if self.group_size else ""
         kind = "sym" if self.symmetric else "asym"
+        kind += " zero-point" if self.zero_point else ""
         extra = f" +{self.outlier_fraction:.1%} sparse" if self.outlier_fraction else ""
         extra += " qnorm" if self.qnorm else ""
         if self.format == "nuq":
@@ -212,6 +227,9 @@ def _fp8(fmt: str, lifetime: str) -> QuantScheme:
     )  # fmt: skip
 
 
+# QServe's KV4: post-RoPE K and V, INT4 per (token, head) with a floating zero-point
+QSERVE_KV4 = QuantScheme(format="int", bits=4, zero_point=True)
+
 NAMED_POLICIES: dict[str, tuple[QuantScheme, QuantScheme, str]] = {
     # name: (key scheme, value scheme, description)
     "fp16": (FULL_PRECISION, FULL_PRECISION, "no quantization (reference)"),
@@ -223,7 +241,14 @@ NAMED_POLICIES: dict[str, tuple[QuantScheme, QuantScheme, str]] = {
     "fp8-e5m2": (_fp8("e5m2", "static"),) * 2 + ("FP8 E5M2 K and V, static scale 1.0",),
     "fp8-e4m3-dynamic": (_fp8("e4m3", "dynamic"),) * 2
     + ("FP8 E4M3 K and V, scale per token from its absmax",),
+    "kv4-qserve": (
+        QSERVE_KV4,
+        QSERVE_KV4,
+        "QServe KV4: K and V INT4 per token and head, floating zero-point, first token exact",
+    ),
 }
+# first tokens kept exact by a named policy (QServe keeps the attention sink)
+NAMED_SINKS: dict[str, int] = {"kv4-qserve": 1}
 # named policies whose static scales are all 1.0 (`kvq.runtime.cache.unit_scales`)
 UNIT_SCALE_POLICIES = ("fp8-e4m3", "fp8-e5m2")
 
@@ -267,7 +292,8 @@ def named_policy(name: str, num_layers: int, head_dim: int | None = None) -> Cac
     key, value, _ = NAMED_POLICIES[name]
     if head_dim is not None:
         key, value = (_fit_group(s, head_dim) for s in (key, value))
-    layer = LayerPolicy(key=key, value=value, key_stage="post-rope")
+    sink = NAMED_SINKS.get(name, 0)
+    layer = LayerPolicy(key=key, value=value, key_stage="post-rope", sink_tokens=sink)
     return CachePolicy(name=name, layers=(layer,) * num_layers)
 
 

@@ -149,6 +149,54 @@ def static_scale(scale: Tensor, axis: str, top: float, where: str) -> None:
         raise KvqError(f"{where}.scale: scale x {top:g} overflows float32")
 
 
+class QServeTokenCodec(Codec):
+    """QServe's KV4: INT4 codes with an fp16 (scale, floating zero-point) pair per (token,
+    head), x ~ (code - zero_point) * scale (`affine.quantize_qserve`). The zero-point is
+    in code units and neither rounded nor clamped, so a positive-only head keeps its range.
+    Stored qparams are [B, H, T] (one per row), as the append kernel writes them.
+    """
+
+    def __init__(self, head_dim: int):
+        super().__init__(head_dim, torch.float32)
+
+    def encode(self, x: Tensor) -> tuple[Rows, Flat]:
+        codes, scale, zero_point = affine.quantize_qserve(x, -1)  # qparams [B, H, T, 1]
+        rows = {
+            "codes": packing.pack_bits(codes, affine.QSERVE_BITS),
+            "scale": scale.squeeze(-1),
+            "zero_point": zero_point.squeeze(-1),
+        }
+        return rows, NO_FLAT
+
+    def packed(self, rows: Rows, flat: Flat) -> PackedRows:
+        # [B, H, T] -> [B, H, T, 1]: one group per row, the shared per-row layout
+        return PackedRows(
+            "affine",
+            self.head_dim,
+            rows["codes"],
+            affine.QSERVE_BITS,
+            scale=rows["scale"][..., None],
+            zero_point=rows["zero_point"][..., None],
+        )
+
+    def row_spec(self, x: Tensor):
+        qparam = ((), affine.QSERVE_DTYPE)
+        codes = ((packing.packed_len(x.shape[-1], affine.QSERVE_BITS),), torch.uint8)
+        return {"codes": codes, "scale": qparam, "zero_point": qparam}
+
+    def append_into(self, x: Tensor, buffers: dict[str, Tensor], start: int) -> Flat:
+        from kvq.runtime.kernels.append import append_int_qserve
+
+        append_int_qserve(
+            x, buffers["codes"], buffers["scale"], buffers["zero_point"], start, backend="triton"
+        )
+        return NO_FLAT
+
+    @staticmethod
+    def categories() -> dict[str, str]:
+        return {"codes": "codes", "scale": "qparams", "zero_point": "qparams"}
+
+
 class IntChannelStaticCodec(Codec):
     """Uniform integer codes with calibrated, fixed qparams per (head, channel), or
     symmetric ones per KV head or per tensor (the layouts serving engines store).
@@ -242,6 +290,8 @@ def make_codec(
     """
     if scheme.format == "none":
         return Codec(head_dim, activation_dtype)
+    if scheme.zero_point:  # the scheme admits only QServe's KV4 layout with it
+        return QServeTokenCodec(head_dim)
     if scheme.format == "int" and scheme.axis == "token":
         return IntTokenCodec(scheme, head_dim)
     if scheme.format == "int" and scheme.axis == "channel" and scheme.lifetime == "dynamic":

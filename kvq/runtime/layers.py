@@ -307,6 +307,43 @@ class KvqLayer(CacheLayerMixin):
             values.append(decode_packed(seg.value))
         return torch.cat(keys, dim=2), torch.cat(values, dim=2)
 
+    def visible_rows(self, state: LayerState) -> tuple[Tensor, Tensor]:
+        """The rows attention sees, decoded, in mask-column order: key post-RoPE, value;
+        each [B, H, visible, D] float32 (a sink row at its own column, each token once)."""
+        rope = self.rope(state)
+        pre = self.policy.key_stage == "pre-rope"
+
+        def rows(p, positions):
+            x = decode_packed(p)
+            return rotate(x, positions, rope) if pre and p.pre_rope else x
+
+        segs = self.segments(state)
+        main_k, main_v = [], []
+        for seg in segs[1:] if state.sink is not None else segs:
+            main_k.append(rows(seg.key, seg.positions))
+            main_v.append(decode_packed(seg.value))
+        k = torch.cat(main_k, dim=2) if main_k else None
+        v = torch.cat(main_v, dim=2) if main_v else None
+        if state.settled:  # the settled exact copies repeat main rows
+            m = state.main.length
+            k = torch.cat([k[:, :, :m], k[:, :, m + state.settled :]], dim=2)
+            v = torch.cat([v[:, :, :m], v[:, :, m + state.settled :]], dim=2)
+        if state.sink is None:
+            return k, v
+        sk = rows(segs[0].key, segs[0].positions)
+        sv = decode_packed(segs[0].value)
+        b, h, _, d = sk.shape
+        out_k = sk.new_zeros(b, h, state.visible, d)
+        out_v = sv.new_zeros(b, h, state.visible, d)
+        if k is not None:
+            out_k[:, :, state.lead :], out_v[:, :, state.lead :] = k, v
+        bi, si = state.sink.valid().nonzero(as_tuple=True)
+        col = state.sink.cols[bi, si]
+        keep = col < state.visible
+        bi, si, col = bi[keep], si[keep], col[keep]
+        out_k[bi, :, col], out_v[bi, :, col] = sk[bi, :, si], sv[bi, :, si]
+        return out_k, out_v
+
     # --- ledger --------------------------------------------------------------------
 
     def ledger_bytes(self) -> dict[str, int]:

@@ -18,6 +18,7 @@ from torch import Tensor
 from kvq.calibrators.registry import TRANSFORMS
 from kvq.errors import IncompatibleArtifact, KvqError
 from kvq.manifests.schema import Manifest
+from kvq.models.adapters import rope_partners
 from kvq.quant.qparams import dtype_name, storage_dtype
 from kvq.quant.schemes import QuantScheme
 from kvq.runtime.codecs import make_codec
@@ -75,6 +76,8 @@ def check_artifact_state(manifest: Manifest, tensors: dict[str, Tensor]) -> None
             raise IncompatibleArtifact(
                 f"tensors[{name}]", f"a transform of {list(TRANSFORMS)}", kind
             )
+        if kind == "smooth":
+            _check_smooth(name, tensors[name], arch)
     for name in ("fisher.key", "fisher.value"):
         if name in tensors:
             shape = (arch.num_layers, arch.num_kv_heads, arch.head_dim)
@@ -111,6 +114,26 @@ def _check_tensor(
         raise IncompatibleArtifact(f"tensors[{full}]", want, f"min {float(x.min()):.3g}")
     if rule == "increasing" and not _all(x[1:] > x[:-1]):
         raise IncompatibleArtifact(f"tensors[{full}]", "strictly increasing levels", "not")
+
+
+_SMOOTH = re.compile(r"^layers\.(\d+)\.smooth\.lambda$")
+
+
+def _check_smooth(name: str, t: Tensor, arch) -> None:
+    """SmoothAttention's lambda: [H_kv, D] float32, positive normal, equal within each RoPE
+    pair of its layer (else folding it would change the attention it claims to keep)."""
+    m = _SMOOTH.match(name)
+    if m is None or int(m.group(1)) >= arch.num_layers:
+        raise IncompatibleArtifact(f"tensors[{name}]", "layers.{i}.smooth.lambda", "other name")
+    _check_shape(name, t, (arch.num_kv_heads, arch.head_dim))
+    if t.dtype != torch.float32:
+        raise IncompatibleArtifact(f"tensors[{name}].dtype", "float32", dtype_name(t.dtype))
+    if not _all(torch.isfinite(t) & (t >= torch.finfo(torch.float32).tiny)):
+        raise IncompatibleArtifact(f"tensors[{name}]", "finite positive normal values", "other")
+    rope = arch.rope[int(m.group(1))]
+    partners = rope_partners(arch.head_dim, rope.rotary_dim, rope.pairing)
+    if not torch.equal(t, t[:, partners]):
+        raise IncompatibleArtifact(f"tensors[{name}]", "equal within each RoPE pair", "not")
 
 
 def _check_shape(name: str, t: Tensor, shape: tuple[int, ...]) -> None:

@@ -8,7 +8,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvq.calibrators.options import ChannelScalesOptions, KVQuantOptions, KVScalesOptions
+from kvq.calibrators.options import (
+    ChannelScalesOptions,
+    KVQuantOptions,
+    KVScalesOptions,
+    SmoothAttentionOptions,
+)
 from kvq.calibrators.recipe import read_recipe
 from kvq.calibrators.registry import PASSES, get_pass
 from kvq.errors import KvqError
@@ -23,6 +28,7 @@ SMALL = {
     "channel-scales": ChannelScalesOptions(bits=4, value_group=8),
     "kvquant": KVQuantOptions(bits=3, fisher=False),
     "kv-scales": KVScalesOptions(granularity="head"),
+    "smoothattention": SmoothAttentionOptions(alpha=0.5),
 }
 
 
