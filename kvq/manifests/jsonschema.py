@@ -3,7 +3,8 @@
 Nothing here restates a field: the schema is derived from `Manifest` and the
 dataclasses it nests (and from `CachePolicy`, `LayerPolicy`, `QuantScheme` for
 the policy's `_data`), so adding a field to a dataclass adds it to the schema.
-Every field is required and no others are allowed, matching the decoder in
+Every field is required (but those added within a schema version, whose defaults
+earlier artifacts meant) and no others are allowed, matching the decoder in
 `kvq.manifests.schema`, which refuses missing and unknown fields alike.
 """
 
@@ -15,7 +16,7 @@ import typing
 from dataclasses import fields, is_dataclass
 from typing import Any, Literal, Union
 
-from kvq.manifests.schema import SCHEMA_VERSION, Manifest
+from kvq.manifests.schema import LATER_FIELDS, SCHEMA_VERSION, Manifest
 from kvq.quant.schemes import SCHEME_VERSION, CachePolicy
 
 DRAFT = "https://json-schema.org/draft/2020-12/schema"
@@ -74,7 +75,8 @@ def _dataclass_schema(cls: type, defs: dict[str, Any]) -> dict[str, Any]:
     schema: dict[str, Any] = {
         "type": "object",
         "properties": {name: _schema(hints[name], defs) for name in names},
-        "required": names,
+        # fields added within the schema version may be absent (see schema.LATER_FIELDS)
+        "required": [n for n in names if (cls.__name__, n) not in LATER_FIELDS],
         "additionalProperties": False,
     }
     doc = inspect.getdoc(cls)

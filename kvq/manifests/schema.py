@@ -187,6 +187,8 @@ def _encode(value: Any) -> Any:
 # --- decoding -----------------------------------------------------------------------
 
 _MISSING = "<missing>"
+# fields added within schema 2, whose defaults reproduce what earlier artifacts meant
+LATER_FIELDS = {("QuantScheme", "zero_point"), ("LayerPolicy", "residual_tokens")}
 
 
 def manifest_from_json(d: Any) -> Manifest:
@@ -286,6 +288,8 @@ def _decode_dataclass(cls: type, value: Any, path: str) -> Any:
             raise IncompatibleArtifact(_join(path, key), "no such field", value[key])
     kwargs = {}
     for name in names:
+        if name not in value and (cls.__name__, name) in LATER_FIELDS:
+            continue  # written before the field existed: its default is what that kvq did
         if name not in value:
             raise IncompatibleArtifact(_join(path, name), _type_name(hints[name]), _MISSING)
         kwargs[name] = _decode(hints[name], value[name], _join(path, name))

@@ -14,6 +14,7 @@ from kvq.manifests.identity import ArchitectureInfo, ModelIdentity, RopeInfo
 from kvq.manifests.jsonschema import json_schema
 from kvq.manifests.ledger import ByteLedger
 from kvq.manifests.schema import (
+    LATER_FIELDS,
     SCHEMA_VERSION,
     Calibration,
     DatasetInfo,
@@ -131,7 +132,11 @@ def test_manifests_validate_against_generated_schema(m):
 def test_schema_is_generated_from_the_dataclasses():
     defs = json_schema()["$defs"]
     for cls in (ArchitectureInfo, RopeInfo, Calibration, QuantScheme, LayerPolicy, ByteLedger):
-        assert defs[cls.__name__]["required"] == [f.name for f in fields(cls)]
+        later = {n for c, n in LATER_FIELDS if c == cls.__name__}
+        assert defs[cls.__name__]["required"] == [
+            f.name for f in fields(cls) if f.name not in later
+        ]
+        assert set(defs[cls.__name__]["properties"]) == {f.name for f in fields(cls)}
     assert defs["QuantScheme"]["properties"]["axis"] == {
         "enum": ["token", "channel", "head", "tensor"]
     }
@@ -239,3 +244,18 @@ def test_policy_with_one_side_quantized():
     assert CachePolicy.from_json(json.loads(json.dumps(keys.to_json()))) == keys
     with pytest.raises(KvqError, match="--quantize must be one of both, keys, values"):
         policy.only("k")
+
+
+def test_an_artifact_written_before_later_policy_fields_still_reads():
+    """zero_point (QServe) and residual_tokens (KIVI) came within schema 2; an artifact
+    written before them means their defaults; any other missing field is still refused."""
+    m = make_manifest(calibrated=True)
+    d = through_json(m)
+    for layer in d["policy"]["_data"]["layers"]:
+        layer.pop("residual_tokens")
+        layer["key"].pop("zero_point")
+        layer["value"].pop("zero_point")
+    assert manifest_from_json(d) == m
+    d["policy"]["_data"]["layers"][0].pop("sink_tokens")
+    with pytest.raises(IncompatibleArtifact, match="sink_tokens"):
+        manifest_from_json(d)
