@@ -1,12 +1,14 @@
 """The cache contract's figures on Gemma 3 270M (issue: cache contract, KIVI, saved state).
 
     python bench/cache_contract.py [--artifact artifacts/demo] [--windows 4] [--json OUT]
-        [--only contract,padding,assisted,kivi]
+        [--only contract,padding,assisted,kivi,kivi-padding]
 
 * contract: tests/runtime/test_contract.py's results per layout and family, and the same
   module run against transformers' `QuantizedCache` (quanto, 4 bits) for comparison;
 * padding: next-token KL against full precision of the demo INT4 artifact for a batch of
   prompts run alone and left-padded together (equal within 5% is the target);
+* kivi-padding: the same for KIVI-2/4 on every layer with prompts long enough to encode
+  groups (KIVI's token groups are batch columns: padding shifts them);
 * assisted: greedy output with the INT8 policy, plain and with assisted and prompt-lookup
   decoding (must be equal);
 * kivi: KIVI-2/4 (G 32, R 128) beside transformers' `QuantizedCache` (quanto, INT2/INT4,
@@ -76,29 +78,25 @@ def _texts(n: int) -> list[str]:
 
 
 @torch.no_grad()
-def padding_figures(model, tok, artifact: Path) -> dict:
-    """KL(fp || int4) per real position, prompts alone vs left-padded together."""
-    # different lengths; enough tokens that the rounding noise between any two batch shapes
-    # (a flipped INT4 code cascades through later layers) averages out
-    prompts = [t[: 100 + 60 * (i % 8)] for i, t in enumerate(_texts(16))]
+def padding_figures(model, rows: list[torch.Tensor], make, pad_id: int) -> dict:
+    """KL(fp || quantized) per real position, prompts alone vs left-padded together.
+
+    rows: the prompts' token ids (different lengths); make: () -> a fresh kvq cache.
+    """
     alone_kl, alone_n = 0.0, 0
-    rows = [tok(p, return_tensors="pt")["input_ids"][0] for p in prompts]
     for ids in rows:
         base = torch.log_softmax(model(ids[None]).logits[0].float(), -1)
-        quant = model(ids[None], cache=kvq.make_cache(model, artifact=artifact)).logits[0]
-        lq = torch.log_softmax(quant.float(), -1)
+        lq = torch.log_softmax(model(ids[None], cache=make()).logits[0].float(), -1)
         alone_kl += (base.exp() * (base - lq)).sum().item()
         alone_n += ids.numel()
     width = max(r.numel() for r in rows)
-    ids = torch.full((len(rows), width), tok.pad_token_id)
+    ids = torch.full((len(rows), width), pad_id)
     mask = torch.zeros_like(ids)
     for i, r in enumerate(rows):
         ids[i, width - r.numel() :], mask[i, width - r.numel() :] = r, 1
     # positions as generate gives them: each sequence's first real token at position 0
     pos = (mask.cumsum(1) - 1).clamp(min=0)
-    quant = model(
-        ids, attention_mask=mask, position_ids=pos, cache=kvq.make_cache(model, artifact=artifact)
-    ).logits
+    quant = model(ids, attention_mask=mask, position_ids=pos, cache=make()).logits
     padded_kl = 0.0
     for i, r in enumerate(rows):
         base = torch.log_softmax(model(r[None]).logits[0].float(), -1)
@@ -107,6 +105,32 @@ def padding_figures(model, tok, artifact: Path) -> dict:
     unpadded, padded = alone_kl / alone_n, padded_kl / alone_n
     return {"prompts": len(rows), "tokens": alone_n, "kl_unpadded": unpadded,
             "kl_padded": padded, "relative_difference": abs(padded - unpadded) / unpadded}  # fmt: skip
+
+
+def demo_padding(model, tok, artifact: Path) -> dict:
+    """The demo INT4 artifact on 16 short prompts of different lengths."""
+    # enough tokens that the rounding noise between any two batch shapes (a flipped INT4
+    # code cascades through later layers) averages out
+    prompts = [t[: 100 + 60 * (i % 8)] for i, t in enumerate(_texts(16))]
+    rows = [tok(p, return_tensors="pt")["input_ids"][0] for p in prompts]
+    return padding_figures(
+        model, rows, lambda: kvq.make_cache(model, artifact=artifact), tok.pad_token_id
+    )
+
+
+def kivi_padding(model, tok) -> dict:
+    """KIVI-2/4 (G 32, R 128, every layer) on 8 prompts of 200..480 tokens: long enough that
+    groups are encoded, so padding's shift of the group boundaries shows (see issue 14)."""
+    text = "\n".join(_texts(200))
+    ids = tok(text, return_tensors="pt")["input_ids"][0]
+    rows = [ids[600 * i : 600 * i + 200 + 40 * i] for i in range(8)]
+    out = {}
+    for name in ("kivi2-g32-r128", "kivi4-g32-r128"):
+        out[name] = padding_figures(
+            model, rows, lambda n=name: kvq.make_cache(model, policy=n), tok.pad_token_id
+        )
+        print(name, json.dumps(out[name]), flush=True)
+    return out
 
 
 @torch.no_grad()
@@ -235,8 +259,10 @@ def main() -> None:
     if set(parts) - {"contract"}:
         model, tok = kvq.load_model("gemma3-270m")
     if "padding" in parts:
-        result["padding"] = padding_figures(model, tok, Path(args.artifact))
+        result["padding"] = demo_padding(model, tok, Path(args.artifact))
         print("padding", json.dumps(result["padding"]), flush=True)
+    if "kivi-padding" in parts:
+        result["kivi_padding"] = kivi_padding(model, tok)
     if "assisted" in parts:
         result["assisted"] = assisted_figures(model, tok)
         print("assisted", json.dumps(result["assisted"]), flush=True)

@@ -79,10 +79,8 @@ def _rows_mask(mask: Tensor | None, view, state, query: Tensor) -> Tensor | None
     row is visible to the single query, the common decode step."""
     sink = state.sink
     b, _, q_len, _ = query.shape
-    settled = view.layer.settled_seen_encoded(state, q_len)
-    plain = settled is None and (
-        sink is None or bool((sink.valid() & (sink.cols < state.lead)).all())
-    )
+    encoded = view.layer.seen_encoded(state, q_len)
+    plain = encoded is None and view.layer.sink_in_lead(state)
     if mask is None:
         if q_len == 1 and plain:
             return None
@@ -90,7 +88,9 @@ def _rows_mask(mask: Tensor | None, view, state, query: Tensor) -> Tensor | None
         q_pos = torch.arange(cols - q_len, cols, device=query.device)
         causal = torch.arange(cols, device=query.device)[None, :] <= q_pos[:, None]
         mask = causal[None, None].expand(b, 1, q_len, cols)
-    return kernel_mask(mask, sink, state.lead, state.main.length, settled)
+    return kernel_mask(
+        mask, sink, state.lead, state.main.length, state.residual.length, state.phase, encoded
+    )
 
 
 def install_attention(model) -> None:

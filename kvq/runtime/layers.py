@@ -19,7 +19,7 @@ from kvq.runtime.codecs import Codec
 from kvq.runtime.kernels.backend import resolve_backend
 from kvq.runtime.kernels.decode_attention import Rope, Segment, rotate
 from kvq.runtime.packed import PackedRows, decode_packed
-from kvq.runtime.sink import SinkRows
+from kvq.runtime.sink import SinkRows, kernel_mask
 from kvq.runtime.state import FlatStore, RowStore
 
 RopeFn = Callable[[Tensor, Tensor], Tensor]  # (x [B, H, T, D], positions [B, T]) -> x rotated
@@ -46,6 +46,13 @@ class LayerState:
     residual: RowStore = field(default_factory=RowStore.empty)  # "k"/"v" exact recent rows
     settled: int = 0  # leading residual rows already encoded in main, kept for a rollback
     skipped: int = 0  # rows ever held only by the sink (never entered main or the residual)
+    # Token groups start at each sequence's first token after its sink, as they would for
+    # the sequence alone: in a left-padded batch main row j of sequence b holds mask column
+    # lead - phase[b] + j, so that every sequence's groups are whole groups of main rows
+    # (rows before column lead are filler, never seen). None: no shift (an unpadded batch).
+    phase: Tensor | None = None  # [B] int64 in [0, G)
+    phase_max: int = 0  # phase.max() on the host: how far ahead of the columns main runs
+    first_real: Tensor | None = None  # [B] int64 token index of each first real token (-1: none)
 
     @property
     def visible(self) -> int:
@@ -99,6 +106,7 @@ class KvqLayer(CacheLayerMixin):
         self.is_sliding = sliding_window is not None
         self.unrotate, self.rope_table = unrotate, rope_table
         self._rope: Rope | None = None
+        self._in_lead: tuple | None = None  # (sink rows, lead, result) of `sink_in_lead`
         self.state = EMPTY
         self.record_past = False  # see activate_past_recording
         self.is_initialized = True
@@ -138,45 +146,88 @@ class KvqLayer(CacheLayerMixin):
                     lead += skip
         flat = dict(st.flat)
         main, residual = st.main, st.residual
+        first_real, phase, phase_max = st.first_real, st.phase, st.phase_max
+        if self.group_rows > 1 and not main.length:  # the groups' phase is not fixed yet
+            first_real = _first_real(first_real, real, st.seen, b, key.device)
         key, value, positions = key[:, :, skip:], value[:, :, skip:], positions[:, skip:]
         settled = st.settled
         if t > skip and self.windowed:
             rows = {"k": key.to(self.sink_dtype), "v": value.to(self.sink_dtype)}
             residual = residual.prepared(rows, positions)
+            columns = lead + main.length + residual.length - settled
+            if not main.length and self.group_rows > 1:
+                phase, phase_max = self._phase(first_real, lead, st.evicted)
             # encode the oldest whole groups beyond the R most recent rows
-            live = residual.length - settled
-            move = self._main_rows(live) if live >= self.policy.residual_tokens else 0
-            if move:
-                old = residual.rows(settled, settled + move)
-                main = self._append_main(
-                    main, old["k"].float(), old["v"], flat,
-                    residual.row_positions(settled, settled + move), backend,
-                )  # fmt: skip
+            move = self._encoded(columns - lead, phase_max) - main.length
+            if move > 0:
+                start = lead + main.length - settled  # column of the residual's first row
+                first = None  # each sequence's first column seen through main
+                if first_real is not None:
+                    first = first_real + self.policy.sink_tokens - st.evicted
+                    first = torch.where(first_real >= 0, first, lead)
+                old, pos = _moved(residual, start, lead, phase, main.length, move, first)
+                main = self._append_main(main, old["k"].float(), old["v"], flat, pos, backend)
                 settled += move  # their exact rows stay until published (see kernel_mask)
         elif t > skip:
             main = self._append_main(main, key, value, flat, positions, backend)
         return replace(
             st, sink=sink, main=main, residual=residual, settled=settled, seen=st.seen + t,
             lead=lead, skipped=st.skipped + skip, flat=flat,
+            phase=phase, phase_max=phase_max, first_real=first_real,
         )  # fmt: skip
 
-    def settled_seen_encoded(self, state: LayerState, queries: int) -> Tensor | None:
-        """[Q, S] bool: whether each of this forward's queries sees each settled row through
-        its encoded copy (else through its exact copy), or None when nothing is settled.
+    def _phase(self, first_real: Tensor | None, lead: int, evicted: int):
+        """(phase [B] or None, its max): the shift that starts each sequence's groups at its
+        first token after the sink (one device sync, when the first group is encoded)."""
+        if first_real is None:
+            return None, 0
+        start = first_real + self.policy.sink_tokens - evicted  # [B] column of first group
+        start = torch.where(first_real >= 0, start, torch.full_like(start, lead))
+        phase = (lead - start) % self.group_rows
+        top = int(phase.max())
+        return (phase, top) if top else (None, 0)
 
-        Query i sees a row encoded iff greedy decoding would have encoded it by then: a
-        forward of many tokens (prefill, chunked prefill, draft verification) then gives
-        every query what one-token-at-a-time decoding gives it.
+    def _encoded(self, columns: int, shift: int = 0) -> int:
+        """Main rows encoded once `columns` columns follow the lead: whole groups beyond the
+        R most recent, for a sequence whose groups are shifted by `shift` (its phase)."""
+        if not self.windowed:
+            return columns
+        beyond = columns - self.policy.residual_tokens + shift
+        # (never past the columns: with R < G a shifted sequence's rows may not exist yet)
+        return max(0, min(beyond - beyond % self.group_rows, columns - columns % self.group_rows))
+
+    def sink_in_lead(self, state: LayerState) -> bool:
+        """Every sink slot holds a row in the lead columns (an unpadded batch, sinks filled
+        and not evicted), so a single query needs no mask. Read from the device once per
+        change of the (immutable) sink rows, not at every decode step."""
+        sink = state.sink
+        if sink is None:
+            return True
+        memo = self._in_lead
+        if memo is None or memo[0] is not sink or memo[1] != state.lead:
+            memo = (sink, state.lead, bool((sink.valid() & (sink.cols < state.lead)).all()))
+            self._in_lead = memo
+        return memo[2]
+
+    def seen_encoded(self, state: LayerState, queries: int) -> Tensor | None:
+        """[B or 1, Q]: how many main rows each of this forward's queries sees through their
+        encoded copies (the main rows past that, it sees through their exact copies in the
+        residual window); None when every query sees all of main and the residual once.
+
+        Query i sees a row encoded iff that sequence, decoded alone one token at a time,
+        would have encoded it by then: a forward of many tokens (prefill, chunked prefill,
+        draft verification) and a padded batch then give every query what it gets alone.
         """
         if not state.settled:
             return None
-        tail = state.seen - state.skipped  # tail rows through the last query
-        live = state.residual.length - state.settled
-        first = tail - live - state.settled  # tail index of the first settled row
-        x = first + torch.arange(state.settled)  # [S]
-        counts = [max(0, tail - (queries - 1 - i)) for i in range(queries)]
-        limits = torch.tensor([self._main_rows(c) for c in counts])  # [Q]
-        return x[None, :] < limits[:, None]
+        cols = state.visible - queries + 1 + torch.arange(queries)  # [Q] columns through query i
+        x = cols - state.lead - self.policy.residual_tokens  # [Q]
+        if state.phase is not None:
+            x = x[None].to(state.phase.device) + state.phase[:, None]  # [B, Q]
+        else:
+            x = x[None]
+        g = self.group_rows
+        return (x - x % g).clamp(min=0, max=state.main.length)
 
     def _main_rows(self, rows: int) -> int:
         """Of `rows` tail rows (after the sink-only ones), how many are encoded: whole groups
@@ -232,9 +283,23 @@ class KvqLayer(CacheLayerMixin):
             return state
         return self._compacted(state)
 
+    def _still_exact(self, state: LayerState) -> int:
+        """Of the settled rows, how many some sequence still sees exact: none in an unpadded
+        batch; in a padded one, the columns from lead + X - (G - 1) on, X = visible - lead - R,
+        a bound on every sequence's first exact column whatever its phase."""
+        if state.phase is None:
+            return 0
+        m = state.main.length
+        x = state.visible - state.lead - self.policy.residual_tokens
+        first = state.lead + max(0, min(m, x - self.group_rows + 1))
+        return min(state.settled, state.lead + m - first)
+
     def _compacted(self, state: LayerState) -> LayerState:
         if state.settled and not self.record_past:  # no rollback can need the exact copies
-            state = replace(state, residual=state.residual.dropped_front(state.settled), settled=0)
+            drop = state.settled - self._still_exact(state)
+            state = replace(
+                state, residual=state.residual.dropped_front(drop), settled=state.settled - drop
+            )
         w = self.sliding_window
         if w is None or state.visible <= 2 * w:
             return state
@@ -297,8 +362,8 @@ class KvqLayer(CacheLayerMixin):
         return self._rope
 
     def decoded(self, state: LayerState) -> tuple[Tensor, Tensor]:
-        """The segments' rows decoded (sink slots, then main rows): key post-RoPE, value;
-        each [B, H, slots + main rows, D] float32."""
+        """The segments' rows decoded (sink slots, main rows, residual rows): key post-RoPE,
+        value; each [B, H, kernel rows, D] float32."""
         rope = self.rope(state)
         keys, values = [], []
         for seg in self.segments(state):
@@ -308,40 +373,25 @@ class KvqLayer(CacheLayerMixin):
         return torch.cat(keys, dim=2), torch.cat(values, dim=2)
 
     def visible_rows(self, state: LayerState) -> tuple[Tensor, Tensor]:
-        """The rows attention sees, decoded, in mask-column order: key post-RoPE, value;
-        each [B, H, visible, D] float32 (a sink row at its own column, each token once)."""
-        rope = self.rope(state)
-        pre = self.policy.key_stage == "pre-rope"
-
-        def rows(p, positions):
-            x = decode_packed(p)
-            return rotate(x, positions, rope) if pre and p.pre_rope else x
-
-        segs = self.segments(state)
-        main_k, main_v = [], []
-        for seg in segs[1:] if state.sink is not None else segs:
-            main_k.append(rows(seg.key, seg.positions))
-            main_v.append(decode_packed(seg.value))
-        k = torch.cat(main_k, dim=2) if main_k else None
-        v = torch.cat(main_v, dim=2) if main_v else None
-        if state.settled:  # the settled exact copies repeat main rows
-            m = state.main.length
-            k = torch.cat([k[:, :, :m], k[:, :, m + state.settled :]], dim=2)
-            v = torch.cat([v[:, :, :m], v[:, :, m + state.settled :]], dim=2)
-        if state.sink is None:
-            return k, v
-        sk = rows(segs[0].key, segs[0].positions)
-        sv = decode_packed(segs[0].value)
-        b, h, _, d = sk.shape
-        out_k = sk.new_zeros(b, h, state.visible, d)
-        out_v = sv.new_zeros(b, h, state.visible, d)
-        if k is not None:
-            out_k[:, :, state.lead :], out_v[:, :, state.lead :] = k, v
-        bi, si = state.sink.valid().nonzero(as_tuple=True)
-        col = state.sink.cols[bi, si]
-        keep = col < state.visible
-        bi, si, col = bi[keep], si[keep], col[keep]
-        out_k[bi, :, col], out_v[bi, :, col] = sk[bi, :, si], sv[bi, :, si]
+        """The rows the next query sees, decoded, in mask-column order: key post-RoPE,
+        value; each [B, H, visible, D] float32 (a sink row at its own column, each once)."""
+        k, v = self.decoded(state)  # [B, H, kernel rows, D]
+        b, h, _, d = k.shape
+        c, m = state.visible, state.main.length
+        everything = torch.ones(b, 1, 1, c, dtype=torch.bool, device=k.device)
+        seen = kernel_mask(
+            everything, state.sink, state.lead, m, state.residual.length, state.phase,
+            self.seen_encoded(state, 1),
+        )[:, 0, 0]  # fmt: skip  # [B, kernel rows]
+        shift = 0 if state.phase is None else state.phase[:, None]
+        cols = [(state.lead - shift + torch.arange(m, device=k.device)[None]).expand(b, m)]
+        cols.append(torch.arange(c - state.residual.length, c, device=k.device)[None].expand(b, -1))
+        if state.sink is not None:
+            cols.insert(0, state.sink.cols)
+        col = torch.cat(cols, dim=1)  # [B, kernel rows] mask column of each row
+        bi, ri = seen.nonzero(as_tuple=True)
+        out_k, out_v = k.new_zeros(b, h, c, d), v.new_zeros(b, h, c, d)
+        out_k[bi, :, col[bi, ri]], out_v[bi, :, col[bi, ri]] = k[bi, :, ri], v[bi, :, ri]
         return out_k, out_v
 
     # --- ledger --------------------------------------------------------------------
@@ -396,6 +446,8 @@ class KvqLayer(CacheLayerMixin):
         exact when their rows were kept for the rollback (transformers' past recording), else
         as decoded (the values attention already saw).
         """
+        if st.phase is not None:
+            return self._rolled_back_shifted(st, columns, lead, n)
         skipped = min(st.skipped, st.seen - n)
         before, after = st.seen - st.skipped, st.seen - n - skipped  # tail rows
         keep = st.main.length - (self._main_rows(before) - self._main_rows(after))
@@ -435,6 +487,29 @@ class KvqLayer(CacheLayerMixin):
             flat={p: f.truncated(int(_row_ptr(st.main, p)[keep])) for p, f in st.flat.items()},
         )
 
+    def _rolled_back_shifted(self, st: LayerState, columns: int, lead: int, n: int) -> LayerState:
+        """`_rolled_back` for a padded batch's shifted groups: main keeps what the furthest
+        sequence encodes at that length; every other row must still be held exact."""
+        keep = min(st.main.length, self._encoded(columns - lead, st.phase_max))
+        start = st.lead + st.main.length - st.settled  # column of the residual's first row
+        x = columns - lead - self.policy.residual_tokens
+        first_exact = lead + max(0, min(keep, x - self.group_rows + 1))
+        if lead != st.lead or start > first_exact:
+            raise RuntimeError(
+                f"layer {self.layer_idx}: cannot remove {n} tokens of a padded batch, their "
+                "exact rows are gone (call activate_past_recording before appending tokens "
+                "that may be rolled back)"
+            )
+        return replace(
+            st,
+            sink=None if st.sink is None else st.sink.cropped(columns),
+            main=st.main.truncated(keep),
+            residual=st.residual.truncated(max(0, columns - start)),
+            settled=lead + keep - start,
+            seen=st.seen - n,
+            flat={p: f.truncated(int(_row_ptr(st.main, p)[keep])) for p, f in st.flat.items()},
+        )
+
     def _decoded_main(self, st: LayerState, start: int, stop: int) -> tuple[Tensor, Tensor]:
         """Main rows [start, stop) decoded as stored (pre-RoPE keys stay unrotated)."""
         rows = st.main.rows()
@@ -458,7 +533,11 @@ class KvqLayer(CacheLayerMixin):
         flat = {p: f.reordered(_batch_order(st.main, p, index)) for p, f in st.flat.items()}
         sink = None if st.sink is None else st.sink.selected(index)
         main, residual = st.main.select_batch(index), st.residual.select_batch(index)
-        return replace(st, sink=sink, main=main, residual=residual, flat=flat)
+        pick = {
+            name: None if x is None else x.index_select(0, index)
+            for name, x in (("phase", st.phase), ("first_real", st.first_real))
+        }  # (phase_max stays: an upper bound is enough, see `_still_exact`)
+        return replace(st, sink=sink, main=main, residual=residual, flat=flat, **pick)
 
     @staticmethod
     def _device(st: LayerState) -> torch.device:
@@ -505,6 +584,54 @@ class KvqLayer(CacheLayerMixin):
             if store.positions is not None:
                 return store.positions.shape[0]
         return 0 if self.state.sink is None else self.state.sink.cols.shape[0]
+
+
+def _first_real(known: Tensor | None, real: Tensor | None, seen: int, b: int, device) -> Tensor:
+    """[B] token index of each sequence's first real token (-1: none yet), updated with a
+    forward from token `seen` on; real: [B, T] bool (None: all real)."""
+    if real is None:
+        first = torch.full((b,), seen, dtype=torch.long, device=device)
+    else:
+        real = real.to(device)
+        at = real.long().argmax(1)  # [B] first True (0 when none)
+        first = torch.where(real.any(1), seen + at, torch.full_like(at, -1))
+    if known is None:
+        return first
+    return torch.where(known >= 0, known, first)
+
+
+def _moved(
+    residual: RowStore,
+    start: int,
+    lead: int,
+    phase: Tensor | None,
+    main_rows: int,
+    n: int,
+    first: Tensor | None,
+) -> tuple[dict[str, Tensor], Tensor]:
+    """The residual rows that become main rows [main_rows, main_rows + n): rows {k, v}
+    [B, H, n, D] and positions [B, n]. start: column of the residual's first row; with a
+    phase, each sequence's rows come from its own columns. first: [B] each sequence's first
+    column seen through main; rows before it (padding, sink rows, the filler before the lead)
+    are stored as zeros, so that no group of them sets a scale from noise."""
+    j = main_rows + torch.arange(n, device=residual.positions.device)[None]  # [1, n]
+    col = lead + j if phase is None else lead - phase[:, None] + j  # [B or 1, n]
+    if phase is None:
+        at = lead + main_rows - start
+        rows, pos = residual.rows(at, at + n), residual.row_positions(at, at + n)
+    else:
+        idx = (col - start).clamp(min=0)  # (filler: columns before the lead, zeroed below)
+        rows = {}
+        for name, r in residual.rows().items():  # [B, H, L, D]
+            b, h, _, d = r.shape
+            rows[name] = r.gather(2, idx[:, None, :, None].expand(b, h, n, d))
+        pos = residual.row_positions().gather(1, idx)
+        first = torch.full_like(phase, lead) if first is None else first.clamp(min=lead)
+    if first is None:
+        return rows, pos
+    seen = col >= first[:, None]  # [B, n]
+    keep = seen[:, None, :, None]
+    return {name: r * keep.to(r.dtype) for name, r in rows.items()}, pos * seen
 
 
 def _strip(rows: dict[str, Tensor], prefix: str) -> dict[str, Tensor]:

@@ -7,8 +7,9 @@ refuses any mismatch with a one-line error before reading a single row.
 
 File layout: tensors `layers.{i}.main.{name}` [B, H, T, ...] (committed rows only),
 `layers.{i}.main.positions` [B, T], `layers.{i}.residual.{k|v|positions}` (exact recent rows), `layers.{i}.flat.{k|v}.{name}` [E],
-`layers.{i}.sink.{k|v|positions|cols|filled}`; metadata "kvq" = JSON of the identity
-and each layer's counters.
+`layers.{i}.sink.{k|v|positions|cols|filled}`, `layers.{i}.{phase|first_real}` [B] (a
+padded batch's group shifts); metadata "kvq" = JSON of the identity and each layer's
+counters.
 """
 
 from __future__ import annotations
@@ -53,6 +54,9 @@ def save_cache(cache, path) -> None:
             tensors |= {f"{pre}sink.{n}": r for n, r in st.sink.rows.items()}
             for n in ("positions", "cols", "filled"):
                 tensors[f"{pre}sink.{n}"] = getattr(st.sink, n)
+        for n in ("phase", "first_real"):
+            if getattr(st, n) is not None:
+                tensors[f"{pre}{n}"] = getattr(st, n)
         layers.append({k: getattr(st, k) for k in COUNTERS})
     meta = {"format": FORMAT, "identity": cache.identity, "layers": layers}
     path = Path(path)
@@ -152,13 +156,14 @@ def _layer_state(layer, counters: dict, t: dict, where: str):
             positions=t["sink.positions"],
             cols=t["sink.cols"],
             filled=t["sink.filled"],
-        )
+        )._checked()
         if sink.slots != layer.policy.sink_tokens:
             raise KvqError(f"{where}: saved with {sink.slots} sink tokens, the layout has "
                            f"{layer.policy.sink_tokens}")  # fmt: skip
     state = replace(
         EMPTY, sink=sink, main=main, residual=residual, seen=seen, evicted=evicted, lead=lead,
         flat=flat, settled=settled, skipped=skipped,
+        **_phase(t, layer, where),
     )  # fmt: skip
     if not (
         0 <= lead <= state.visible <= seen - evicted
@@ -169,12 +174,23 @@ def _layer_state(layer, counters: dict, t: dict, where: str):
     return state
 
 
+def _phase(t: dict, layer, where: str) -> dict:
+    """A padded batch's group shifts (absent: none), checked against the layout's groups."""
+    out = {n: t.get(n) for n in ("phase", "first_real")}
+    phase = out["phase"]
+    out["phase_max"] = 0 if phase is None else int(phase.max())
+    if phase is not None and (phase.dim() != 1 or int(phase.min()) < 0
+                              or out["phase_max"] >= layer.group_rows):  # fmt: skip
+        raise KvqError(f"{where}: group shifts do not fit groups of {layer.group_rows} tokens")
+    return out
+
+
 def _row_spec(layer, heads: int) -> dict:
-    """Per-row shape and dtype of each stored tensor, from encoding one zero row."""
+    """Per-row shape and dtype of each stored tensor, from encoding one group of zero rows."""
     spec = {}
     for part, codec in (("k", layer.key_codec), ("v", layer.value_codec)):
         try:
-            rows, _ = codec.encode(torch.zeros(1, heads, 1, codec.head_dim))
+            rows, _ = codec.encode(torch.zeros(1, heads, codec.group_rows, codec.head_dim))
         except (KvqError, RuntimeError):
             raise KvqError(f"saved rows have {heads} heads, the layout has another") from None
         spec |= {f"{part}.{n}": (tuple(r.shape[3:]), r.dtype) for n, r in rows.items()}

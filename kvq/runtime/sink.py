@@ -24,6 +24,9 @@ class SinkRows:
     positions: Tensor  # [B, N] int64 RoPE position of each slot's row
     cols: Tensor  # [B, N] int64 mask column of each slot's row (< 0 once evicted)
     filled: Tensor  # [B] int64 slots holding a row: real tokens seen so far, at most N
+    # every sequence has all its slots (no later token can become a sink); kept on the host
+    # so that a decode step does not wait on the device to learn it
+    full: bool = False
 
     @staticmethod
     def empty(batch: int, heads: int, slots: int, head_dim: int, dtype, device) -> SinkRows:
@@ -40,10 +43,9 @@ class SinkRows:
     def slots(self) -> int:
         return self.cols.shape[1]
 
-    @property
-    def full(self) -> bool:
-        """Every sequence has all its slots (no later token can become a sink)."""
-        return bool((self.filled >= self.slots).all())
+    def _checked(self) -> SinkRows:
+        """Self with `full` read from the device (once per change of the slots, not per step)."""
+        return replace(self, full=bool((self.filled >= self.slots).all()))
 
     def valid(self) -> Tensor:
         """[B, N] bool: slots holding a row that attention may still see."""
@@ -61,7 +63,7 @@ class SinkRows:
         ordinal = self.filled[:, None] + real.long().cumsum(1) - 1  # [B, T] slot of a real row
         taken = real & (ordinal < self.slots)
         if not bool(taken.any()):
-            return self, taken
+            return self._checked(), taken
         b, t = taken.nonzero(as_tuple=True)
         slot = ordinal[b, t]
         rows = {}
@@ -73,7 +75,7 @@ class SinkRows:
         pos[b, slot] = positions[b, t]
         cols[b, slot] = first_col + t
         filled = (self.filled + real.long().sum(1)).clamp(max=self.slots)
-        return SinkRows(rows, pos, cols, filled), taken
+        return SinkRows(rows, pos, cols, filled)._checked(), taken
 
     def shifted(self, dropped: int) -> SinkRows:
         """After `dropped` columns left the front (sliding-window eviction)."""
@@ -83,7 +85,7 @@ class SinkRows:
         """After the mask shrank to `columns` columns: slots past the end empty again."""
         n = torch.arange(self.slots, device=self.cols.device)
         kept = ((n[None] < self.filled[:, None]) & (self.cols < columns)).sum(1)
-        return replace(self, filled=kept)
+        return replace(self, filled=kept)._checked()
 
     def selected(self, index: Tensor) -> SinkRows:
         """Batch rows picked by `index` (beam reorder, repeat, select; duplicates allowed)."""
@@ -92,6 +94,7 @@ class SinkRows:
             positions=self.positions.index_select(0, index),
             cols=self.cols.index_select(0, index),
             filled=self.filled.index_select(0, index),
+            full=self.full,  # picked rows of full sequences are full (else appends re-check)
         )
 
     def nbytes(self) -> int:
@@ -107,41 +110,55 @@ def kernel_mask(
     mask: Tensor,
     sink: SinkRows | None,
     lead: int,
-    main_rows: int = 0,
-    settled: Tensor | None = None,
+    main_rows: int,
+    residual_rows: int,
+    phase: Tensor | None = None,
+    encoded: Tensor | None = None,
 ) -> Tensor:
     """transformers' mask [B, 1, Q, C] over mask columns -> the mask over the kernel's rows.
 
-    The kernel reads the sink slots first, then the main rows (columns lead ..), then the
-    residual window: its settled rows (exact copies of main's last S rows) and the live
-    rows. A sink slot takes its row's column; a main row that is also a sink row (a padded
-    sequence's sink sits past the lead) is hidden, so each token is seen exactly once.
-    settled: [Q, S] bool, True where a query sees a settled row's encoded copy (else its
-    exact one); None when nothing is settled.
+    The kernel reads the sink slots first, then the main rows, then the residual window's
+    exact rows (the last `residual_rows` columns). Main row j of sequence b sits at column
+    lead - phase[b] + j (phase None: 0; columns before the lead are filler). Where main and
+    the residual hold the same column (rows just encoded, kept exact for a rollback or for
+    a padded batch's other sequences), `encoded` [B or 1, Q] says which copy each query
+    sees: main rows below it, residual columns from its main column on.
+    A sink slot takes its row's column; a main or residual row that is also a sink row (a
+    padded sequence's sink sits past the lead) is hidden, so each token is seen once.
     """
-    main = mask[..., lead:]
-    if settled is not None:
-        s = settled.shape[1]
-        split = main_rows - s
-        enc, exact = settled.to(mask.device)[None, None], main[..., split:main_rows]
-        main = torch.cat(
-            [main[..., :split], exact & enc, exact & ~enc, main[..., main_rows:]], dim=-1
-        )
+    b, _, q, c = mask.shape
+    dev = mask.device
+    start = c - residual_rows  # column of the first residual row
+    j = torch.arange(main_rows, device=dev)
+    if phase is None:
+        main = mask[..., lead : lead + main_rows]
+        shift = torch.zeros(1, dtype=torch.long, device=dev)
+    else:
+        shift = phase.to(dev)
+        col = lead - shift[:, None] + j[None]  # [B, M]
+        at = col.clamp(0, c - 1)[:, None, None, :].expand(b, 1, q, main_rows)
+        main = mask.gather(-1, at) & (col >= lead)[:, None, None, :]
+    res = mask[..., start:]
+    if encoded is not None:
+        enc = encoded.to(dev)[:, None, :, None]  # [B or 1, 1, Q, 1]
+        main = main & (j < enc)
+        first_exact = lead - shift[:, None, None, None] + enc  # column seen exact from
+        res = res & (torch.arange(start, c, device=dev) >= first_exact)
     if sink is None:
-        return main
-    b, _, q, _ = mask.shape
+        return torch.cat([main, res], dim=-1)
     valid = sink.valid()  # [B, N]
     at = sink.cols.clamp(min=0)[:, None, None, :].expand(b, 1, q, sink.slots)
     head = mask.gather(-1, at) & valid[:, None, None, :]
-    dup = valid & (sink.cols >= lead)
-    if bool(dup.any()):
-        main = main.clone()
-        bi, si = dup.nonzero(as_tuple=True)
-        col = sink.cols[bi, si] - lead
-        if settled is not None:  # a settled row has two copies; live rows moved right by S
-            s = settled.shape[1]
-            both = (col >= main_rows - s) & (col < main_rows)
-            main[bi[both], :, :, col[both]] = False
-            col = torch.where(col >= main_rows - s, col + s, col)
-        main[bi, :, :, col] = False
-    return torch.cat([head, main], dim=-1)
+    dup = valid & (sink.cols >= lead)  # [B, N] sink rows that main or the residual repeat
+    main = main & ~_marked(dup, sink.cols - lead + shift[:, None], main_rows)[:, None, None]
+    res = res & ~_marked(dup, sink.cols - start, residual_rows)[:, None, None]
+    return torch.cat([head, main, res], dim=-1)
+
+
+def _marked(which: Tensor, index: Tensor, n: int) -> Tensor:
+    """[B, n] bool: True at index[b, s] where which[b, s] (indices outside [0, n) ignored);
+    a scatter, so no device sync."""
+    ok = which & (index >= 0) & (index < n)
+    out = torch.zeros(which.shape[0], n + 1, dtype=torch.bool, device=which.device)
+    out.scatter_(1, torch.where(ok, index, n), True)
+    return out[:, :n]

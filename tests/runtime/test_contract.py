@@ -156,19 +156,13 @@ def test_sampling_runs_and_is_reproducible(case):
     assert torch.equal(a, b)
 
 
-def test_left_padding_changes_nothing(case, request):
-    if case.layout.startswith("kivi"):
-        # KIVI's token groups are batch columns: a padded sequence's groups start at its pad
-        # offset and may hold pad and sink rows, so its keys' qparams can differ from the
-        # sequence alone (max logit difference about 1e-2 here). Per-sequence group phases
-        # would fix it; until then a known difference (not strict: whether a group mixes
-        # depends on the lengths).
-        request.applymarker(pytest.mark.xfail(reason="KIVI groups are batch columns"))
+def test_left_padding_changes_nothing(case):
     long, short = _ids(18, seed=2)[0], _ids(7, seed=3)[0]
     ids, mask = _left_pad([long, short])
     if case.layout != "hf-quanto":
         # layer 0 sees the same inputs padded or not: every real row it stores, sink rows
-        # included, must be what the sequence alone stores (up to fp32 matmul rounding)
+        # included, must be what the sequence alone stores, up to fp32 matmul rounding
+        # (which can move a row kept exact in fp16 by one fp16 step)
         padded = case.cache()
         with torch.no_grad():
             positions = (mask.cumsum(1) - 1).clamp(min=0)  # as generate gives them
@@ -182,7 +176,9 @@ def test_left_padding_changes_nothing(case, request):
             want = alone.layers[0].visible_rows(alone.layers[0].state)
             visible = want[0].shape[2]
             for g, w in zip(got, want, strict=True):
-                torch.testing.assert_close(g[i : i + 1, :, g.shape[2] - visible :], w)
+                torch.testing.assert_close(
+                    g[i : i + 1, :, g.shape[2] - visible :], w, atol=1e-5, rtol=2**-10
+                )
     # end to end: equal up to the rounding of differently shaped batches, which can flip an
     # INT4 code now and then (a flipped code then moves later layers by a quantization step)
     tol = 2e-5 if case.layout in MATCHES_DYNAMIC | {"fp8-e4m3"} else 2e-3

@@ -102,3 +102,78 @@ def test_attention_reads_encoded_history_and_exact_window_in_one_softmax():
     want = dense_attention(q, k, v, torch.ones(1, 1, 1, k.shape[2], dtype=torch.bool), 0.25)
     got = decode_attention_reference(q, layer.segments(layer.state), scaling=0.25)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def _padded(rows: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(r.numel() for r in rows)
+    ids = torch.zeros(len(rows), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, r in enumerate(rows):
+        ids[i, width - r.numel() :], mask[i, width - r.numel() :] = r, 1
+    return ids, mask
+
+
+@pytest.fixture(scope="module", params=["llama", "gemma3"])
+def kivi_model(request, tiny_model_dir):
+    import kvq
+
+    model, _ = kvq.load_model(str(tiny_model_dir(request.param)))
+    return model
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("policy", ["kivi4-g4-r6", "kivi4-g8-r8"])
+def test_each_sequence_of_a_padded_batch_decodes_as_it_would_alone(kivi_model, policy):
+    """Padding of 0..G-1 tokens (every group phase) and a sequence shorter than a group:
+    each sequence's groups start at its own first token, so its logits are its own."""
+    import kvq
+
+    gen = torch.Generator().manual_seed(5)
+    rows = [torch.randint(3, 300, (n,), generator=gen) for n in (17, 16, 14, 11, 3)]
+    ids, mask = _padded(rows)
+    kw = dict(max_new_tokens=14, do_sample=False, pad_token_id=0, output_logits=True)
+    kw |= dict(return_dict_in_generate=True)
+    cache = kvq.make_cache(kivi_model, policy=policy)
+    out = kivi_model.generate(ids, attention_mask=mask, cache=cache, **kw)
+    assert cache.layers[0].state.phase is not None  # the pads do shift the groups
+    for i, r in enumerate(rows):
+        alone = kivi_model.generate(r[None], cache=kvq.make_cache(kivi_model, policy=policy), **kw)
+        for step, logits in enumerate(alone.logits):
+            torch.testing.assert_close(out.logits[step][i], logits[0], atol=2e-3, rtol=1e-5)
+
+
+@torch.no_grad()
+def test_a_padded_batch_survives_reorder_save_load_and_rollback(kivi_model, tmp_path):
+    import kvq
+    from kvq.runtime.cache import QuantizedKVCache
+
+    policy = "kivi4-g4-r6"
+    gen = torch.Generator().manual_seed(6)
+    ids, mask = _padded([torch.randint(3, 300, (n,), generator=gen) for n in (15, 13, 10)])
+    steps = torch.randint(3, 300, (3, 12), generator=gen)
+
+    def run(cache, start, stop, m):
+        logits = []
+        for t in range(start, stop):
+            m = torch.cat([m, torch.ones(3, 1, dtype=m.dtype)], 1)
+            logits.append(kivi_model(steps[:, t : t + 1], attention_mask=m, cache=cache).logits)
+        return torch.cat(logits, 1), m
+
+    ref = kvq.make_cache(kivi_model, policy=policy)
+    kivi_model(ids, attention_mask=mask, cache=ref)
+    want, _ = run(ref, 0, 12, mask)
+
+    cache = kvq.make_cache(kivi_model, policy=policy)
+    kivi_model(ids, attention_mask=mask, cache=cache)
+    first, m = run(cache, 0, 5, mask)
+    order = torch.tensor([2, 0, 1])
+    cache.reorder_cache(order)
+    cache.reorder_cache(torch.argsort(order))  # and back: phases moved with their rows
+    cache.save(tmp_path / "state.safetensors")
+    loaded = QuantizedKVCache.load(tmp_path / "state.safetensors", kivi_model, policy=policy)
+    for layer in loaded.layers:
+        layer.activate_past_recording()
+    run(loaded, 5, 9, m)  # drafted, then rolled back: as if never appended
+    loaded.crop(-4)
+    rest, _ = run(loaded, 5, 12, m)
+    torch.testing.assert_close(torch.cat([first, rest], 1), want, atol=1e-5, rtol=1e-5)
