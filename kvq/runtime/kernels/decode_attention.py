@@ -264,6 +264,9 @@ _QAXIS = {"none": 0, "row": 1, "channel": 2, "head": 3}
 DOT_PRECISION = os.environ.get("KVQ_TRITON_DOT", "tf32")
 DOT_MODES = ("tf32", "ieee", "fp16")
 MAX_QUERY_ROWS = 64  # G * Q rows per program; longer query blocks (prefill) use the reference
+# the planned path (`planned_decode`: one launch, fp16 dots unless KVQ_TRITON_DOT=ieee) for
+# the layouts it takes; KVQ_DECODE_PLANNED=0 sends every call to the general kernel
+PLANNED = os.environ.get("KVQ_DECODE_PLANNED", "1") != "0"
 
 
 def triton_unsupported(query: Tensor, segments: list[Segment], mask: Tensor | None) -> str | None:
@@ -300,6 +303,13 @@ def decode_attention_triton(
     reason = triton_unsupported(query, segments, mask)
     if reason:
         raise KvqError(f"triton decode attention: {reason}")
+    from kvq.runtime.kernels import planned_decode
+
+    if PLANNED and planned_decode.planned_unsupported(query, segments, mask) is None:
+        half = _dot_mode(query.device) != "ieee"
+        return planned_decode.run_planned(
+            query, segments, scaling=scaling, softcap=softcap, half=half
+        )
     b, hq, q_len, d = query.shape
     hkv = segments[0].key.data.shape[1]
     group = hq // hkv

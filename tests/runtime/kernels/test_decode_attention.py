@@ -204,6 +204,7 @@ def _launch_with(monkeypatch, **options):
     from kvq.runtime.kernels import decode_attention as da
 
     launch = {"num_stages": 1, **options}
+    monkeypatch.setattr(da, "PLANNED", False)  # these layouts would take the planned path
     monkeypatch.setattr(
         da, "_launcher", lambda device, head_dim: (kern.decode_attention_kernel, launch)
     )
