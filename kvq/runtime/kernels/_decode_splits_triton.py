@@ -149,13 +149,14 @@ def _value_planes(ptr, rows, row_ok, stride_t, vs_ptr, vo_ptr, vq_t, ZERO: tl.co
 @triton.jit
 def _segment_loop(
     state, q_lo, q_hi, k_bias,
-    k_ptr, v_ptr, k_t, v_t, vs_ptr, vo_ptr, vq_t,
+    k_ptr, v_ptr, k_t, v_t, vs_ptr, vo_ptr, vq_t, ks_ptr, ko_ptr, kq_t,
     first, last, seg_col, total, qi, r_ok, K_ZERO: tl.constexpr, V_ZERO: tl.constexpr,
     Q: tl.constexpr, R: tl.constexpr, BLOCK_T: tl.constexpr, FULL: tl.constexpr,
     KP: tl.constexpr, KW: tl.constexpr, VP: tl.constexpr, NG: tl.constexpr,
     GW: tl.constexpr, V_HAS_OFF: tl.constexpr, HAS_SOFTCAP: tl.constexpr, softcap,
     CAUSAL: tl.constexpr, OP: tl.constexpr, PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr,
-    rows_seg, ASM: tl.constexpr,
+    rows_seg, ASM: tl.constexpr, K_ROWQ: tl.constexpr, K_NG: tl.constexpr,
+    K_HAS_OFF: tl.constexpr,
 ):  # fmt: skip
     """Folds tiles [first, last) of one segment into the online-softmax state (m, l,
     acc_lo, acc_hi: the numerator's planes). FULL: a full-precision segment (keys
@@ -165,11 +166,15 @@ def _segment_loop(
     for tile in tl.range(first, last, num_stages=NUM_STAGES):
         t = tile * BLOCK_T + tl.arange(0, BLOCK_T)
         t_ok = t < rows_seg
-        k_lo, k_hi = _key_planes(k_ptr, t, t_ok, k_t, K_ZERO, KP, KW, FULL, ASM)
+        if K_ROWQ and not FULL:
+            k_lo, k_hi = _value_planes(k_ptr, t, t_ok, k_t, ks_ptr, ko_ptr, kq_t, K_ZERO, KP,
+                                       K_NG, KW // K_NG, False, K_HAS_OFF, OP, ASM)  # fmt: skip
+        else:
+            k_lo, k_hi = _key_planes(k_ptr, t, t_ok, k_t, K_ZERO, KP, KW, FULL, ASM)
         scores = tl.dot(q_lo, tl.trans(k_lo.to(OP)), input_precision=PRECISION)
         if KP == 2:
             scores += tl.dot(q_hi, tl.trans(k_hi.to(OP)), input_precision=PRECISION)
-        if not FULL:
+        if not FULL and not K_ROWQ:
             scores += k_bias[:, None]
         if HAS_SOFTCAP:  # softcap * tanh(s / softcap), tanh(x) = 2 sigmoid(2x) - 1, base 2
             scores = softcap * (2.0 * tl.sigmoid(2.0 * scores / softcap) - 1.0) * LOG2E
@@ -199,19 +204,21 @@ def decode_splits_kernel(
     k0, v0, k0_b, k0_h, k0_t, v0_b, v0_h, v0_t, rows0,
     k1, v1, k1_b, k1_h, k1_t, v1_b, v1_h, v1_t, rows1,
     k2, v2, k2_b, k2_h, k2_t, v2_b, v2_h, v2_t, rows2,
-    k_fold, v_scale, v_off, vq_b, vq_h, vq_t,
+    k_fold, v_scale, v_off, vq_b, vq_h, vq_t, k_off, kq_b, kq_h, kq_t,
     HKV, total, splits, scaling, softcap,
     Q: tl.constexpr, G: tl.constexpr, R: tl.constexpr, D: tl.constexpr,
     BLOCK_T: tl.constexpr, KIND0: tl.constexpr, KIND1: tl.constexpr, KIND2: tl.constexpr,
     KP: tl.constexpr, VP: tl.constexpr, NG: tl.constexpr, V_HAS_OFF: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, CAUSAL: tl.constexpr, HALF: tl.constexpr,
     DIRECT: tl.constexpr, NUM_STAGES: tl.constexpr, K_ZERO: tl.constexpr = 0.0,
-    V_ZERO: tl.constexpr = 0.0, ASM: tl.constexpr = False,
+    V_ZERO: tl.constexpr = 0.0, ASM: tl.constexpr = False, K_ROWQ: tl.constexpr = False,
+    K_NG: tl.constexpr = 1, K_HAS_OFF: tl.constexpr = False,
 ):  # fmt: skip
     """Segments 0, 1, 2 (KIND 0: absent, 1: full precision, 2: packed; one packed at
     most): key and value data with their batch, head and row strides (elements of the
     data: bytes of codes), and row counts. k_fold [2, H_kv, D] float32: the packed keys'
-    static scale and bias (offset - zero_point x scale) per channel; v_scale, v_off
+    static scale and bias (offset - zero_point x scale) per channel; with K_ROWQ instead
+    their per-row group scales [B, H_kv, T, K_NG] (offsets k_off, strides kq_*); v_scale, v_off
     [B, H_kv, T, NG] with strides vq_b, vq_h, vq_t (groups contiguous)."""
     bh = tl.program_id(0)
     split = tl.program_id(1)
@@ -239,17 +246,24 @@ def decode_splits_kernel(
 
     # the packed keys' static qparams folded into the query (a second copy for packed
     # tiles: the full-precision segments dot the plain query)
+    ks_ptr = k_fold + b * kq_b + h * kq_h  # K_ROWQ: per-row group key qparams
+    ko_ptr = k_off + b * kq_b + h * kq_h
     fk = k_fold + h * D
-    s_lo = tl.load(fk + j * KP)
-    b_lo = tl.load(fk + HKV * D + j * KP)
-    pk_lo = (q_lo * s_lo[None, :]).to(OP)
-    k_bias = tl.sum(q_lo * b_lo[None, :], axis=1)
-    pk_hi = pk_lo
-    if KP == 2:
-        s_hi = tl.load(fk + j * 2 + 1)
-        b_hi = tl.load(fk + HKV * D + j * 2 + 1)
-        pk_hi = (q_hi * s_hi[None, :]).to(OP)
-        k_bias += tl.sum(q_hi * b_hi[None, :], axis=1)
+    if K_ROWQ:  # nothing to fold: packed tiles dot the plain query
+        pk_lo = q_lo.to(OP)
+        pk_hi = q_hi.to(OP)
+        k_bias = tl.zeros([R], tl.float32)
+    else:
+        s_lo = tl.load(fk + j * KP)
+        b_lo = tl.load(fk + HKV * D + j * KP)
+        pk_lo = (q_lo * s_lo[None, :]).to(OP)
+        k_bias = tl.sum(q_lo * b_lo[None, :], axis=1)
+        pk_hi = pk_lo
+        if KP == 2:
+            s_hi = tl.load(fk + j * 2 + 1)
+            b_hi = tl.load(fk + HKV * D + j * 2 + 1)
+            pk_hi = (q_hi * s_hi[None, :]).to(OP)
+            k_bias += tl.sum(q_hi * b_hi[None, :], axis=1)
     fq_lo = q_lo.to(OP)
     fq_hi = q_hi.to(OP)
 
@@ -273,30 +287,30 @@ def decode_splits_kernel(
         vp = v0 + b * v0_b + h * v0_h
         state = _segment_loop(
             state, fq_lo if KIND0 == 1 else pk_lo, fq_hi if KIND0 == 1 else pk_hi, k_bias,
-            kp, vp, k0_t, v0_t, vs_ptr, vo_ptr, vq_t,
+            kp, vp, k0_t, v0_t, vs_ptr, vo_ptr, vq_t, ks_ptr, ko_ptr, kq_t,
             tl.maximum(lo, 0), tl.minimum(hi, n0), 0, total, qi, r_ok, K_ZERO, V_ZERO,
             Q, R, BLOCK_T, KIND0 == 1, KP, KW, VP, NG, GW, V_HAS_OFF, HAS_SOFTCAP, softcap,
-            CAUSAL, OP, PRECISION, NUM_STAGES, rows0, ASM,
+            CAUSAL, OP, PRECISION, NUM_STAGES, rows0, ASM, K_ROWQ, K_NG, K_HAS_OFF,
         )  # fmt: skip
     if KIND1 != 0:
         kp = k1 + b * k1_b + h * k1_h
         vp = v1 + b * v1_b + h * v1_h
         state = _segment_loop(
             state, fq_lo if KIND1 == 1 else pk_lo, fq_hi if KIND1 == 1 else pk_hi, k_bias,
-            kp, vp, k1_t, v1_t, vs_ptr, vo_ptr, vq_t,
+            kp, vp, k1_t, v1_t, vs_ptr, vo_ptr, vq_t, ks_ptr, ko_ptr, kq_t,
             tl.maximum(lo, n0) - n0, tl.minimum(hi, n0 + n1) - n0, rows0, total, qi, r_ok,
             K_ZERO, V_ZERO, Q, R, BLOCK_T, KIND1 == 1, KP, KW, VP, NG, GW, V_HAS_OFF,
-            HAS_SOFTCAP, softcap, CAUSAL, OP, PRECISION, NUM_STAGES, rows1, ASM,
+            HAS_SOFTCAP, softcap, CAUSAL, OP, PRECISION, NUM_STAGES, rows1, ASM, K_ROWQ, K_NG, K_HAS_OFF,
         )  # fmt: skip
     if KIND2 != 0:
         kp = k2 + b * k2_b + h * k2_h
         vp = v2 + b * v2_b + h * v2_h
         state = _segment_loop(
             state, fq_lo if KIND2 == 1 else pk_lo, fq_hi if KIND2 == 1 else pk_hi, k_bias,
-            kp, vp, k2_t, v2_t, vs_ptr, vo_ptr, vq_t,
+            kp, vp, k2_t, v2_t, vs_ptr, vo_ptr, vq_t, ks_ptr, ko_ptr, kq_t,
             tl.maximum(lo, n0 + n1) - n0 - n1, tl.minimum(hi, n) - n0 - n1, rows0 + rows1,
             total, qi, r_ok, K_ZERO, V_ZERO, Q, R, BLOCK_T, KIND2 == 1, KP, KW, VP, NG, GW,
-            V_HAS_OFF, HAS_SOFTCAP, softcap, CAUSAL, OP, PRECISION, NUM_STAGES, rows2, ASM,
+            V_HAS_OFF, HAS_SOFTCAP, softcap, CAUSAL, OP, PRECISION, NUM_STAGES, rows2, ASM, K_ROWQ, K_NG, K_HAS_OFF,
         )  # fmt: skip
     m_i, l_i, acc_lo, acc_hi = state
 

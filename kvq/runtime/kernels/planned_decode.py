@@ -3,8 +3,8 @@ reduction, no device syncs (`_decode_splits_triton`, `launch_plan`).
 
 It takes the layouts a decode step mostly sees — full-precision segments (sink rows,
 the residual window) around at most one packed segment of 4- or 8-bit affine codes
-with static per-channel (or per-head) key qparams and per-row grouped value qparams,
-post-RoPE keys, no explicit mask — and `decode_attention_triton` sends everything
+with static per-channel (or per-head) or per-row grouped key qparams and per-row
+grouped value qparams, post-RoPE keys, no explicit mask — and `decode_attention_triton` sends everything
 else to the general kernel. What the host does per call: checks, a cached plan
 (splits from the compiled kernel's occupancy, `launch_plan.plan_splits`), two
 allocations (partial states and output; one when a single split writes the output
@@ -98,14 +98,23 @@ def _packed_unsupported(seg, d: int) -> str | None:
         if p.slot_index is not None or p.sparse_count is not None:
             return "exceptions use the general kernel"
     if k.qaxis not in ("channel", "head"):
-        return "keys without static qparams"
-    if v.qaxis != "row" or v.zero_point is not None or v.scale.stride(-1) != 1:
-        return "values without per-row group qparams"
-    if v.offset is not None and v.offset.stride() != v.scale.stride():
-        return "value offsets must share the scales' layout"
-    groups = v.scale.shape[-1]
-    if groups & (groups - 1) or d % groups or (d // groups) * v.bits // 8 < 16:
-        return "value groups narrower than 16 codes per plane"
+        reason = _row_groups_unsupported(k, d)
+        if reason:
+            return f"keys: {reason}"
+    reason = _row_groups_unsupported(v, d)
+    return f"values: {reason}" if reason else None
+
+
+def _row_groups_unsupported(p, d: int) -> str | None:
+    """Per-row group qparams the kernel applies to a decoded tile: scale (and offset) of
+    one layout, groups contiguous, 16 codes or more per group and plane."""
+    if p.qaxis != "row" or p.zero_point is not None or p.scale.stride(-1) != 1:
+        return "no per-row group qparams"
+    if p.offset is not None and p.offset.stride() != p.scale.stride():
+        return "offsets must share the scales' layout"
+    groups = p.scale.shape[-1]
+    if groups & (groups - 1) or d % groups or (d // groups) * p.bits // 8 < 16:
+        return "groups narrower than 16 codes per plane"
     return None
 
 
@@ -162,12 +171,22 @@ def planned_call(query: Tensor, segments, *, scaling: float, softcap: float | No
     group = hq // hkv
     dummy = _dummy(query.device)
     packed = next((s for s in segments if s.key.kind != "full"), None)
+    k_rowq, k_ng, k_off, kq = False, 1, dummy, (0, 0, 0)
     if packed is not None:
         kp = 2 if packed.key.bits == 4 else 1
         vp = 2 if packed.value.bits == 4 else 1
         bits = packed.key.bits
         ng = packed.value.scale.shape[-1]
-        k_fold = _key_fold(packed.key)
+        k_rowq = packed.key.qaxis == "row"
+        if k_rowq:  # per-row group key qparams, applied to the decoded key tile
+            k_fold, k_ng, kq = (
+                packed.key.scale,
+                packed.key.scale.shape[-1],
+                packed.key.scale.stride()[:3],
+            )
+            k_off = packed.key.offset if packed.key.offset is not None else dummy
+        else:
+            k_fold = _key_fold(packed.key)
         v_scale = packed.value.scale
         v_off = packed.value.offset if packed.value.offset is not None else dummy
         vq = v_scale.stride()[:3]
@@ -176,8 +195,6 @@ def planned_call(query: Tensor, segments, *, scaling: float, softcap: float | No
         kp, vp, bits, ng = 1, 1, 16, 1
         k_fold = v_scale = v_off = dummy
         vq, k_zero, v_zero = (0, 0, 0), 0.0, 0.0
-    if kp != vp:  # one plane layout for the whole call: 4-bit keys need KP 2, values VP 2
-        kp = vp = max(kp, vp)
     cfg = kernel_config(d, bits)
     args = dict(q=query, sq_b=query.stride(0), sq_h=query.stride(1), sq_q=query.stride(2),
                 part=dummy, out=dummy)  # fmt: skip
@@ -199,6 +216,8 @@ def planned_call(query: Tensor, segments, *, scaling: float, softcap: float | No
     total = sum(s.rows for s in segments)
     args.update(
         k_fold=k_fold, v_scale=v_scale, v_off=v_off, vq_b=vq[0], vq_h=vq[1], vq_t=vq[2],
+        k_off=k_off, kq_b=kq[0], kq_h=kq[1], kq_t=kq[2], K_ROWQ=k_rowq, K_NG=k_ng,
+        K_HAS_OFF=k_rowq and packed.key.offset is not None,
         HKV=hkv, total=total, splits=1, K_ZERO=k_zero, V_ZERO=v_zero, scaling=float(scaling),
         softcap=float(softcap or 0.0), Q=q_len, G=group, R=max(16, next_pow2(group * q_len)),
         D=d, BLOCK_T=cfg.block_t, KIND0=kinds[0], KIND1=kinds[1], KIND2=kinds[2], KP=kp,

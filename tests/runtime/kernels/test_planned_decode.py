@@ -11,10 +11,18 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from kvq.quant.schemes import QuantScheme
+from kvq.runtime.codecs import make_codec
 from kvq.runtime.kernels import planned_decode
 from kvq.runtime.kernels.decode_attention import Segment, decode_attention_triton
 from kvq.runtime.packed import PackedRows
-from tests.runtime.kernels.test_decode_attention import _check, _codec_segment, _data
+from tests.runtime.kernels.test_decode_attention import (
+    DEVICE,
+    _check,
+    _codec_segment,
+    _data,
+    _to,
+)
 
 
 @pytest.fixture(autouse=True)
@@ -62,6 +70,27 @@ def test_sink_main_and_residual_in_one_launch_match_reference(kind, d, hq, hkv, 
     assert len(planned_calls) == 1
 
 
+def _per_token_segment(bits, group, k, v):
+    """K and V per token in groups (the calibration-free int4 / int8 policies' layout)."""
+    scheme = QuantScheme("int", bits, group_size=group)
+    d = k.shape[-1]
+    kc = make_codec(scheme, d, torch.float32, {}, "layers.0.key")
+    vc = make_codec(scheme, d, torch.float32, {}, "layers.0.value")
+    return Segment(kc.packed(*kc.encode(k)), vc.packed(*vc.encode(v)))
+
+
+@pytest.mark.parametrize("bits, group, d", [(4, 32, 64), (4, 64, 256), (8, 16, 64)])
+def test_per_token_group_keys_decode_like_values(bits, group, d, planned_calls):
+    """Per-token key qparams cannot fold into the query: the kernel applies them to the
+    decoded key tile, as it does the values'."""
+    k, v = _data(2, 1, 130, d, seed=bits + group)
+    main = _per_token_segment(bits, group, k[:, :, 2:], v[:, :, 2:])
+    assert main.key.qaxis == "row"
+    sink = Segment(_full(k[:, :, :2]), _full(v[:, :, :2]))
+    _check(torch.randn(2, 4, 1, d) * 2, [sink, main])
+    assert len(planned_calls) == 1
+
+
 @pytest.mark.parametrize("rows", [1, 63, 64, 65, 300])
 def test_split_boundaries_across_segments(rows, planned_calls):
     """Row counts around the 64-row tile: splits fall on tile boundaries of the segments
@@ -83,7 +112,7 @@ def test_full_precision_segments_alone(planned_calls):
     assert len(planned_calls) == 1
 
 
-@pytest.mark.parametrize("kind", ["int4-g16", "nuq4", "int2-int3"])
+@pytest.mark.parametrize("kind", ["int4-g16", "nuq4", "int2-int3"])  # 8 codes/group plane
 def test_other_layouts_keep_the_general_kernel(kind, planned_calls):
     k, v = _data(1, 2, 40, 64, seed=7)
     kp, vp = _codec_segment(kind, k, v)
@@ -133,8 +162,8 @@ def test_one_call_costs_two_launches_no_sync_and_three_allocations(monkeypatch):
     states and the output, and never waits on the device. The kernels themselves are
     stubbed during the count (the interpreter copies arguments with torch ops of its own,
     which a CUDA launch does not)."""
-    segs = _layer_segments("int4-channel", 4, 2, 64, rows=300, seed=9)
-    q = torch.randn(4, 8, 1, 64)
+    segs = _to(_layer_segments("int4-channel", 4, 2, 64, rows=300, seed=9), DEVICE)
+    q = torch.randn(4, 8, 1, 64, device=DEVICE)
     decode_attention_triton(q, segs, scaling=0.125)  # warm: compile, fold the key qparams
     names = []
     monkeypatch.setattr(
@@ -159,11 +188,7 @@ def _is_view(name: str) -> bool:
 def test_a_decode_call_captures_in_a_cuda_graph():
     """Plan, launches and buffers need nothing from the host that changes inside a bucket:
     one call captures in a CUDA graph and replays to the eager result."""
-    segs = _layer_segments("int4-channel", 4, 2, 128, rows=4000, seed=10)
-    segs = [Segment(*(PackedRows(**{**p.__dict__, "data": p.data.cuda(),
-                                   **{n: getattr(p, n).cuda() for n in ("scale", "offset")
-                                      if getattr(p, n) is not None}}) for p in (s.key, s.value)))
-            for s in segs]  # fmt: skip
+    segs = _to(_layer_segments("int4-channel", 4, 2, 128, rows=4000, seed=10), "cuda")
     q = torch.randn(4, 8, 1, 128, device="cuda")
     eager = decode_attention_triton(q, segs, scaling=128**-0.5)
     torch.cuda.synchronize()
@@ -173,3 +198,30 @@ def test_a_decode_call_captures_in_a_cuda_graph():
     graph.replay()
     torch.cuda.synchronize()
     torch.testing.assert_close(out, eager)
+
+
+@torch.no_grad()
+def test_generate_through_the_planned_path_matches_the_reference(monkeypatch, planned_calls):
+    """Public path: greedy generate of a tiny Gemma 3 (head_dim 32, MQA) with the int4
+    policy on the Triton backend gives the reference backend's tokens, and its decode
+    steps take the planned path (the sliding-window layers, masked, the general kernel)."""
+    from kvq.models.adapters import get_adapter
+    from kvq.quant.schemes import named_policy
+    from kvq.runtime.cache import build_cache
+    from tests.conftest import make_tiny_model
+
+    model = make_tiny_model("gemma3")
+    ad = get_adapter(model)
+    ids = torch.randint(3, 200, (2, 12), generator=torch.Generator().manual_seed(0))
+
+    def generate(backend):
+        monkeypatch.setenv("KVQ_BACKEND", backend)
+        cache = build_cache(model, named_policy("int4", ad.info.num_layers, ad.info.head_dim),
+                            {}, ad)  # fmt: skip
+        return model.generate(ids, cache=cache, max_new_tokens=5, do_sample=False,
+                              pad_token_id=0)  # fmt: skip
+
+    want = generate("reference")
+    assert not planned_calls
+    assert torch.equal(generate("triton"), want)
+    assert planned_calls
