@@ -50,13 +50,20 @@ class KernelConfig:
         return {"num_warps": self.num_warps, "num_stages": self.num_stages}
 
 
-def kernel_config(head_dim: int, bits: int) -> KernelConfig:
-    """Launch configuration per shape bucket (head_dim, code bits): 64-row tiles, 4
-    warps, 2 tiles of raw codes in flight. Picked from the sm_90 compile of KV4
-    (bench/kernel_resources.py; no GPU timing, never a small parity problem): at head_dim
-    128, 128 registers, 16 warps per SM, 42 warp-instructions per cached row, 74 KB in
-    flight per SM (3 stages: 12 warps; 128-row tiles: 37 per row but 8 warps); at
-    head_dim 256, 250 registers, 8 warps, 74 per row (32-row tiles: 12 warps, 85)."""
+def kernel_config(head_dim: int, bits: int, key_rows: bool = False) -> KernelConfig:
+    """Launch configuration per shape bucket (head_dim, code bits, whether key qparams are
+    per row): 64-row tiles, 4 warps, 2 tiles of raw codes in flight, where that compiles
+    without spilling. Picked from the sm_90 compile (bench/kernel_resources.py; no GPU
+    timing, never a small parity problem). KV4 at head_dim 128: 128 registers, 16 warps
+    per SM, 42 warp-instructions per cached row, 72 KB in flight per SM (3 stages: 12
+    warps; 128-row tiles: 37 per row but 8 warps); at head_dim 256: 250 registers, 8
+    warps, 74 per row (32-row tiles: 12 warps, 85). Per-token key groups at head_dim 128
+    spill 8 bytes at 2 stages, none at 3 (133 registers, 12 warps, 45 per row); 8-bit
+    codes at head_dim 256 spill 40 bytes with 64-row tiles, none with 32 (182 registers)."""
+    if bits == 8 and head_dim >= 256:
+        return KernelConfig(32, 4, 2)
+    if key_rows and head_dim <= 128:
+        return KernelConfig(64, 4, 3)
     return KernelConfig(64, 4, 2)
 
 
@@ -195,7 +202,7 @@ def planned_call(query: Tensor, segments, *, scaling: float, softcap: float | No
         kp, vp, bits, ng = 1, 1, 16, 1
         k_fold = v_scale = v_off = dummy
         vq, k_zero, v_zero = (0, 0, 0), 0.0, 0.0
-    cfg = kernel_config(d, bits)
+    cfg = kernel_config(d, bits, k_rowq)
     args = dict(q=query, sq_b=query.stride(0), sq_h=query.stride(1), sq_q=query.stride(2),
                 part=dummy, out=dummy)  # fmt: skip
     kinds, padded = [], 0
@@ -283,12 +290,10 @@ class _Launcher:
             fn[grid](**args, **options)
             return
         compiled = self._compiled(fn, args, options)
-        values = [args[p.name] for p in fn.params]
-        compiled[(*grid, 1)](*values)
+        compiled[(*grid, 1)](*[args[p.name] for p in fn.params])
 
     def _compiled(self, fn, args: dict, options: dict):
-        key = (fn, tuple(_spec(args[p.name], p) for p in fn.params),
-               tuple(sorted(options.items())))  # fmt: skip
+        key = (_spec_key(fn, args), *options.values())
         hit = self.compiled.get(key)
         if hit is None:
             hit = fn.warmup(**args, **options, grid=(1,))
@@ -296,21 +301,30 @@ class _Launcher:
         return hit
 
 
-def _spec(value, param):
-    """What Triton specialises a launch on: constexpr values; a tensor's dtype and
-    16-byte alignment; an integer's == 1, divisibility by 16 and width (not for the
-    `do_not_specialize` row counts, which change every step)."""
-    if param.is_constexpr:
-        return value
-    if param.do_not_specialize:
-        return None
-    if isinstance(value, Tensor):
-        return (value.dtype, value.data_ptr() % 16 == 0)
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, int):
-        return (value == 1, value % 16 == 0, -(2**31) <= value < 2**31)
-    return type(value)
+@functools.cache
+def _params(fn) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(constexpr names, names Triton specialises at run time) of a kernel: the row counts
+    (`do_not_specialize`) change every step and are left out."""
+    consts = tuple(p.name for p in fn.params if p.is_constexpr)
+    runtime = tuple(p.name for p in fn.params if not p.is_constexpr and not p.do_not_specialize)
+    return consts, runtime
+
+
+def _spec_key(fn, args: dict) -> tuple:
+    """What Triton specialises a launch on: the constexpr values; per tensor its dtype and
+    16-byte alignment; per integer == 1, divisibility by 16 and width (finer is harmless).
+    One pass over plain values: this runs on every launch."""
+    consts, runtime = _params(fn)
+    spec = []
+    for name in runtime:
+        v = args[name]
+        if isinstance(v, Tensor):
+            spec.append((v.dtype, v.data_ptr() & 15 == 0))
+        elif type(v) is int:
+            spec.append((v == 1, v & 15 == 0, v >> 31))
+        else:
+            spec.append(type(v))
+    return (fn, tuple(args[n] for n in consts), tuple(spec))
 
 
 def resident_programs(compiled) -> int:
