@@ -470,6 +470,15 @@ def autotune_configs():
 # fold into the query (axis, offset) or stay in the loop, which moves registers by ~40
 AUTOTUNE_KEY = ["D", "R", "PRE_ROPE", "K_KIND", "K_BITS", "K_FLAT", "K_QAXIS", "K_HAS_OFF"]
 AUTOTUNE_KEY += ["V_KIND", "V_BITS", "V_SLOTS", "V_QAXIS", "HALF_DOTS", "K_WORDS", "V_WORDS"]
+# and the shape bucket of the launch (`tune_bucket`): the best row tile and warps for a
+# few programs over long rows differ from those of many short ones, so a configuration
+# timed on a small problem (a parity check, batch 1) is not reused at batch 16 x 32K
+AUTOTUNE_KEY += ["tune_bucket"]
+
+
+def tune_bucket(programs: int, rows_per_program: int) -> int:
+    """Power-of-two buckets of (programs, rows per program) as one integer."""
+    return programs.bit_length() * 64 + rows_per_program.bit_length()
 
 
 def tuned_kernel(do_bench=None):
@@ -648,6 +657,7 @@ def _segment_call(q, seg, rope, mask_u8, col, total, scaling, softcap, partials,
         float(seg.value.zero),
         float(scaling),
         float(softcap or 0.0),
+        tune_bucket(b * hkv * splits, rows_per_split),
     )
     consts = dict(
         Q=q_len,

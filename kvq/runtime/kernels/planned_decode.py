@@ -72,6 +72,8 @@ def planned_unsupported(query: Tensor, segments, mask: Tensor | None) -> str | N
     b, hq, q_len, d = query.shape
     if mask is not None:
         return "explicit masks use the general kernel"
+    if query.stride(-1) != 1:
+        return "query channels must be contiguous"
     if d & (d - 1) or not 32 <= d <= 256:
         return f"head_dim {d} is not a power of two in 32 ... 256"
     if len(segments) > MAX_SEGMENTS:
