@@ -19,12 +19,12 @@ export PYTHONPATH=$PWD KVQ_TEST_CUDA=1 TRITON_DEFAULT_FP_FUSION=1
 unset TRITON_INTERPRET
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
 echo "== parity: decode attention on CUDA (append kernels: KVQ_TEST_CUDA=1 pytest tests/runtime/kernels/test_append.py)"
-KVQ_TRITON_DOT=ieee timeout 120 python3 -m pytest -q -p no:cacheprovider \
+KVQ_TRITON_DOT=ieee timeout 160 python3 -m pytest -q -p no:cacheprovider \
   tests/runtime/kernels/test_planned_decode.py tests/runtime/kernels/test_decode_attention.py 2>&1 | tail -15
 echo "== decode attention benchmark (per format and shape: us, GB/s, HBM share, launch)"
-timeout 240 python3 bench/gpu_decode.py --json "$OUT/gpu_decode.json" 2>&1 \
+timeout 210 python3 bench/gpu_decode.py --json "$OUT/gpu_decode.json" 2>&1 \
   | grep -v -i "warn" | tail -80
 echo "== Gemma 3 270M, batch 16, generate: kvq int4 vs fp16 DynamicCache"
-timeout 65 python3 bench/gpu_generate.py --json "$OUT/gpu_generate.json" 2>&1 | tail -5
+timeout 60 python3 bench/gpu_generate.py --new 32 --json "$OUT/gpu_generate.json" 2>&1 | tail -5
 echo "== A8 producer benchmark"
-timeout 40 python3 bench/a8_gpu.py --json "$OUT/a8_gpu.json" 2>&1 | tail -20
+timeout 35 python3 bench/a8_gpu.py --json "$OUT/a8_gpu.json" 2>&1 | tail -20

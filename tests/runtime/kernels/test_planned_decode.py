@@ -210,9 +210,9 @@ def test_generate_through_the_planned_path_matches_the_reference(monkeypatch, pl
     from kvq.runtime.cache import build_cache
     from tests.conftest import make_tiny_model
 
-    model = make_tiny_model("gemma3")
+    model = make_tiny_model("gemma3").to(DEVICE)
     ad = get_adapter(model)
-    ids = torch.randint(3, 200, (2, 12), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(3, 200, (2, 12), generator=torch.Generator().manual_seed(0)).to(DEVICE)
 
     def generate(backend):
         monkeypatch.setenv("KVQ_BACKEND", backend)
