@@ -1,16 +1,30 @@
 #!/usr/bin/env bash
 # GPU check for a lent CUDA machine (needs only torch, triton, transformers, safetensors,
-# typer, rich): kernel parity on CUDA, then decode-attention and A8 benchmarks.
-# Usage: bash bench/gpu_check.sh [OUT_DIR]   (under 8 minutes on an H200; the first call per format autotunes the decode kernel over 12 configurations, with and without PREFETCH where codes load as words)
+# typer, rich), unattended, under 8 minutes on an H200 (each step has its own timeout;
+# they add up to 465 s):
+#   1. kernel parity on CUDA: the general and the planned decode kernels, exact fp32
+#      dots (the planned path's inline-PTX decode included), and the CUDA-graph capture;
+#   2. decode attention per format and head shape (Llama-like 8 x 128, Gemma 3 1 x 256):
+#      us, GB/s, share of the HBM peak, speed against fp16 SDPA and the launch chosen
+#      (plan: splits, programs, waves, fill; configuration); then KV4 through the general
+#      kernel for comparison;
+#   3. Gemma 3 270M at batch 16 through generate: kvq int4 cache vs fp16 DynamicCache,
+#      decoded tokens per second;
+#   4. the A8 producer benchmark.
+# Usage: bash bench/gpu_check.sh [OUT_DIR]
 set -u
 OUT=${1:-${OUT:-gpu_out}}
 mkdir -p "$OUT"
-export PYTHONPATH=$PWD KVQ_TEST_CUDA=1
+export PYTHONPATH=$PWD KVQ_TEST_CUDA=1 TRITON_DEFAULT_FP_FUSION=1
 unset TRITON_INTERPRET
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
 echo "== parity: decode attention on CUDA (append kernels: KVQ_TEST_CUDA=1 pytest tests/runtime/kernels/test_append.py)"
-KVQ_TRITON_DOT=ieee timeout 130 python3 -m pytest -q -p no:cacheprovider tests/runtime/kernels/test_decode_attention.py 2>&1 | tail -15
-echo "== decode attention benchmark"
-timeout 290 python3 bench/gpu_decode.py --json "$OUT/gpu_decode.json" 2>&1 | tail -45
+KVQ_TRITON_DOT=ieee timeout 160 python3 -m pytest -q -p no:cacheprovider \
+  tests/runtime/kernels/test_planned_decode.py tests/runtime/kernels/test_decode_attention.py 2>&1 | tail -15
+echo "== decode attention benchmark (per format and shape: us, GB/s, HBM share, launch)"
+timeout 210 python3 bench/gpu_decode.py --json "$OUT/gpu_decode.json" 2>&1 \
+  | grep -v -i "warn" | tail -80
+echo "== Gemma 3 270M, batch 16, generate: kvq int4 vs fp16 DynamicCache"
+timeout 60 python3 bench/gpu_generate.py --new 32 --json "$OUT/gpu_generate.json" 2>&1 | tail -5
 echo "== A8 producer benchmark"
-timeout 50 python3 bench/a8_gpu.py --json "$OUT/a8_gpu.json" 2>&1 | tail -20
+timeout 35 python3 bench/a8_gpu.py --json "$OUT/a8_gpu.json" 2>&1 | tail -20

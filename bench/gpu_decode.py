@@ -1,14 +1,18 @@
 """GPU benchmark: decode attention over packed KV4 / KV8 / FP8 / NUQ4 vs fp16 SDPA.
 
-One query token per sequence attends to a cache of `context` tokens (Llama-like
-head shape: 32 query heads, 8 KV heads, head_dim 128) at batch 1 and 16. For
+One query token per sequence attends to a cache of `context` tokens at batch 1 and
+16, for each head shape (`--shapes`: Llama-like 32 query / 8 KV heads x 128, Gemma 3
+270M's 4 / 1 x 256). For
 each representation, parity with the pure-torch reference is checked first on
 a small real encode (raises on mismatch); timings then use random codes of the
 right layout (time does not depend on code values; NUQ4 has 1% key exceptions).
 
 Prints microseconds, the host time per call (launcher Python and launches, which is
 the step time when it exceeds the kernel's), achieved GB/s (bytes of codes + qparams +
-exceptions read) and the share of the HBM peak; `--json FILE` writes the rows.
+exceptions read), the share of the HBM peak and the launch chosen (the planned path's
+plan and configuration, or the general kernel's autotuned configuration); then KV4 at
+batch 16 x 32K through the general kernel, for comparison. `--json FILE` writes the
+rows.
 """
 
 from __future__ import annotations
@@ -30,6 +34,8 @@ from kvq.runtime.kernels.decode_attention import (
 from kvq.runtime.packed import PackedRows
 
 HQ, HKV, D = 32, 8, 128
+SHAPES = {"llama-7b-like": (32, 8, 128), "gemma3-270m": (4, 1, 256)}
+KINDS = ("kv8", "kv4", "kv4-token", "fp8", "nuq4")
 PEAK_GBS = 4800.0  # H200 HBM3e
 FP8_TABLE = torch.nan_to_num(
     torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float(), nan=0.0
@@ -67,6 +73,20 @@ def packed(kind: str, b: int, t: int, dev: str, seed: int = 0) -> Segment:
             offset=-half(b, HKV, t, D // 32, lo=1.2, hi=1.3),
         )
         return Segment(key, value, pos)
+    if kind == "kv4-token":  # the calibration-free int4 policy: K and V per token, groups of 64
+        step = 2.5 / 15
+
+        def token_rows():
+            return PackedRows(
+                "affine",
+                D,
+                codes(D // 2),
+                4,
+                scale=half(b, HKV, t, D // 64, lo=step, hi=1.2 * step),
+                offset=-half(b, HKV, t, D // 64, lo=1.2, hi=1.3),
+            )
+
+        return Segment(token_rows(), token_rows(), pos)
     if kind == "fp8":
         table = FP8_TABLE.to(dev)
         key = PackedRows("lookup", D, codes(D) & 0x7E, 8, scale=half(HKV).float(), table=table)
@@ -133,7 +153,7 @@ def parity(dev: str) -> list[str]:
     """Kernel vs reference on each layout (random codes, 1000 rows, batch 2)."""
     lines = []
     rope = rope_tables(1000, dev)
-    for kind in ("kv4", "kv8", "fp8", "nuq4"):
+    for kind in KINDS:
         seg = packed(kind, 2, 1000, dev, seed=1)
         q = torch.randn(2, HQ, 1, D, device=dev)
         ref = decode_attention_reference(q, [seg], scaling=D**-0.5, rope=rope)
@@ -168,14 +188,35 @@ def host_us(fn, calls: int = 20) -> float:
     return host
 
 
-def bench_case(b: int, t: int, dev: str, do_bench) -> list[dict]:
+def launch_chosen(q, seg) -> str:
+    """The planned path's plan and configuration for this call, or the general kernel's
+    autotuned configuration."""
+    from kvq.runtime.kernels import planned_decode
+
+    if da.PLANNED and planned_decode.planned_unsupported(q, [seg], None) is None:
+        call = planned_decode.planned_call(q, [seg], scaling=1.0, softcap=None, half=True)
+        plan = planned_decode._launcher(q.device).plan(call)
+        c = call.config
+        return (
+            f"planned BLOCK_T={c.block_t} warps={c.num_warps} stages={c.num_stages} "
+            f"splits={plan.splits} programs={plan.programs} slots={plan.slots} "
+            f"waves={plan.waves} fill={plan.fill:.2f}"
+        )
+    return f"general {getattr(da.cuda_kernel(), 'best_config', '?')}"
+
+
+def bench_case(b: int, t: int, dev: str, do_bench, shape: str = "llama-7b-like") -> list[dict]:
     """fp16 SDPA, then each packed layout, at batch b and context t."""
     q = torch.randn(b, HQ, 1, D, device=dev)
     rope = rope_tables(t, dev)
     base, gbs = _sdpa_fp16(q, t, dev, do_bench)
-    rows = [dict(batch=b, context=t, path="sdpa-fp16", us=base, gbs=gbs)]
-    print(f"b={b:<3d} T={t:<7d} sdpa-fp16 {base:10.1f} us {gbs:7.0f} GB/s", flush=True)
-    for kind in ("kv8", "kv4", "fp8", "nuq4"):
+    rows = [dict(shape=shape, batch=b, context=t, path="sdpa-fp16", us=base, gbs=gbs)]
+    print(
+        f"{shape} b={b:<3d} T={t:<7d} sdpa-fp16 {base:10.1f} us {gbs:7.0f} GB/s "
+        f"({100 * gbs / PEAK_GBS:4.1f}% of peak)",
+        flush=True,
+    )
+    for kind in KINDS:
         seg = packed(kind, b, t, dev)
 
         def call(s=seg):
@@ -184,9 +225,10 @@ def bench_case(b: int, t: int, dev: str, do_bench) -> list[dict]:
         us = do_bench(call) * 1e3
         host = host_us(call)
         gbs = nbytes(seg) / us / 1e3
-        config = str(getattr(da.cuda_kernel(), "best_config", "?"))
+        config = launch_chosen(q, seg)
         rows.append(
             dict(
+                shape=shape,
                 batch=b,
                 context=t,
                 path=kind,
@@ -194,11 +236,13 @@ def bench_case(b: int, t: int, dev: str, do_bench) -> list[dict]:
                 host_us=host,
                 gbs=gbs,
                 speedup=base / us,
+                hbm_share=gbs / PEAK_GBS,
                 config=config,
             )
         )
         print(
-            f"b={b:<3d} T={t:<7d} {kind:9s} {us:10.1f} us (host {host:6.1f} us) {gbs:7.0f} GB/s "
+            f"{shape} b={b:<3d} T={t:<7d} {kind:9s} {us:10.1f} us (host {host:6.1f} us) "
+            f"{gbs:7.0f} GB/s "
             f"({100 * gbs / PEAK_GBS:4.1f}% of peak)  {base / us:5.2f}x vs fp16 sdpa  [{config}]",
             flush=True,
         )
@@ -206,66 +250,37 @@ def bench_case(b: int, t: int, dev: str, do_bench) -> list[dict]:
     return rows
 
 
-def waves_sweep(dev: str, do_bench, b: int = 16, t: int = 32768) -> list[dict]:
-    """KV4 at batch b x context t for several programs-per-SM targets (`WAVES`): how many
-    splits the launcher should aim for, measured rather than guessed."""
+def general_kernel(dev: str, do_bench, b: int = 16, t: int = 32768) -> list[dict]:
+    """KV4 (Llama-like) at batch b x context t through the general kernel (the path before
+    the plan): what the planned path gains, measured."""
+    set_shape("llama-7b-like")
     q = torch.randn(b, HQ, 1, D, device=dev)
     rope = rope_tables(t, dev)
     seg = packed("kv4", b, t, dev)
-    rows, default = [], da.WAVES
     try:
-        for waves in (1, 2, 4, 8, 16):
-            da.WAVES = waves
-            us = do_bench(lambda: decode_attention_triton(q, [seg], scaling=D**-0.5, rope=rope))
-            us *= 1e3
-            gbs = nbytes(seg) / us / 1e3
-            rows.append(dict(batch=b, context=t, path=f"kv4-waves{waves}", us=us, gbs=gbs))
-            print(f"b={b} T={t} kv4 WAVES={waves:<3d} {us:10.1f} us {gbs:7.0f} GB/s", flush=True)
+        da.PLANNED = False
+        us = 1e3 * do_bench(lambda: decode_attention_triton(q, [seg], scaling=D**-0.5, rope=rope))
     finally:
-        da.WAVES = default
-    return rows
+        da.PLANNED = True
+    gbs = nbytes(seg) / us / 1e3
+    print(
+        f"llama-7b-like b={b} T={t} kv4 general kernel {us:10.1f} us {gbs:7.0f} GB/s "
+        f"({100 * gbs / PEAK_GBS:4.1f}% of peak) [{launch_chosen(q, seg)}]",
+        flush=True,
+    )
+    return [dict(shape="llama-7b-like", batch=b, context=t, path="kv4-general", us=us, gbs=gbs)]
 
 
-def dots_sweep(dev: str, do_bench, b: int = 16, t: int = 32768) -> list[dict]:
-    """KV4 and NUQ4 at batch b x context t with tf32 dots and with fp16 operands
-    (`KVQ_TRITON_DOT`): the max abs error against the reference on a small case, then the
-    time. fp16 halves the registers the decoded tiles take; tf32 keeps fp32 tiles."""
-    q = torch.randn(b, HQ, 1, D, device=dev)
-    rope = rope_tables(t, dev)
-    small_rope = rope_tables(1000, dev)
-    rows, default = [], da.DOT_PRECISION
-    try:
-        for mode in ("tf32", "fp16"):
-            da.DOT_PRECISION = mode
-            for kind in ("kv4", "nuq4"):
-                small = packed(kind, 2, 1000, dev, seed=1)
-                qs = torch.randn(2, HQ, 1, D, device=dev)
-                ref = decode_attention_reference(qs, [small], scaling=D**-0.5, rope=small_rope)
-                out = decode_attention_triton(qs, [small], scaling=D**-0.5, rope=small_rope)
-                err = (out - ref).abs().max().item()
-                seg = packed(kind, b, t, dev)
-                us = 1e3 * do_bench(
-                    lambda s=seg: decode_attention_triton(q, [s], scaling=D**-0.5, rope=rope)
-                )
-                gbs = nbytes(seg) / us / 1e3
-                rows.append(
-                    dict(batch=b, context=t, path=f"{kind}-{mode}", us=us, gbs=gbs, max_err=err)
-                )
-                print(
-                    f"b={b} T={t} {kind} dots={mode:5s} {us:10.1f} us {gbs:7.0f} GB/s  "
-                    f"max abs err {err:.1e}",
-                    flush=True,
-                )
-                del seg
-    finally:
-        da.DOT_PRECISION = default
-    return rows
+def set_shape(shape: str) -> None:
+    global HQ, HKV, D
+    HQ, HKV, D = SHAPES[shape]
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--contexts", nargs="+", type=int, default=[4096, 32768, 131072])
     ap.add_argument("--batches", nargs="+", type=int, default=[1, 16])
+    ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     ap.add_argument("--json")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -275,18 +290,26 @@ def main() -> None:
 
     dev = "cuda"
     print(torch.cuda.get_device_name(), "torch", torch.__version__)
-    for line in parity(dev):
-        print(line, flush=True)
     rows = []
-    for b in args.batches:
-        for t in args.contexts:
-            rows += bench_case(b, t, dev, do_bench)
-            torch.cuda.empty_cache()
-    rows += waves_sweep(dev, do_bench)
-    rows += dots_sweep(dev, do_bench)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f, indent=2)
+
+    def save():  # after every case: a run cut short by its timeout keeps what it measured
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f, indent=2)
+
+    # shortest contexts first, both shapes, so a run cut short still covers every shape
+    for t in args.contexts:
+        for shape in args.shapes:
+            set_shape(shape)
+            if t == args.contexts[0]:
+                for line in parity(dev):
+                    print(shape, line, flush=True)
+            for b in args.batches:
+                rows += bench_case(b, t, dev, do_bench, shape)
+                torch.cuda.empty_cache()
+                save()
+    rows += general_kernel(dev, do_bench)
+    save()
 
 
 if __name__ == "__main__":

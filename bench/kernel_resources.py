@@ -1,21 +1,24 @@
-"""What each decode-attention launch configuration costs on an H100/H200 SM, without a GPU.
+"""What each decode-attention launch costs on an H100/H200 SM, without a GPU.
 
 For two head shapes (Llama-like 32 query / 8 KV heads x 128, and Gemma 3 270M's
 4 / 1 x 256) and each cache format of `bench/gpu_decode.py` (KV4, KV8, FP8, NUQ4,
-plus Gemma's own layout, KV4 with pre-RoPE keys), every configuration the
-autotuner may time is compiled for sm_90 here (`kvq.runtime.kernels.offline`),
-and the table gives registers per thread, spilled bytes, shared memory, resident
-programs and warps per SM, instructions and tensor-core instructions.
+plus Gemma's own layout, KV4 with pre-RoPE keys), the launch the runtime makes at
+batch 16 x 32K is compiled for sm_90 here (`kvq.runtime.kernels.offline`): the planned
+path's fixed configuration where it takes the layout (`planned_decode`), else every
+configuration the general kernel's autotuner may time, keeping the best predicted.
 
-A decode kernel hides memory latency with resident warps: 8 of an SM's 64 warp
-slots leave each warp's loads exposed. Timing still needs the GPU
-(`bench/gpu_decode.py`); this says why a configuration can or cannot be fast,
-and catches a change that makes the kernel spill.
-
-`--json FILE` writes {"target": "sm_90", "rows": [{"shape", "format", "dots",
-"BLOCK_T", "num_warps", "num_stages", "maxnreg", "registers", "stack_bytes",
-"shared_bytes", "programs_per_sm", "warps_per_sm", "instructions",
-"tensor_core_ops"}, ...]}.
+Per (format, shape), `--json FILE` writes the item-5 targets: `spill_bytes`,
+`warps_per_sm`, `loop_instructions_per_row` (the main loop's SASS instructions x
+warps / rows per tile: warp-instructions per cached row of one KV head),
+`int_to_float_in_loop` (I2F/I2FP), `mma_instructions` (tensor-core instructions in
+the loop), `bytes_in_flight_per_sm` (tiles in flight x tile bytes x resident
+programs; tiles in flight: num_stages where the loop issues async copies, 2 with
+PREFETCH, else 1) and `predicted_hbm_share`: the static model's share of the HBM peak,
+min(1, issue bound, latency bound) x the plan's wave fill, where the issue bound is 4
+warp-instructions per SM per clock over the instructions per row (times the row's
+bytes), and the latency bound Little's law over the bytes in flight (LATENCY_S). An
+upper bound from the binary alone: it does not see dependency stalls, bank conflicts
+or the reduction. `--survey` also prints the general kernel's whole tuner table.
 """
 
 from __future__ import annotations
@@ -23,16 +26,23 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 
 import gpu_decode
 import torch
 
 from kvq.runtime.kernels import _decode_attention_triton as kern
 from kvq.runtime.kernels import decode_attention as da
+from kvq.runtime.kernels.launch_plan import plan_splits
 from kvq.runtime.kernels.offline import compile_offline
 
+try:  # the planned path (absent before it existed: then every format takes the survey)
+    from kvq.runtime.kernels import planned_decode as planned
+except ImportError:
+    planned = None
+
 SHAPES = {"llama-7b-like": (32, 8, 128), "gemma3-270m": (4, 1, 256)}
-FORMATS = ("kv4", "kv4-pre", "kv8", "fp8", "nuq4")
+FORMATS = ("kv4", "kv4-token", "kv4-pre", "kv8", "fp8", "nuq4")
 ROWS = 256  # cached rows of the traced call (a multiple of 16, as long contexts are)
 BATCH = 16
 
@@ -90,20 +100,138 @@ def survey(shapes, formats, dots: str) -> list[dict]:
     return rows
 
 
+# --- item-5 targets: the static model of one decode step at batch 16 x 32K ----------------
+
+TARGET_BATCH, TARGET_CONTEXT = 16, 32768
+ASM = True  # the planned kernel's decode as compiled for CUDA (planned_decode.ASM)
+SMS = 132  # H200
+ISSUE_PER_SM_CLOCK = 4  # warp-instructions: four schedulers per SM
+CLOCK_HZ = 1.98e9  # H200 boost clock
+HBM_BYTES_PER_S = 4.8e12  # H200 HBM3e peak
+# loaded HBM latency (Little's law): 20 KB in flight per SM sustains about 60% of the peak
+# on 132 SMs, the figure the issue's timing model uses
+LATENCY_S = 0.94e-6
+
+
+def bytes_per_row(seg) -> float:
+    """HBM bytes one cached row of one KV head costs: codes, per-row qparams and
+    exceptions of key and value (static qparams amortised over the rows)."""
+    b, hkv, t = seg.key.data.shape[:3]
+    return gpu_decode.nbytes(seg) / (b * hkv * t)
+
+
+def model(res, block_t: int, num_warps: int, stages: int, row_bytes: float, fill: float):
+    """The static model's figures for one compiled configuration (see the module doc)."""
+    per_row = res.loop_instructions * num_warps / block_t
+    issue_share = SMS * ISSUE_PER_SM_CLOCK * CLOCK_HZ / per_row * row_bytes / HBM_BYTES_PER_S
+    in_flight = stages * block_t * row_bytes * res.programs_per_sm
+    latency_share = in_flight * SMS / LATENCY_S / HBM_BYTES_PER_S
+    share = min(1.0, issue_share, latency_share) * fill
+    return {
+        "spill_bytes": res.stack_bytes,
+        "warps_per_sm": res.warps_per_sm,
+        "loop_instructions_per_row": round(per_row, 1),
+        "int_to_float_in_loop": res.loop_int_to_float,
+        "mma_instructions": res.loop_tensor_core_ops,
+        "bytes_in_flight_per_sm": round(in_flight),
+        "predicted_hbm_share": round(share, 4),
+        "issue_bound_share": round(issue_share, 4),
+        "latency_bound_share": round(latency_share, 4),
+        "wave_fill": round(fill, 4),
+    }
+
+
+def _stages(res, cfg: dict) -> int:
+    """Tiles of codes in flight per program: num_stages where the loop issues async copies
+    (the pipeliner staged its loads), 2 with PREFETCH (the next tile's words held in
+    registers), else 1 (each load waited out in the iteration that issues it)."""
+    if res.loop_async_copies:
+        return cfg["num_stages"]
+    return 2 if cfg.get("PREFETCH") else 1
+
+
+def targets(shapes, formats) -> list[dict]:
+    """Item-5 figures per (format, shape) for the configuration the launcher picks at
+    TARGET_BATCH x TARGET_CONTEXT: the planned path's fixed configuration where it takes
+    the layout; else the best predicted of the general kernel's autotuner configurations
+    (the most its tuner could have picked)."""
+    out = []
+    for shape in shapes:
+        hq, hkv, d = SHAPES[shape]
+        for fmt in formats:
+            seg = segment(fmt, shape)
+            row_bytes = bytes_per_row(seg)
+            query = torch.randn(BATCH, hq, 1, d)
+            if planned is not None and planned.planned_unsupported(query, [seg], None) is None:
+                row, picked = planned_row(query, seg, hkv, row_bytes)
+            else:
+                args, consts = launch(fmt, shape, da.DOT_PRECISION)
+                row, picked = None, None
+                for cfg in configs_for(consts):
+                    opts = {k: v for k, v in cfg.items() if v is not None}
+                    res = compile_offline(kern.decode_attention_kernel, args, consts, options=opts)
+                    fill = _old_fill(hkv, res.programs_per_sm)
+                    cand = model(res, cfg["BLOCK_T"], cfg["num_warps"], _stages(res, cfg),
+                                 row_bytes, fill)  # fmt: skip
+                    if row is None or cand["predicted_hbm_share"] > row["predicted_hbm_share"]:
+                        row, picked = cand, {**cfg, "registers": res.registers}
+            out.append({"format": fmt, "shape": shape, **row, "config": picked})
+            print(json.dumps(out[-1]), flush=True)
+    return out
+
+
+def planned_row(query, seg, hkv: int, row_bytes: float) -> tuple[dict, dict]:
+    """The planned path's launch (`planned_decode`) compiled for sm_90 and its plan at
+    TARGET_BATCH x TARGET_CONTEXT with the occupancy that compile achieves."""
+    from kvq.runtime.kernels import _decode_splits_triton as splits_kern
+
+    d = query.shape[-1]
+    call = planned.planned_call(query, [seg], scaling=d**-0.5, softcap=None, half=True)
+    fn = splits_kern.decode_splits_kernel
+    args = {**call.args, "part": torch.empty(1), "out": torch.empty(1), "splits": 8, "ASM": ASM}
+    consts = {p.name: args.pop(p.name) for p in fn.params if p.is_constexpr}
+    positional = tuple(args[p.name] for p in fn.params if not p.is_constexpr)
+    opts = call.config.options()
+    res = compile_offline(fn, positional, consts, options=opts)
+    plan = plan_splits(TARGET_BATCH * hkv, TARGET_CONTEXT, sms=SMS,
+                       programs_per_sm=res.programs_per_sm, block_t=call.config.block_t)  # fmt: skip
+    row = model(res, call.config.block_t, opts["num_warps"], _stages(res, opts), row_bytes,
+                plan.fill)  # fmt: skip
+    picked = {"BLOCK_T": call.config.block_t, **opts, "registers": res.registers,
+              "shared_bytes": res.shared_bytes, "loop_instructions": res.loop_instructions,
+              "loop_async_copies": res.loop_async_copies, "plan": plan.as_dict()}  # fmt: skip
+    return row, picked
+
+
+def _old_fill(hkv: int, programs_per_sm: int) -> float:
+    """Wave fill of the launcher before its plan: ceil(4 x SMs / programs) splits of 128-row
+    multiples, whatever the occupancy."""
+    work = TARGET_BATCH * hkv
+    tiles = -(-TARGET_CONTEXT // 128)
+    splits = max(1, min(tiles, -(-4 * SMS // work)))
+    per = -(-math.ceil(TARGET_CONTEXT / splits) // 128) * 128
+    programs = work * -(-TARGET_CONTEXT // per)
+    slots = SMS * programs_per_sm
+    return programs / (-(-programs // slots) * slots)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     ap.add_argument("--formats", nargs="+", default=list(FORMATS), choices=list(FORMATS))
     ap.add_argument("--dots", default="tf32", choices=da.DOT_MODES)
-    ap.add_argument("--json", help="also write the rows to this JSON file")
+    ap.add_argument("--json", help="write the item-5 targets per (format, shape) here")
+    ap.add_argument("--survey", action="store_true",
+                    help="also compile every autotuner configuration (the table)")  # fmt: skip
     args = ap.parse_args()
-    rows = survey(args.shapes, args.formats, args.dots)
-    spilling = [r for r in rows if r["stack_bytes"]]
-    best = max(r["warps_per_sm"] for r in rows)
-    print(f"{len(rows)} configurations, {len(spilling)} spill; most resident warps/SM: {best}")
+    rows = targets(args.shapes, args.formats)
+    survey_rows = survey(args.shapes, args.formats, args.dots) if args.survey else []
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"target": "sm_90", "rows": rows}, f, indent=1)
+            json.dump({"target": "sm_90", "model": {"sms": SMS, "clock_hz": CLOCK_HZ,
+                       "hbm_bytes_per_s": HBM_BYTES_PER_S, "latency_s": LATENCY_S,
+                       "batch": TARGET_BATCH, "context": TARGET_CONTEXT},
+                       "rows": rows, "survey": survey_rows}, f, indent=1)  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -296,7 +296,7 @@ def _tile_ahead(rows, row_ok, kd, kd_t, vd, vd_t, vsc, vof, vzp, vq_t, HALF: tl.
     return k1, k2, v, vs, vo, vz
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["tune_bucket"])
 def decode_attention_kernel(
     q,
     sq_b,
@@ -378,6 +378,7 @@ def decode_attention_kernel(
     v_zero,
     scaling,
     softcap,
+    tune_bucket,  # unused by the kernel: the autotuner's shape bucket (AUTOTUNE_KEY)
     Q: tl.constexpr,
     G: tl.constexpr,
     R: tl.constexpr,

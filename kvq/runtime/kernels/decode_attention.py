@@ -264,6 +264,9 @@ _QAXIS = {"none": 0, "row": 1, "channel": 2, "head": 3}
 DOT_PRECISION = os.environ.get("KVQ_TRITON_DOT", "tf32")
 DOT_MODES = ("tf32", "ieee", "fp16")
 MAX_QUERY_ROWS = 64  # G * Q rows per program; longer query blocks (prefill) use the reference
+# the planned path (`planned_decode`: one launch, fp16 dots unless KVQ_TRITON_DOT=ieee) for
+# the layouts it takes; KVQ_DECODE_PLANNED=0 sends every call to the general kernel
+PLANNED = os.environ.get("KVQ_DECODE_PLANNED", "1") != "0"
 
 
 def triton_unsupported(query: Tensor, segments: list[Segment], mask: Tensor | None) -> str | None:
@@ -300,6 +303,13 @@ def decode_attention_triton(
     reason = triton_unsupported(query, segments, mask)
     if reason:
         raise KvqError(f"triton decode attention: {reason}")
+    from kvq.runtime.kernels import planned_decode
+
+    if PLANNED and planned_decode.planned_unsupported(query, segments, mask) is None:
+        half = _dot_mode(query.device) != "ieee"
+        return planned_decode.run_planned(
+            query, segments, scaling=scaling, softcap=softcap, half=half
+        )
     b, hq, q_len, d = query.shape
     hkv = segments[0].key.data.shape[1]
     group = hq // hkv
@@ -460,6 +470,15 @@ def autotune_configs():
 # fold into the query (axis, offset) or stay in the loop, which moves registers by ~40
 AUTOTUNE_KEY = ["D", "R", "PRE_ROPE", "K_KIND", "K_BITS", "K_FLAT", "K_QAXIS", "K_HAS_OFF"]
 AUTOTUNE_KEY += ["V_KIND", "V_BITS", "V_SLOTS", "V_QAXIS", "HALF_DOTS", "K_WORDS", "V_WORDS"]
+# and the shape bucket of the launch (`tune_bucket`): the best row tile and warps for a
+# few programs over long rows differ from those of many short ones, so a configuration
+# timed on a small problem (a parity check, batch 1) is not reused at batch 16 x 32K
+AUTOTUNE_KEY += ["tune_bucket"]
+
+
+def tune_bucket(programs: int, rows_per_program: int) -> int:
+    """Power-of-two buckets of (programs, rows per program) as one integer."""
+    return programs.bit_length() * 64 + rows_per_program.bit_length()
 
 
 def tuned_kernel(do_bench=None):
@@ -638,6 +657,7 @@ def _segment_call(q, seg, rope, mask_u8, col, total, scaling, softcap, partials,
         float(seg.value.zero),
         float(scaling),
         float(softcap or 0.0),
+        tune_bucket(b * hkv * splits, rows_per_split),
     )
     consts = dict(
         Q=q_len,

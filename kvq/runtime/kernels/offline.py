@@ -23,7 +23,7 @@ import re
 import subprocess
 import tempfile
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvq.errors import KvqError
 
@@ -34,6 +34,8 @@ SM_WARPS = 64
 SM_PROGRAMS = 32
 REGISTER_UNIT = 256  # registers are allocated per warp in units of 256
 TENSOR_CORE_OPS = ("HMMA", "HGMMA", "IMMA", "IGMMA", "QGMMA")
+INT_TO_FLOAT_OPS = ("I2F", "I2FP")
+ASYNC_COPY_OPS = ("LDGSTS", "UTMALDG", "UBLKCP")
 
 
 @dataclass(frozen=True)
@@ -45,6 +47,9 @@ class KernelResources:
     stack_bytes: int  # local memory per thread: register spills
     shared_bytes: int  # dynamic shared memory per program
     sass: Counter  # opcode -> number of instructions in the cubin
+    # opcode -> count in the main loop's body (`main_loop`): what one iteration issues per
+    # warp; empty when the kernel has no loop
+    loop: Counter = field(default_factory=Counter)
 
     @property
     def programs_per_sm(self) -> int:
@@ -63,6 +68,27 @@ class KernelResources:
     def tensor_core_ops(self) -> int:
         return sum(self.sass[op] for op in TENSOR_CORE_OPS)
 
+    @property
+    def loop_instructions(self) -> int:
+        """Instructions one warp issues per iteration of the main loop (static count)."""
+        return sum(self.loop.values())
+
+    @property
+    def loop_int_to_float(self) -> int:
+        """Integer-to-float conversions in the loop (I2F, I2FP): a quarter-rate pipe on
+        sm_90, the cost the exponent-bias decode avoids (article 0x09D)."""
+        return sum(n for op, n in self.loop.items() if op in INT_TO_FLOAT_OPS)
+
+    @property
+    def loop_tensor_core_ops(self) -> int:
+        return sum(self.loop[op] for op in TENSOR_CORE_OPS)
+
+    @property
+    def loop_async_copies(self) -> int:
+        """Global-to-shared copies issued in the loop (cp.async, TMA): the pipeliner staged
+        the loads."""
+        return sum(self.loop[op] for op in ASYNC_COPY_OPS)
+
     def as_dict(self) -> dict:
         return {
             "num_warps": self.num_warps,
@@ -73,6 +99,10 @@ class KernelResources:
             "warps_per_sm": self.warps_per_sm,
             "instructions": sum(self.sass.values()),
             "tensor_core_ops": self.tensor_core_ops,
+            "loop_instructions": self.loop_instructions,
+            "loop_int_to_float": self.loop_int_to_float,
+            "loop_tensor_core_ops": self.loop_tensor_core_ops,
+            "loop_async_copies": self.loop_async_copies,
         }
 
 
@@ -112,6 +142,7 @@ def compile_offline(
         stack_bytes=usage["STACK"],
         shared_bytes=compiled.metadata.shared,
         sass=_opcodes(sass),
+        loop=main_loop(sass),
     )
 
 
@@ -150,3 +181,34 @@ _INSTRUCTION = re.compile(r"^\s+/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z]
 def _opcodes(sass: str) -> Counter:
     """Opcode (without modifiers) -> count, over every instruction of the listing."""
     return Counter(m.group(1) for line in sass.splitlines() if (m := _INSTRUCTION.match(line)))
+
+
+_LINE = re.compile(r"^\s+/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_]*)(.*)$")
+_BRANCH_TARGET = re.compile(r"^\S*\s+(?:`\()?(?:0x)?([0-9a-f]+)")
+
+
+def main_loop(sass: str) -> Counter:
+    """Opcode -> count over the body of the kernel's main loop: of the ranges [target,
+    branch] closed by a backward branch, the one holding the most tensor-core
+    instructions (the attention tile loop), the longest on a tie. Each instruction of the
+    range counts once, as one iteration issues it; an inner loop's body counts once too."""
+    listing = []  # (address, opcode, operands)
+    for line in sass.splitlines():
+        m = _LINE.match(line)
+        if m:
+            listing.append((int(m.group(1), 16), m.group(2), m.group(3)))
+    loops = []
+    for addr, op, rest in listing:
+        if op != "BRA":
+            continue
+        target = _BRANCH_TARGET.match(rest)
+        if target and int(target.group(1), 16) < addr:
+            loops.append((int(target.group(1), 16), addr))
+    best: Counter = Counter()
+    best_key = (-1, -1)
+    for lo, hi in loops:
+        body = Counter(op for a, op, _ in listing if lo <= a <= hi and op != "NOP")
+        key = (sum(body[op] for op in TENSOR_CORE_OPS), sum(body.values()))
+        if key > best_key:
+            best, best_key = body, key
+    return best

@@ -204,6 +204,7 @@ def _launch_with(monkeypatch, **options):
     from kvq.runtime.kernels import decode_attention as da
 
     launch = {"num_stages": 1, **options}
+    monkeypatch.setattr(da, "PLANNED", False)  # these layouts would take the planned path
     monkeypatch.setattr(
         da, "_launcher", lambda device, head_dim: (kern.decode_attention_kernel, launch)
     )
@@ -406,3 +407,15 @@ def test_autotuned_launch_matches_reference(monkeypatch):
     # PREFETCH (the codes load as words, so PREFETCH stands in for 2 stages)
     assert len(timed) == 12
     assert tuned.best_config.kwargs["BLOCK_T"] == 16
+
+
+def test_general_kernel_tunes_per_shape_bucket():
+    """The general kernel's autotuner keys on the launch's shape bucket: a configuration
+    timed on a parity-sized problem is not reused at batch 16 x 32K (issue 18, item 4)."""
+    from kvq.runtime.kernels import decode_attention as da
+
+    assert "tune_bucket" in da.AUTOTUNE_KEY
+    parity = da.tune_bucket(2 * 8 * 4, 256)  # batch 2, 8 KV heads, 4 splits of 256 rows
+    served = da.tune_bucket(16 * 8 * 5, 6656)
+    assert parity != served
+    assert da.tune_bucket(16 * 8 * 5, 6656) == da.tune_bucket(16 * 8 * 5, 6600)

@@ -1,0 +1,366 @@
+"""Triton kernels of the planned decode path (`decode_attention.planned_call`; imported
+lazily: it imports triton).
+
+One launch covers every segment of a layer call (sink rows, packed main rows, the
+full-precision residual window): the grid is (batch x KV head, split), and split s
+of a work item reads tiles [s * N // S, (s + 1) * N // S) of the N tiles of all its
+segments laid end to end (`launch_plan.split_tiles`), each segment through its own
+constexpr-specialised loop. The G query heads of the KV head and the Q query
+positions are the R rows of the dots.
+
+The packed segment's loop reads raw code bytes (the pipeliner stages them through
+shared memory, `num_stages` deep) and decodes them in plane order: the low nibbles
+of a row's bytes are its even channels, the high nibbles its odd ones (8-bit codes:
+one plane). The query is loaded in that order and the output stored back in
+channel order, so no interleave runs per tile. A code becomes fp16 by the exponent
+bias: the bits 0x6400 | c read as fp16 are 1024 + c exactly, so one OR and one
+subtraction replace an integer-to-float conversion (compiled, four code bytes per
+register through inline PTX). Static per-channel key qparams are folded into the
+query once per program. Per-row group value qparams apply to the decoded fp16 value
+tile, one fused multiply-add per two channels (HFMA2): applying the scales to the
+probabilities instead, as [groups, R, BT] products over the 16 padded query rows,
+then the offsets through a row sum, compiled to 1.3-1.8x the loop instructions of
+this form for Llama-like KV4 (sm_90 SASS, bench/kernel_resources.py), the products
+and the batched dots' layouts costing more than the 64 channels per row they save.
+Dots take fp16 operands (exact fp32 under the interpreter and in parity mode) with
+fp32 accumulation.
+
+The partial states go to one fp32 buffer [B x H_kv, S, R, D + 2] (numerator, then
+the running max in log2 units, then the denominator), merged by
+`combine_splits_kernel`; with one split per work item the kernel normalises and
+writes the output itself.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+# 4 code bytes in one register -> 8 fp16 (exponent bias, article 0x09D): PRMT spreads
+# bytes 0, 1 (then 2, 3) over the two halves of a register, one LOP3 each masks a nibble
+# and ORs in 0x6400, giving 1024 + low nibble and 1024 + 16 x high nibble as fp16 pairs
+_NIBBLES_ASM = tl.constexpr("""{
+.reg .b32 t0, t1;
+prmt.b32 t0, $4, 0, 0x4140;
+prmt.b32 t1, $4, 0, 0x4342;
+lop3.b32 $0, t0, 0x000F000F, 0x64006400, 0xea;
+lop3.b32 $1, t1, 0x000F000F, 0x64006400, 0xea;
+lop3.b32 $2, t0, 0x00F000F0, 0x64006400, 0xea;
+lop3.b32 $3, t1, 0x00F000F0, 0x64006400, 0xea;
+}""")
+# 4 code bytes -> 4 fp16 1024 + byte
+_BYTES_ASM = tl.constexpr("""{
+.reg .b32 t0, t1;
+prmt.b32 t0, $2, 0, 0x4140;
+prmt.b32 t1, $2, 0, 0x4342;
+or.b32 $0, t0, 0x64006400;
+or.b32 $1, t1, 0x64006400;
+}""")
+
+
+@triton.jit
+def _planes(raw, ZERO: tl.constexpr, PLANES: tl.constexpr, ASM: tl.constexpr):
+    """uint8 code bytes -> fp16 planes (code - ZERO, exact): (low nibbles, high nibbles)
+    for PLANES 2, (bytes, bytes) for 1. The exponent bias: the bits 0x6400 | c read as fp16
+    are 1024 + c, so no integer-to-float conversion runs. ASM: four bytes per instruction
+    pair in one register (the compiled path); else the same arithmetic per element (the
+    interpreter)."""
+    if ASM:
+        if PLANES == 2:
+            lo, hi = tl.inline_asm_elementwise(
+                _NIBBLES_ASM, "=r,=r,=r,=r,r", [raw], dtype=(tl.float16, tl.float16),
+                is_pure=True, pack=4,
+            )  # fmt: skip
+            lo = lo - (1024.0 + ZERO)
+            hi = hi * 0.0625 - (64.0 + ZERO)  # (1024 + 16 c) / 16 - 64 = c
+        else:
+            lo = tl.inline_asm_elementwise(
+                _BYTES_ASM, "=r,=r,r", [raw], dtype=tl.float16, is_pure=True, pack=4
+            )
+            lo = lo - (1024.0 + ZERO)
+            hi = lo
+    else:
+        c = raw.to(tl.int16)
+        if PLANES == 2:
+            lo = ((c & 15) | 0x6400).to(tl.float16, bitcast=True) - (1024.0 + ZERO)
+            hi = ((c >> 4) | 0x6400).to(tl.float16, bitcast=True) - (1024.0 + ZERO)
+        else:
+            lo = (c | 0x6400).to(tl.float16, bitcast=True) - (1024.0 + ZERO)
+            hi = lo
+    return lo, hi
+
+
+@triton.jit
+def _key_planes(ptr, rows, row_ok, stride_t, ZERO: tl.constexpr, KP: tl.constexpr,
+                KW: tl.constexpr, FULL: tl.constexpr, ASM: tl.constexpr):  # fmt: skip
+    """A key tile in plane order: (even channels, odd channels) [BT, KW] for 4-bit codes
+    (KP 2) or a full-precision segment loaded the same way; (all channels, unused) for
+    8-bit codes (KP 1). Codes come back as fp16 code - zero."""
+    j = tl.arange(0, KW)
+    ok = row_ok[:, None]
+    base = ptr + rows[:, None] * stride_t
+    if FULL:
+        lo = tl.load(base + (j * KP)[None, :], mask=ok, other=0.0)
+        hi = lo
+        if KP == 2:
+            hi = tl.load(base + (j * 2 + 1)[None, :], mask=ok, other=0.0)
+    else:
+        raw = tl.load(base + j[None, :], mask=ok, other=0)  # [BT, KW] bytes
+        lo, hi = _planes(raw, ZERO, KP, ASM)
+    return lo, hi
+
+
+@triton.jit
+def _value_planes(ptr, rows, row_ok, stride_t, vs_ptr, vo_ptr, vq_t, ZERO: tl.constexpr,
+                  VP: tl.constexpr, NG: tl.constexpr, GW: tl.constexpr, FULL: tl.constexpr,
+                  V_HAS_OFF: tl.constexpr, OP: tl.constexpr, ASM: tl.constexpr):  # fmt: skip
+    """A value tile in plane order, [BT, D / VP] per plane in the dots' dtype OP: plane k,
+    column c is channel c * VP + k. Packed rows decode per group of GW columns with their
+    row's group scale and offset (code - zero) * scale + offset, in OP."""
+    if FULL:
+        c = tl.arange(0, NG * GW)
+        base = ptr + rows[:, None] * stride_t
+        lo = tl.load(base + (c * VP)[None, :], mask=row_ok[:, None], other=0.0).to(OP)
+        hi = lo
+        if VP == 2:
+            hi = tl.load(base + (c * 2 + 1)[None, :], mask=row_ok[:, None], other=0.0).to(OP)
+    else:
+        g = tl.arange(0, NG)
+        j = tl.arange(0, GW)
+        ok = row_ok[:, None, None]
+        byte = (g[:, None] * GW + j[None, :])[None, :, :]  # [1, NG, GW]: one byte per code
+        raw = tl.load(ptr + rows[:, None, None] * stride_t + byte, mask=ok, other=0)
+        lo, hi = _planes(raw, ZERO, VP, ASM)  # [BT, NG, GW]
+        q_off = rows[:, None] * vq_t + g[None, :]  # [BT, NG]
+        s = tl.load(vs_ptr + q_off, mask=row_ok[:, None], other=0.0).to(OP)[:, :, None]
+        if V_HAS_OFF:
+            o = tl.load(vo_ptr + q_off, mask=row_ok[:, None], other=0.0).to(OP)[:, :, None]
+            lo = lo.to(OP) * s + o
+            hi = hi.to(OP) * s + o
+        else:
+            lo = lo.to(OP) * s
+            hi = hi.to(OP) * s
+        BT: tl.constexpr = rows.shape[0]
+        lo = tl.reshape(lo, (BT, NG * GW))
+        hi = tl.reshape(hi, (BT, NG * GW))
+    return lo, hi
+
+
+@triton.jit
+def _segment_loop(
+    state, q_lo, q_hi, k_bias,
+    k_ptr, v_ptr, k_t, v_t, vs_ptr, vo_ptr, vq_t, ks_ptr, ko_ptr, kq_t,
+    first, last, seg_col, total, qi, r_ok, K_ZERO: tl.constexpr, V_ZERO: tl.constexpr,
+    Q: tl.constexpr, R: tl.constexpr, BLOCK_T: tl.constexpr, FULL: tl.constexpr,
+    KP: tl.constexpr, KW: tl.constexpr, VP: tl.constexpr, NG: tl.constexpr,
+    GW: tl.constexpr, V_HAS_OFF: tl.constexpr, HAS_SOFTCAP: tl.constexpr, softcap,
+    CAUSAL: tl.constexpr, OP: tl.constexpr, PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr,
+    rows_seg, ASM: tl.constexpr, K_ROWQ: tl.constexpr, K_NG: tl.constexpr,
+    K_HAS_OFF: tl.constexpr,
+):  # fmt: skip
+    """Folds tiles [first, last) of one segment into the online-softmax state (m, l,
+    acc_lo, acc_hi: the numerator's planes). FULL: a full-precision segment (keys
+    post-RoPE); otherwise packed codes with the key qparams already in q and k_bias."""
+    m_i, l_i, acc_lo, acc_hi = state
+    LOG2E: tl.constexpr = 1.4426950408889634
+    for tile in tl.range(first, last, num_stages=NUM_STAGES):
+        t = tile * BLOCK_T + tl.arange(0, BLOCK_T)
+        t_ok = t < rows_seg
+        if K_ROWQ and not FULL:
+            k_lo, k_hi = _value_planes(k_ptr, t, t_ok, k_t, ks_ptr, ko_ptr, kq_t, K_ZERO, KP,
+                                       K_NG, KW // K_NG, False, K_HAS_OFF, OP, ASM)  # fmt: skip
+        else:
+            k_lo, k_hi = _key_planes(k_ptr, t, t_ok, k_t, K_ZERO, KP, KW, FULL, ASM)
+        scores = tl.dot(q_lo, tl.trans(k_lo.to(OP)), input_precision=PRECISION)
+        if KP == 2:
+            scores += tl.dot(q_hi, tl.trans(k_hi.to(OP)), input_precision=PRECISION)
+        if not FULL and not K_ROWQ:
+            scores += k_bias[:, None]
+        if HAS_SOFTCAP:  # softcap * tanh(s / softcap), tanh(x) = 2 sigmoid(2x) - 1, base 2
+            scores = softcap * (2.0 * tl.sigmoid(2.0 * scores / softcap) - 1.0) * LOG2E
+        allowed = r_ok[:, None] & t_ok[None, :]
+        if CAUSAL:
+            allowed = allowed & ((seg_col + t)[None, :] <= (total - Q + qi)[:, None])
+        scores = tl.where(allowed, scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(scores - m_safe[:, None])  # [R, BT]
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v_lo, v_hi = _value_planes(v_ptr, t, t_ok, v_t, vs_ptr, vo_ptr, vq_t, V_ZERO, VP, NG,
+                                   GW, FULL, V_HAS_OFF, OP, ASM)  # fmt: skip
+        p16 = p.to(OP)
+        acc_lo = acc_lo * alpha[:, None] + tl.dot(p16, v_lo, input_precision=PRECISION)
+        if VP == 2:
+            acc_hi = acc_hi * alpha[:, None] + tl.dot(p16, v_hi, input_precision=PRECISION)
+        m_i = m_new
+    return m_i, l_i, acc_lo, acc_hi
+
+
+@triton.jit(do_not_specialize=["rows0", "rows1", "rows2", "total"])
+def decode_splits_kernel(
+    q, sq_b, sq_h, sq_q,
+    part, out,
+    k0, v0, k0_b, k0_h, k0_t, v0_b, v0_h, v0_t, rows0,
+    k1, v1, k1_b, k1_h, k1_t, v1_b, v1_h, v1_t, rows1,
+    k2, v2, k2_b, k2_h, k2_t, v2_b, v2_h, v2_t, rows2,
+    k_fold, v_scale, v_off, vq_b, vq_h, vq_t, k_off, kq_b, kq_h, kq_t,
+    HKV, total, splits, scaling, softcap,
+    Q: tl.constexpr, G: tl.constexpr, R: tl.constexpr, D: tl.constexpr,
+    BLOCK_T: tl.constexpr, KIND0: tl.constexpr, KIND1: tl.constexpr, KIND2: tl.constexpr,
+    KP: tl.constexpr, VP: tl.constexpr, NG: tl.constexpr, V_HAS_OFF: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, CAUSAL: tl.constexpr, HALF: tl.constexpr,
+    DIRECT: tl.constexpr, NUM_STAGES: tl.constexpr, K_ZERO: tl.constexpr = 0.0,
+    V_ZERO: tl.constexpr = 0.0, ASM: tl.constexpr = False, K_ROWQ: tl.constexpr = False,
+    K_NG: tl.constexpr = 1, K_HAS_OFF: tl.constexpr = False,
+):  # fmt: skip
+    """Segments 0, 1, 2 (KIND 0: absent, 1: full precision, 2: packed; one packed at
+    most): key and value data with their batch, head and row strides (elements of the
+    data: bytes of codes), and row counts. k_fold [2, H_kv, D] float32: the packed keys'
+    static scale and bias (offset - zero_point x scale) per channel; with K_ROWQ instead
+    their per-row group scales [B, H_kv, T, K_NG] (offsets k_off, strides kq_*); v_scale, v_off
+    [B, H_kv, T, NG] with strides vq_b, vq_h, vq_t (groups contiguous)."""
+    bh = tl.program_id(0)
+    split = tl.program_id(1)
+    b = (bh // HKV).to(tl.int64)  # batch offsets of a long cache pass 2^31 bytes
+    h = bh % HKV
+    KW: tl.constexpr = D // KP
+    GW: tl.constexpr = D // (NG * VP)
+    OP: tl.constexpr = tl.float16 if HALF else tl.float32
+    PRECISION: tl.constexpr = "tf32" if HALF else "ieee"
+    LOG2E: tl.constexpr = 1.4426950408889634
+
+    # query rows r = g * Q + qi -> head h * G + g, position qi; channels in plane order
+    r = tl.arange(0, R)
+    r_ok = r < G * Q
+    qi = r % Q
+    q_row = q + b * sq_b + (h * G + r // Q) * sq_h + qi * sq_q
+    j = tl.arange(0, KW)
+    q_scale = scaling if HAS_SOFTCAP else scaling * LOG2E
+    q_lo = tl.load(q_row[:, None] + (j * KP)[None, :], mask=r_ok[:, None], other=0.0)
+    q_lo = q_lo.to(tl.float32) * q_scale
+    q_hi = q_lo
+    if KP == 2:
+        q_hi = tl.load(q_row[:, None] + (j * 2 + 1)[None, :], mask=r_ok[:, None], other=0.0)
+        q_hi = q_hi.to(tl.float32) * q_scale
+
+    # the packed keys' static qparams folded into the query (a second copy for packed
+    # tiles: the full-precision segments dot the plain query)
+    ks_ptr = k_fold + b * kq_b + h * kq_h  # K_ROWQ: per-row group key qparams
+    ko_ptr = k_off + b * kq_b + h * kq_h
+    fk = k_fold + h * D
+    if K_ROWQ:  # nothing to fold: packed tiles dot the plain query
+        pk_lo = q_lo.to(OP)
+        pk_hi = q_hi.to(OP)
+        k_bias = tl.zeros([R], tl.float32)
+    else:
+        s_lo = tl.load(fk + j * KP)
+        b_lo = tl.load(fk + HKV * D + j * KP)
+        pk_lo = (q_lo * s_lo[None, :]).to(OP)
+        k_bias = tl.sum(q_lo * b_lo[None, :], axis=1)
+        pk_hi = pk_lo
+        if KP == 2:
+            s_hi = tl.load(fk + j * 2 + 1)
+            b_hi = tl.load(fk + HKV * D + j * 2 + 1)
+            pk_hi = (q_hi * s_hi[None, :]).to(OP)
+            k_bias += tl.sum(q_hi * b_hi[None, :], axis=1)
+    fq_lo = q_lo.to(OP)
+    fq_hi = q_hi.to(OP)
+
+    m_i = tl.full([R], float("-inf"), tl.float32)
+    l_i = tl.zeros([R], tl.float32)
+    acc_lo = tl.zeros([R, D // VP], tl.float32)
+    acc_hi = tl.zeros([R, D // VP], tl.float32)
+    state = (m_i, l_i, acc_lo, acc_hi)
+
+    # this split's tiles of the segments laid end to end (launch_plan.split_tiles)
+    n0 = tl.cdiv(rows0, BLOCK_T)
+    n1 = tl.cdiv(rows1, BLOCK_T)
+    n2 = tl.cdiv(rows2, BLOCK_T)
+    n = n0 + n1 + n2
+    lo = split * n // splits
+    hi = (split + 1) * n // splits
+    vs_ptr = v_scale + b * vq_b + h * vq_h
+    vo_ptr = v_off + b * vq_b + h * vq_h
+    if KIND0 != 0:
+        kp = k0 + b * k0_b + h * k0_h
+        vp = v0 + b * v0_b + h * v0_h
+        state = _segment_loop(
+            state, fq_lo if KIND0 == 1 else pk_lo, fq_hi if KIND0 == 1 else pk_hi, k_bias,
+            kp, vp, k0_t, v0_t, vs_ptr, vo_ptr, vq_t, ks_ptr, ko_ptr, kq_t,
+            tl.maximum(lo, 0), tl.minimum(hi, n0), 0, total, qi, r_ok, K_ZERO, V_ZERO,
+            Q, R, BLOCK_T, KIND0 == 1, KP, KW, VP, NG, GW, V_HAS_OFF, HAS_SOFTCAP, softcap,
+            CAUSAL, OP, PRECISION, NUM_STAGES, rows0, ASM, K_ROWQ, K_NG, K_HAS_OFF,
+        )  # fmt: skip
+    if KIND1 != 0:
+        kp = k1 + b * k1_b + h * k1_h
+        vp = v1 + b * v1_b + h * v1_h
+        state = _segment_loop(
+            state, fq_lo if KIND1 == 1 else pk_lo, fq_hi if KIND1 == 1 else pk_hi, k_bias,
+            kp, vp, k1_t, v1_t, vs_ptr, vo_ptr, vq_t, ks_ptr, ko_ptr, kq_t,
+            tl.maximum(lo, n0) - n0, tl.minimum(hi, n0 + n1) - n0, rows0, total, qi, r_ok,
+            K_ZERO, V_ZERO, Q, R, BLOCK_T, KIND1 == 1, KP, KW, VP, NG, GW, V_HAS_OFF,
+            HAS_SOFTCAP, softcap, CAUSAL, OP, PRECISION, NUM_STAGES, rows1, ASM, K_ROWQ, K_NG, K_HAS_OFF,
+        )  # fmt: skip
+    if KIND2 != 0:
+        kp = k2 + b * k2_b + h * k2_h
+        vp = v2 + b * v2_b + h * v2_h
+        state = _segment_loop(
+            state, fq_lo if KIND2 == 1 else pk_lo, fq_hi if KIND2 == 1 else pk_hi, k_bias,
+            kp, vp, k2_t, v2_t, vs_ptr, vo_ptr, vq_t, ks_ptr, ko_ptr, kq_t,
+            tl.maximum(lo, n0 + n1) - n0 - n1, tl.minimum(hi, n) - n0 - n1, rows0 + rows1,
+            total, qi, r_ok, K_ZERO, V_ZERO, Q, R, BLOCK_T, KIND2 == 1, KP, KW, VP, NG, GW,
+            V_HAS_OFF, HAS_SOFTCAP, softcap, CAUSAL, OP, PRECISION, NUM_STAGES, rows2, ASM, K_ROWQ, K_NG, K_HAS_OFF,
+        )  # fmt: skip
+    m_i, l_i, acc_lo, acc_hi = state
+
+    # channel of plane k, column c: c * VP + k
+    chan = (tl.arange(0, D // VP) * VP)[None, :]
+    ok = r_ok[:, None]
+    if DIRECT:  # one split: the normalised output, [B, H_q, Q, D] float32
+        inv = 1.0 / tl.maximum(l_i, 1.1754943508222875e-38)
+        row = out + ((b * HKV + h) * G * Q + r[:, None]) * D
+        tl.store(row + chan, acc_lo * inv[:, None], mask=ok)
+        if VP == 2:
+            tl.store(row + chan + 1, acc_hi * inv[:, None], mask=ok)
+    else:
+        W: tl.constexpr = D + 2
+        row = part + ((bh * splits + split) * R + r) * W
+        tl.store(row[:, None] + chan, acc_lo, mask=ok)
+        if VP == 2:
+            tl.store(row[:, None] + chan + 1, acc_hi, mask=ok)
+        tl.store(row + D, m_i, mask=r_ok)
+        tl.store(row + D + 1, l_i, mask=r_ok)
+
+
+@triton.jit
+def combine_splits_kernel(part, out, S, R: tl.constexpr, D: tl.constexpr, GQ: tl.constexpr,
+                          BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):  # fmt: skip
+    """One program per (batch x KV head, query row r < G x Q): merges the S partial states
+    of `part` [BH, S, R, D + 2] (numerator, max in log2 units, denominator) into one
+    softmax and writes out [BH, G x Q, D] (= [B, H_q, Q, D]) float32."""
+    bh = tl.program_id(0)
+    r = tl.program_id(1)
+    W: tl.constexpr = D + 2
+    s = tl.arange(0, BLOCK_S)
+    dcol = tl.arange(0, BLOCK_D)
+    d_ok = dcol < D
+    top = tl.full([BLOCK_S], float("-inf"), tl.float32)
+    for s0 in range(0, S, BLOCK_S):
+        ok = s0 + s < S
+        mv = tl.load(part + ((bh * S + s0 + s) * R + r) * W + D, mask=ok, other=float("-inf"))
+        top = tl.maximum(top, mv)
+    m_top = tl.max(top, axis=0)
+    m_top = tl.where(m_top == float("-inf"), 0.0, m_top)  # no split saw a key: weights 0
+    num = tl.zeros([BLOCK_D], tl.float32)
+    den = tl.zeros([BLOCK_S], tl.float32)
+    for s0 in range(0, S, BLOCK_S):
+        ok = s0 + s < S
+        row = ((bh * S + s0 + s) * R + r) * W
+        w = tl.exp2(tl.load(part + row + D, mask=ok, other=float("-inf")) - m_top)
+        den += tl.load(part + row + D + 1, mask=ok, other=0.0) * w
+        a = tl.load(part + row[:, None] + dcol[None, :], mask=ok[:, None] & d_ok[None, :],
+                    other=0.0)  # fmt: skip
+        num += tl.sum(a * w[:, None], axis=0)
+    res = num / tl.maximum(tl.sum(den, axis=0), 1.1754943508222875e-38)
+    tl.store(out + (bh * GQ + r) * D + dcol, res, mask=d_ok)

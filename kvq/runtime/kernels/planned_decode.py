@@ -1,0 +1,343 @@
+"""The planned decode-attention launch: one kernel launch per layer call, at most one
+reduction, no device syncs (`_decode_splits_triton`, `launch_plan`).
+
+It takes the layouts a decode step mostly sees — full-precision segments (sink rows,
+the residual window) around at most one packed segment of 4- or 8-bit affine codes
+with static per-channel (or per-head) or per-row grouped key qparams and per-row
+grouped value qparams, post-RoPE keys, no explicit mask — and `decode_attention_triton` sends everything
+else to the general kernel. What the host does per call: checks, a cached plan
+(splits from the compiled kernel's occupancy, `launch_plan.plan_splits`), two
+allocations (partial states and output; one when a single split writes the output
+itself) and the launches through a launcher cached per specialisation, which binds
+the arguments without Triton's per-call binder.
+
+The launch configuration is a fixed heuristic per head_dim and code width (shape
+bucket), never tuned on a small parity problem: BLOCK_T rows per tile, num_warps,
+and num_stages tiles of raw codes in flight (`kernel_config`).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from kvq.runtime.kernels.backend import interpreting, next_pow2
+from kvq.runtime.kernels.launch_plan import SplitPlan, plan_splits
+from kvq.tensor_memo import Memo, memoised
+
+MAX_SEGMENTS = 3
+# the codes' decode through inline PTX (four bytes per register: 41 instead of 51
+# warp-instructions per cached row for Llama-like KV4); KVQ_DECODE_ASM=0 keeps the same
+# arithmetic in Triton, per element, as the interpreter runs it
+ASM = os.environ.get("KVQ_DECODE_ASM", "1") != "0"
+FULL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# under the interpreter: a small GPU, so that the tests' short segments split several
+# ways and the split boundaries (tile-aligned, across segments) are exercised
+INTERPRETER_SMS, INTERPRETER_PROGRAMS_PER_SM = 3, 1
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    block_t: int
+    num_warps: int
+    num_stages: int
+
+    def options(self) -> dict:
+        return {"num_warps": self.num_warps, "num_stages": self.num_stages}
+
+
+def kernel_config(head_dim: int, bits: int, key_rows: bool = False) -> KernelConfig:
+    """Launch configuration per shape bucket (head_dim, code bits, whether key qparams are
+    per row): 64-row tiles, 4 warps, 2 tiles of raw codes in flight, where that compiles
+    without spilling. Picked from the sm_90 compile (bench/kernel_resources.py; no GPU
+    timing, never a small parity problem). KV4 at head_dim 128: 128 registers, 16 warps
+    per SM, 42 warp-instructions per cached row, 72 KB in flight per SM (3 stages: 12
+    warps; 128-row tiles: 37 per row but 8 warps); at head_dim 256: 250 registers, 8
+    warps, 74 per row (32-row tiles: 12 warps, 85). Per-token key groups at head_dim 128
+    spill 8 bytes at 2 stages, none at 3 (133 registers, 12 warps, 45 per row); 8-bit
+    codes at head_dim 256 spill 40 bytes with 64-row tiles, none with 32 (182 registers)."""
+    if bits == 8 and head_dim >= 256:
+        return KernelConfig(32, 4, 2)
+    if key_rows and head_dim <= 128:
+        return KernelConfig(64, 4, 3)
+    return KernelConfig(64, 4, 2)
+
+
+def planned_unsupported(query: Tensor, segments, mask: Tensor | None) -> str | None:
+    """Why the planned path cannot take this call (None when it can)."""
+    b, hq, q_len, d = query.shape
+    if mask is not None:
+        return "explicit masks use the general kernel"
+    if query.stride(-1) != 1:
+        return "query channels must be contiguous"
+    if d & (d - 1) or not 32 <= d <= 256:
+        return f"head_dim {d} is not a power of two in 32 ... 256"
+    if len(segments) > MAX_SEGMENTS:
+        return f"more than {MAX_SEGMENTS} segments"
+    hkv = segments[0].key.data.shape[1]
+    if hq % hkv or next_pow2(hq // hkv * q_len) > 64:
+        return "query rows per KV head"
+    packed = [s for s in segments if s.key.kind != "full" or s.value.kind != "full"]
+    if len(packed) > 1:
+        return "more than one packed segment"
+    for seg in segments:
+        if seg.key.pre_rope:
+            return "pre-RoPE keys use the general kernel"
+        for p in (seg.key, seg.value):
+            if p.data.shape[1] != hkv or p.data.stride(-1) != 1:
+                return "rows must be contiguous along the channels"
+            if p.kind == "full" and p.data.dtype not in FULL_DTYPES:
+                return f"full-precision rows of {p.data.dtype}"
+    if packed:
+        reason = _packed_unsupported(packed[0], d)
+        if reason:
+            return reason
+    return None
+
+
+def _packed_unsupported(seg, d: int) -> str | None:
+    k, v = seg.key, seg.value
+    for p in (k, v):
+        if p.kind != "affine" or p.bits not in (4, 8):
+            return "codes other than 4- or 8-bit affine"
+        if p.slot_index is not None or p.sparse_count is not None:
+            return "exceptions use the general kernel"
+    if k.qaxis not in ("channel", "head"):
+        reason = _row_groups_unsupported(k, d)
+        if reason:
+            return f"keys: {reason}"
+    reason = _row_groups_unsupported(v, d)
+    return f"values: {reason}" if reason else None
+
+
+def _row_groups_unsupported(p, d: int) -> str | None:
+    """Per-row group qparams the kernel applies to a decoded tile: scale (and offset) of
+    one layout, groups contiguous, 16 codes or more per group and plane."""
+    if p.qaxis != "row" or p.zero_point is not None or p.scale.stride(-1) != 1:
+        return "no per-row group qparams"
+    if p.offset is not None and p.offset.stride() != p.scale.stride():
+        return "offsets must share the scales' layout"
+    groups = p.scale.shape[-1]
+    if groups & (groups - 1) or d % groups or (d // groups) * p.bits // 8 < 16:
+        return "groups narrower than 16 codes per plane"
+    return None
+
+
+def _key_fold(p) -> Tensor:
+    """[2, H_kv, D] float32: per channel, the static key scale and bias (offset -
+    zero_point x scale), the affine map after subtracting `zero`; cached per scale."""
+
+    def build():
+        hkv = p.data.shape[1]
+        scale = p.scale.float()
+        scale = scale[:, None] if scale.dim() == 1 else scale
+        scale = scale.expand(hkv, p.head_dim)
+        bias = torch.zeros_like(scale)
+        if p.offset is not None:
+            off = p.offset.float()
+            bias = bias + (off[:, None] if off.dim() == 1 else off)
+        if p.zero_point is not None:
+            zp = p.zero_point.float()
+            bias = bias - (zp[:, None] if zp.dim() == 1 else zp) * scale
+        return torch.stack([scale, bias.expand_as(scale)]).contiguous()
+
+    return memoised(_FOLDS, p.scale, build)
+
+
+_FOLDS: Memo = {}
+
+
+@functools.cache
+def _dummy(device: torch.device) -> Tensor:
+    return torch.zeros(1, device=device)
+
+
+@dataclass(frozen=True)
+class PlannedCall:
+    """One call's launch, built without launching (the offline compile reads it too)."""
+
+    args: dict  # every kernel parameter by name, constexprs included
+    config: KernelConfig
+    work: int  # batch x KV heads
+    rows: int  # tile-padded rows per work item over all segments
+    out_shape: tuple  # [B, H_q, Q, D]
+    r_rows: int  # G x Q real query rows per work item
+
+    def with_splits(self, plan: SplitPlan, part: Tensor, out: Tensor) -> dict:
+        return {**self.args, "part": part, "out": out, "splits": plan.splits,
+                "DIRECT": plan.splits == 1}  # fmt: skip
+
+
+def planned_call(query: Tensor, segments, *, scaling: float, softcap: float | None,
+                 half: bool) -> PlannedCall:  # fmt: skip
+    """The kernel arguments for this call (`planned_unsupported` returned None)."""
+    b, hq, q_len, d = query.shape
+    hkv = segments[0].key.data.shape[1]
+    group = hq // hkv
+    dummy = _dummy(query.device)
+    packed = next((s for s in segments if s.key.kind != "full"), None)
+    k_rowq, k_ng, k_off, kq = False, 1, dummy, (0, 0, 0)
+    if packed is not None:
+        kp = 2 if packed.key.bits == 4 else 1
+        vp = 2 if packed.value.bits == 4 else 1
+        bits = packed.key.bits
+        ng = packed.value.scale.shape[-1]
+        k_rowq = packed.key.qaxis == "row"
+        if k_rowq:  # per-row group key qparams, applied to the decoded key tile
+            k_fold, k_ng, kq = (
+                packed.key.scale,
+                packed.key.scale.shape[-1],
+                packed.key.scale.stride()[:3],
+            )
+            k_off = packed.key.offset if packed.key.offset is not None else dummy
+        else:
+            k_fold = _key_fold(packed.key)
+        v_scale = packed.value.scale
+        v_off = packed.value.offset if packed.value.offset is not None else dummy
+        vq = v_scale.stride()[:3]
+        k_zero, v_zero = float(packed.key.zero), float(packed.value.zero)
+    else:
+        kp, vp, bits, ng = 1, 1, 16, 1
+        k_fold = v_scale = v_off = dummy
+        vq, k_zero, v_zero = (0, 0, 0), 0.0, 0.0
+    cfg = kernel_config(d, bits, k_rowq)
+    args = dict(q=query, sq_b=query.stride(0), sq_h=query.stride(1), sq_q=query.stride(2),
+                part=dummy, out=dummy)  # fmt: skip
+    kinds, padded = [], 0
+    for i in range(MAX_SEGMENTS):
+        seg = segments[i] if i < len(segments) else None
+        if seg is None or not seg.rows:
+            kinds.append(0)
+            args.update({f"k{i}": dummy, f"v{i}": dummy, f"rows{i}": 0})
+            args.update({f"{n}{i}_{s}": 0 for n in "kv" for s in "bht"})
+            continue
+        kinds.append(1 if seg.key.kind == "full" else 2)
+        for n, p in (("k", seg.key), ("v", seg.value)):
+            args[f"{n}{i}"] = p.data
+            for s, st in zip("bht", p.data.stride()[:3], strict=True):
+                args[f"{n}{i}_{s}"] = st
+        args[f"rows{i}"] = seg.rows
+        padded += -(-seg.rows // cfg.block_t) * cfg.block_t
+    total = sum(s.rows for s in segments)
+    args.update(
+        k_fold=k_fold, v_scale=v_scale, v_off=v_off, vq_b=vq[0], vq_h=vq[1], vq_t=vq[2],
+        k_off=k_off, kq_b=kq[0], kq_h=kq[1], kq_t=kq[2], K_ROWQ=k_rowq, K_NG=k_ng,
+        K_HAS_OFF=k_rowq and packed.key.offset is not None,
+        HKV=hkv, total=total, splits=1, K_ZERO=k_zero, V_ZERO=v_zero, scaling=float(scaling),
+        softcap=float(softcap or 0.0), Q=q_len, G=group, R=max(16, next_pow2(group * q_len)),
+        D=d, BLOCK_T=cfg.block_t, KIND0=kinds[0], KIND1=kinds[1], KIND2=kinds[2], KP=kp,
+        VP=vp, NG=ng, V_HAS_OFF=packed is not None and packed.value.offset is not None,
+        HAS_SOFTCAP=bool(softcap), CAUSAL=q_len > 1, HALF=half, DIRECT=False,
+        NUM_STAGES=cfg.num_stages, ASM=ASM and not interpreting() and query.device.type == "cuda",
+    )  # fmt: skip
+    return PlannedCall(args, cfg, b * hkv, padded, (b, hq, q_len, d), group * q_len)
+
+
+def run_planned(query: Tensor, segments, *, scaling: float, softcap: float | None,
+                half: bool) -> Tensor:  # fmt: skip
+    """[B, H_q, Q, D] float32: one decode launch (and one reduction when it splits)."""
+    from kvq.runtime.kernels import _decode_splits_triton as kern
+
+    call = planned_call(query, segments, scaling=scaling, softcap=softcap, half=half)
+    launcher = _launcher(query.device)
+    plan = launcher.plan(call)
+    out = torch.empty(call.out_shape, device=query.device)
+    if plan.splits == 1:
+        launcher.launch(kern.decode_splits_kernel, (call.work, 1), call.with_splits(plan, out, out),
+                        call.config.options())  # fmt: skip
+        return out
+    r_pad, d = call.args["R"], call.args["D"]
+    part = torch.empty((call.work, plan.splits, r_pad, d + 2), device=query.device)
+    launcher.launch(kern.decode_splits_kernel, (call.work, plan.splits),
+                    call.with_splits(plan, part, out), call.config.options())  # fmt: skip
+    combine = dict(part=part, out=out, S=plan.splits, R=r_pad, D=d, GQ=call.r_rows,
+                   BLOCK_S=16, BLOCK_D=next_pow2(d))  # fmt: skip
+    launcher.launch(kern.combine_splits_kernel, (call.work, call.r_rows), combine, {})
+    return out
+
+
+class _Launcher:
+    """Launches by keyword (a dict of every parameter): under the interpreter through
+    `kernel[grid]`; on CUDA through the compiled kernel of the arguments'
+    specialisation, cached, so a call binds no arguments in Python beyond its key."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.compiled: dict = {}
+        if device.type == "cuda":
+            props = torch.cuda.get_device_properties(device)
+            self.sms = props.multi_processor_count
+        else:
+            self.sms = INTERPRETER_SMS
+
+    def plan(self, call: PlannedCall) -> SplitPlan:
+        from kvq.runtime.kernels import _decode_splits_triton as kern
+
+        per_sm = INTERPRETER_PROGRAMS_PER_SM
+        min_rows = call.config.block_t
+        if self.device.type == "cuda":
+            compiled = self._compiled(kern.decode_splits_kernel, call.args, call.config.options())
+            per_sm = resident_programs(compiled)
+            min_rows = None
+        kw = {} if min_rows is None else {"min_rows": min_rows}
+        return plan_splits(call.work, call.rows, sms=self.sms, programs_per_sm=per_sm,
+                           block_t=call.config.block_t, **kw)  # fmt: skip
+
+    def launch(self, fn, grid, args: dict, options: dict) -> None:
+        if self.device.type != "cuda" or interpreting():
+            fn[grid](**args, **options)
+            return
+        compiled = self._compiled(fn, args, options)
+        compiled[(*grid, 1)](*[args[p.name] for p in fn.params])
+
+    def _compiled(self, fn, args: dict, options: dict):
+        key = (_spec_key(fn, args), *options.values())
+        hit = self.compiled.get(key)
+        if hit is None:
+            hit = fn.warmup(**args, **options, grid=(1,))
+            self.compiled[key] = hit
+        return hit
+
+
+@functools.cache
+def _params(fn) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(constexpr names, names Triton specialises at run time) of a kernel: the row counts
+    (`do_not_specialize`) change every step and are left out."""
+    consts = tuple(p.name for p in fn.params if p.is_constexpr)
+    runtime = tuple(p.name for p in fn.params if not p.is_constexpr and not p.do_not_specialize)
+    return consts, runtime
+
+
+def _spec_key(fn, args: dict) -> tuple:
+    """What Triton specialises a launch on: the constexpr values; per tensor its dtype and
+    16-byte alignment; per integer == 1, divisibility by 16 and width (finer is harmless).
+    One pass over plain values: this runs on every launch."""
+    consts, runtime = _params(fn)
+    spec = []
+    for name in runtime:
+        v = args[name]
+        if isinstance(v, Tensor):
+            spec.append((v.dtype, v.data_ptr() & 15 == 0))
+        elif type(v) is int:
+            spec.append((v == 1, v & 15 == 0, v >> 31))
+        else:
+            spec.append(type(v))
+    return (fn, tuple(args[n] for n in consts), tuple(spec))
+
+
+def resident_programs(compiled) -> int:
+    """Programs of a compiled kernel resident per SM (registers, shared memory, warps)."""
+    from kvq.runtime.kernels.offline import KernelResources
+
+    res = KernelResources(compiled.metadata.num_warps, compiled.n_regs, 0,
+                          compiled.metadata.shared, None)  # fmt: skip
+    return max(1, res.programs_per_sm)
+
+
+@functools.cache
+def _launcher(device: torch.device) -> _Launcher:
+    return _Launcher(device)
