@@ -170,6 +170,16 @@ class ArchitectureAdapter:
     def decoder_layers(self) -> list[nn.Module]:
         return list(self._layers)
 
+    def decoder_linears(self) -> dict[str, nn.Linear]:
+        """Every linear layer inside the decoder layers, by "layers.{i}.<path in the layer>"
+        (e.g. "layers.3.mlp.down_proj"), in execution-independent module order."""
+        found = {}
+        for i, layer in enumerate(self._layers):
+            for name, module in layer.named_modules():
+                if isinstance(module, nn.Linear):
+                    found[f"layers.{i}.{name}"] = module
+        return found
+
     def attention(self, layer_idx: int) -> nn.Module:
         return self._layers[layer_idx].self_attn
 
