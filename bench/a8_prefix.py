@@ -102,8 +102,15 @@ def main() -> None:
     ap.add_argument("--act-method", default="absmax", choices=("absmax", "percentile", "mse"))
     ap.add_argument("--calibration", default=str(SHARED / "calibration" / "groups_merged.txt"))
     ap.add_argument("--data-dir", default=str(SHARED))
+    ap.add_argument("--set", default="both", choices=("none", "prefix", "both"),
+                    help="score the rows without the prefix, with it, or both (split a run "
+                    "over two processes; --merge joins them)")  # fmt: skip
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--merge", type=Path, nargs="+", help="join the JSON of split runs")
     args = ap.parse_args()
+    if args.merge:
+        merge(args.merge, args.json)
+        return
     console = Console(stderr=True)
     loaded = load_model(args.model)
     info = loaded.adapter.info
@@ -133,11 +140,16 @@ def main() -> None:
 
     fp16 = named_policy("fp16", info.num_layers, info.head_dim)
     ids = ",".join(map(str, prefix))
+    tags = {"none": [""], "prefix": ["+prefix"], "both": ["", "+prefix"]}[args.set]
     calibrations = {  # name -> options
-        "kv-int8-head": KVScalesOptions("int8", "head"),
-        "kv-int8-head+prefix": KVScalesOptions("int8", "head", prefix_ids=ids),
-        "act": ActScalesOptions(args.act_method),
-        "act+prefix": ActScalesOptions(args.act_method, prefix_ids=ids),
+        name: options
+        for name, options in (
+            ("kv-int8-head", KVScalesOptions("int8", "head")),
+            ("kv-int8-head+prefix", KVScalesOptions("int8", "head", prefix_ids=ids)),
+            ("act", ActScalesOptions(args.act_method)),
+            ("act+prefix", ActScalesOptions(args.act_method, prefix_ids=ids)),
+        )
+        if name.endswith("+prefix") == ("+prefix" in tags) or len(tags) == 2
     }
     states = {}
     for name, options in calibrations.items():
@@ -161,8 +173,8 @@ def main() -> None:
         return partial(quantized_linear_inputs, loaded.adapter, mode, scales, skip)
 
     sets = {}
-    for with_prefix in (False, True):
-        tag, p = ("+prefix", prefix) if with_prefix else ("", ())
+    for tag in tags:
+        p = prefix if tag else ()
         rows = {
             f"K/V INT8 static per head{tag}": (cache_of(states[f"kv-int8-head{tag}"]), None),
             f"A8 static per tensor ({args.act_method}){tag}": (
@@ -188,8 +200,30 @@ def main() -> None:
         with torch.no_grad():
             evaluate_many(loaded.model, ev.ids, makers, Progress(), on_window, p, around)
 
-    table = Table(title=f"{args.model} · WikiText-2 test {args.windows}×{args.seqlen} (prefill)"
-                  f" · prefix {list(prefix)}")  # fmt: skip
+    print_table(payload)
+
+
+def merge(files: list[Path], out: Path | None) -> None:
+    """Join split runs (--set none / prefix) that scored the same windows with one prefix."""
+    payloads = [json.loads(f.read_text()) for f in files]
+    for other in payloads[1:]:
+        for k in ("model", "windows_sha256", "windows", "seqlen", "protocol"):
+            if other[k] != payloads[0][k]:
+                raise SystemExit(f"cannot merge: {k} differs")
+        if other["prefix"]["ids"] != payloads[0]["prefix"]["ids"]:
+            raise SystemExit("cannot merge: the prefixes differ")
+    merged = dict(payloads[0])
+    merged["calibration"] = {k: v for p in payloads for k, v in p["calibration"].items()}
+    merged["sets"] = {k: v for p in payloads for k, v in p["sets"].items()}
+    print_table(merged)
+    if out:
+        out.write_text(json.dumps(merged, indent=2) + "\n")
+
+
+def print_table(payload: dict) -> None:
+    prefix = payload["prefix"]["ids"]
+    table = Table(title=f"{payload['model']} · WikiText-2 test {payload['windows']}×"
+                  f"{payload['seqlen']} (prefill) · prefix {prefix}")  # fmt: skip
     for col in ("config", "ppl base", "ppl", "ratio", "KLD", "top-1", "bytes/fp16"):
         table.add_column(col, justify="left" if col == "config" else "right")
     for s in payload["sets"].values():

@@ -7,7 +7,10 @@ Two paths, chosen by the attention backend (`resolve_backend`):
              its own weights, so the figures show what the activation codes cost alone;
   triton     the W8A8 GEMM of `kvq.runtime.kernels.a8` (`int8_linear`) on the same
              activation codes and per-output-channel INT8 weight codes: what an INT8
-             engine runs. The weights are quantized too, so its figures are W8A8's.
+             engine runs. The weights are quantized too, so its figures are W8A8's. With
+             a8-dynamic, the RMSNorms that feed q/k/v and gate/up (`norm_feeds`) run as
+             the fused RMSNorm + per-token INT8 producer (`rmsnorm_quant`), whose codes
+             and scales go straight to those linears' GEMMs.
 
 Positions before `skip_positions` (a prefix whose K/V a server precomputes once, in full
 precision) are never quantized. Hooks are installed on entry and removed on exit, so the
@@ -72,15 +75,25 @@ def quantized_linear_inputs(
         raise KvqError("a8-static needs the artifact's static input scales")
     linears = adapter.decoder_linears()
     undo = []
+    done = False
     try:
+        fused: dict[str, dict] = {}  # linear name -> its norm's stash of codes
+        if mode == "a8-dynamic":
+            for norm, eps, offset, names in adapter.norm_feeds():
+                if resolve_backend(backend, norm.weight.device) == "triton":
+                    stash: dict = {}
+                    undo.append(_fused_norm_hook(norm, eps, offset, skip_positions, stash).remove)
+                    fused.update(dict.fromkeys(names, stash))
         for name, module in linears.items():
             scale = scales[name] if mode == "a8-static" else None
             if resolve_backend(backend, module.weight.device) == "triton":
-                undo.append(_swap_forward(module, scale, skip_positions, backend))
+                stash = fused.get(name)
+                undo.append(_swap_forward(module, scale, skip_positions, backend, stash))
             else:
                 undo.append(_fake_quant_hook(module, scale, skip_positions).remove)
+        done = True
     finally:
-        if len(undo) < len(linears):  # failed half-way: leave the model as it was
+        if not done:  # failed half-way: leave the model as it was
             for u in undo:
                 u()
     try:
@@ -103,8 +116,39 @@ def _fake_quant_hook(module: nn.Linear, scale: Tensor | None, skip: int):
     return module.register_forward_pre_hook(hook)
 
 
-def _swap_forward(module: nn.Linear, scale: Tensor | None, skip: int, backend: str | None):
-    """Replace module.forward by the W8A8 GEMM; returns the function that restores it."""
+def _fused_norm_hook(norm: nn.Module, eps: float, offset: float, skip: int, stash: dict):
+    """Replace the norm's output past `skip` by the fused RMSNorm + INT8 producer's decoded
+    codes, and leave (output, codes [M, K], scales [M]) in `stash` for the linears it feeds."""
+    from kvq.runtime.kernels.a8 import rmsnorm_quant
+
+    def hook(_module, args, output):
+        stash.clear()
+        x = args[0]  # [B, T, K]
+        if skip >= x.shape[1]:
+            return None
+        body = x[:, skip:]
+        rows = body.reshape(-1, body.shape[-1])  # [M, K]
+        codes, scale = rmsnorm_quant(
+            rows, norm.weight, eps, weight_offset=offset, scale_dtype=a8.SCALE_DTYPE,
+            backend="triton",
+        )  # fmt: skip
+        decoded = a8.decode(codes, scale[:, None], output.dtype).view(body.shape)
+        out = torch.cat([output[:, :skip], decoded], dim=1) if skip else decoded
+        stash.update(output=out, codes=codes, scale=scale)
+        return out
+
+    return norm.register_forward_hook(hook)
+
+
+def _swap_forward(
+    module: nn.Linear,
+    scale: Tensor | None,
+    skip: int,
+    backend: str | None,
+    stash: dict | None = None,
+):
+    """Replace module.forward by the W8A8 GEMM; returns the function that restores it.
+    stash: the feeding norm's fused codes, used when this linear's input is its output."""
     from kvq.runtime.kernels.a8 import int8_linear, quantize_weight_per_channel
 
     w_codes, w_scale = quantize_weight_per_channel(module.weight.detach())  # [N, K], [N]
@@ -116,7 +160,9 @@ def _swap_forward(module: nn.Linear, scale: Tensor | None, skip: int, backend: s
             return original(x)
         body = x[:, skip:]
         rows = body.reshape(-1, body.shape[-1])  # [M, K]
-        if scale is None:
+        if stash and stash.get("output") is x:  # produced by the fused RMSNorm + INT8
+            codes, x_scale = stash["codes"], stash["scale"]
+        elif scale is None:
             codes, x_scale = a8.encode_dynamic(rows)  # [M, K], [M, 1]
             x_scale = x_scale[:, 0]
         else:

@@ -108,3 +108,52 @@ def test_static_scales_must_cover_every_linear(adapter):
 def test_unknown_mode_is_refused(adapter):
     with pytest.raises(KvqError, match="--activations"), quantized_linear_inputs(adapter, "a4"):
         pass
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_triton_dynamic_fuses_the_norm_into_the_gemm(family, monkeypatch):
+    """q/k/v and gate/up take the fused RMSNorm + INT8 codes of their norm's input (the
+    reference producer's, bit for bit); o/down quantize their own input."""
+    from kvq.runtime.kernels import a8 as kernels
+
+    adapter = get_adapter(make_tiny_model(family))
+    seen = {}
+    real = kernels.int8_linear
+
+    def spy(codes, scale, w_codes, *args, **kw):
+        seen[w_codes.data_ptr()] = (w_codes, codes, scale)
+        return real(codes, scale, w_codes, *args, **kw)
+
+    monkeypatch.setattr(kernels, "int8_linear", spy)
+    norm_inputs = {}
+    layer0 = adapter.decoder_layers()[0]
+    norm = adapter.norm_feeds()[0][0]
+    assert norm is layer0.input_layernorm
+    norm.register_forward_hook(lambda _m, args, _o: norm_inputs.update(x=args[0]))
+    ids = torch.arange(3, 15)[None]
+    with torch.no_grad():
+        base = adapter.model(ids).logits
+        with quantized_linear_inputs(adapter, "a8-dynamic", backend="triton"):
+            got = adapter.model(ids).logits
+    q_proj = adapter.decoder_linears()["layers.0.self_attn.q_proj"]
+    # the codes q_proj's GEMM got are the reference producer's on the norm's input
+    eps, offset = adapter.norm_feeds()[0][1:3]
+    x = norm_inputs["x"][0]  # [T, K]
+    want_codes, want_scale = kernels.rmsnorm_quant_reference(
+        x, norm.weight, eps, weight_offset=offset, scale_dtype=torch.float32
+    )
+    assert norm_inputs["x"].shape[1] == ids.shape[1]
+    assert len(seen) == len(adapter.decoder_linears())  # every linear ran the GEMM
+    q_weight = quantize_weight_per_channel(q_proj.weight)[0]
+    [(codes, scale)] = [(c, s) for w, c, s in seen.values() if torch.equal(w, q_weight)]
+    assert torch.equal(codes, want_codes) and torch.equal(scale, want_scale)
+    assert not torch.equal(got, base)
+    # = the reference fake-quant path on the same model with W8 weights (per channel), to
+    # fp32 rounding (the fused producer's norm rounds in its own order)
+    with torch.no_grad():
+        for module in adapter.decoder_linears().values():
+            codes, scale = quantize_weight_per_channel(module.weight)
+            module.weight.copy_(codes.float() * scale.float()[:, None])
+        with quantized_linear_inputs(adapter, "a8-dynamic", backend="reference"):
+            want = adapter.model(ids).logits
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-4 * float(base.abs().max()))
