@@ -57,6 +57,9 @@ def fit(ctx: FitContext) -> PassResult:
             bar.advance()
     policy = None  # with --base: the base's cache policy and its state stay
     if ctx.base is None:
+        from kvq.runtime.cache import unit_scales  # a calibration-free layout's state
+
         info = adapter.info
         policy = named_policy(options.layout or "fp16", info.num_layers, info.head_dim)
+        tensors |= unit_scales(policy)
     return PassResult(policy, tensors)
