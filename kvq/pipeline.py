@@ -166,12 +166,12 @@ def run_pass(
             raise KvqError(f"{options.NAME} needs a base artifact (--base) for its cache policy")
         state = ChainState(result.policy, dict(result.tensors))
     else:
-        if new_transforms and base.of_kind("policy"):
+        if new_transforms and (base.of_kind("policy") or base.of_kind("activation")):
             raise KvqError(
                 f"{options.NAME} transforms the model, but the base artifact holds qparams "
                 "calibrated on the untransformed model; run it first in the chain"
             )
-        carried = base.of_kind("transform")
+        carried = base.of_kind("transform") | base.of_kind("activation")
         clash = sorted(carried.keys() & new_transforms.keys())
         if clash:
             raise KvqError(f"{options.NAME}: the base artifact already holds {clash[0]}")

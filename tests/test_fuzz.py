@@ -258,13 +258,17 @@ OPTIONS = {
     "calibrate kv-scales": {
         "--samples": ints, "--seqlen": ints, "--format": texts, "--granularity": texts,
         "--method": texts, "--percentile": floats, "--skip-layers": texts, "--seed": ints,
-        "--device-map": texts, "--max-memory": texts,
+        "--device-map": texts, "--max-memory": texts, "--prefix-ids": texts,
+    },
+    "calibrate act-scales": {
+        "--samples": ints, "--seqlen": ints, "--method": texts, "--percentile": floats,
+        "--prefix-ids": texts, "--layout": texts, "--seed": ints,
     },
     "run-eval": {
         "--policy": st.sampled_from(["int8", "int4", "fp16", "fp8-e4m3", "nope", ""]),
         "--tasks": texts, "--device-map": texts, "--max-memory": texts,
         "--windows": ints, "--seqlen": ints, "--protocol": texts, "--quantize": texts,
-        "--seed": ints, "--backend": texts,
+        "--seed": ints, "--backend": texts, "--activations": texts, "--prefix-ids": texts,
     },
     "generate": {
         "--policy": st.sampled_from(["int8", "int2", "nope"]), "--prompt": texts,

@@ -8,10 +8,11 @@ the weights), the calibration windows and the base artifact, if any.
 Artifact tensors fall in three kinds, told apart by name:
     layers.{i}.key.* / layers.{i}.value.*   the cache policy's static state (codecs)
     layers.{i}.<other>.*                    model transforms (e.g. layers.3.smooth.lambda)
+    act.layers.{i}.<linear>.input_scale     static activation scales (A8, `act-scales`)
     anything else                           provenance of the pass that made the policy
                                             (e.g. fisher.key)
 A pass that returns a policy replaces the base's policy state and provenance; transforms
-always carry forward along the chain.
+and activation scales always carry forward along the chain.
 """
 
 from __future__ import annotations
@@ -29,12 +30,15 @@ from kvq.quant.schemes import CachePolicy
 
 _POLICY_STATE = re.compile(r"^layers\.\d+\.(key|value)\.")
 _LAYER_TENSOR = re.compile(r"^layers\.\d+\.")
+_ACTIVATION = re.compile(r"^act\.layers\.\d+\.")
 
 
 def tensor_kind(name: str) -> str:
-    """ "policy", "transform" or "provenance" (see the module docstring)."""
+    """ "policy", "transform", "activation" or "provenance" (see the module docstring)."""
     if _POLICY_STATE.match(name):
         return "policy"
+    if _ACTIVATION.match(name):
+        return "activation"
     return "transform" if _LAYER_TENSOR.match(name) else "provenance"
 
 

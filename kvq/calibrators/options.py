@@ -203,6 +203,29 @@ def parse_skip_layers(text: str) -> tuple[str | int, ...]:
     return layers
 
 
+MAX_PREFIX = 1 << 10  # prefix tokens: far beyond PrefixQuant's handful
+
+
+def parse_prefix_ids(text: str) -> tuple[int, ...]:
+    """--prefix-ids: "" or "none" -> (), "2,106" -> (2, 106). Ids are checked against the
+    model's vocabulary when it is loaded."""
+    text = text.strip()
+    if text in ("", "none"):
+        return ()
+    parts = [p.strip() for p in text.split(",")]
+    if not all(p.isdigit() and len(p) < 12 for p in parts):
+        raise KvqError(f"--prefix-ids must be none or comma-separated token ids, got {text!r}")
+    if len(parts) > MAX_PREFIX:
+        raise KvqError(f"--prefix-ids: at most {MAX_PREFIX} tokens, got {len(parts)}")
+    return tuple(int(p) for p in parts)
+
+
+PREFIX_HELP = (
+    "token ids forwarded before every window (e.g. BOS and outlier tokens: 2,107), "
+    "left out of the statistics and kept exact in the cache"
+)
+
+
 @dataclass(frozen=True)
 class KVScalesOptions(PassOptions):
     NAME: ClassVar[str] = "kv-scales"
@@ -215,8 +238,10 @@ class KVScalesOptions(PassOptions):
     method: ScaleMethod = option("absmax", "absmax, percentile or mse (clip search)")
     percentile: float = option(99.99, "|x| percentile for --method percentile")
     skip_layers: str = option("none", "layers kept in 16 bits: sliding, none or e.g. 0,5")
+    prefix_ids: str = option("none", PREFIX_HELP, flag="--prefix-ids")
 
     def __post_init__(self) -> None:
+        parse_prefix_ids(self.prefix_ids)
         if self.kv_format not in KV_FORMATS:
             raise KvqError(
                 f"--format must be one of {', '.join(KV_FORMATS)}, got {self.kv_format!r}"
@@ -234,6 +259,41 @@ class KVScalesOptions(PassOptions):
     @property
     def skipped(self) -> tuple[str | int, ...]:
         return parse_skip_layers(self.skip_layers)
+
+    @property
+    def prefix(self) -> tuple[int, ...]:
+        return parse_prefix_ids(self.prefix_ids)
+
+
+@dataclass(frozen=True)
+class ActScalesOptions(PassOptions):
+    NAME: ClassVar[str] = "act-scales"
+    SUMMARY: ClassVar[str] = (
+        "Static per-tensor INT8 scales for the input of every decoder linear (A8 static)."
+    )
+
+    method: ScaleMethod = option("absmax", "absmax, percentile or mse (clip search)")
+    percentile: float = option(99.99, "|x| percentile for --method percentile")
+    prefix_ids: str = option("none", PREFIX_HELP, flag="--prefix-ids")
+    # None: fp16 (activations only), or the base artifact's cache policy with --base
+    layout: str | None = option(
+        None, "calibration-free cache policy of the artifact without --base (default fp16)"
+    )
+
+    def __post_init__(self) -> None:
+        parse_prefix_ids(self.prefix_ids)
+        if self.method not in SCALE_METHODS:
+            raise KvqError(
+                f"--method must be one of {', '.join(SCALE_METHODS)}, got {self.method!r}"
+            )
+        if not 50.0 < self.percentile <= 100.0:
+            raise KvqError(f"--percentile must be in (50, 100], got {self.percentile}")
+        if self.layout is not None:
+            named_policy(self.layout, 1)  # one line naming the known policies
+
+    @property
+    def prefix(self) -> tuple[int, ...]:
+        return parse_prefix_ids(self.prefix_ids)
 
 
 @dataclass(frozen=True)

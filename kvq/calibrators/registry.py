@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvq.calibrators.options import (
+    ActScalesOptions,
     ChannelScalesOptions,
     KVQuantOptions,
     KVScalesOptions,
@@ -44,6 +45,7 @@ PASSES: dict[str, PassEntry] = {
         PassEntry(KVQuantOptions, "kvq.calibrators.kvquant:fit"),
         PassEntry(KVScalesOptions, "kvq.calibrators.kv_scales:fit"),
         PassEntry(SmoothAttentionOptions, "kvq.calibrators.smooth_attention:fit"),
+        PassEntry(ActScalesOptions, "kvq.calibrators.act_scales:fit"),
     )
 }
 

@@ -134,6 +134,18 @@ def run_eval(
         help="both, or keys / values alone (the other side at full precision): what each "
         "side costs in quality",
     ),
+    activations: str = typer.Option(
+        "none",
+        "--activations",
+        help="none, a8-dynamic (INT8 per token) or a8-static (the artifact's act-scales): "
+        "quantize the input of every decoder linear",
+    ),
+    prefix_ids: str | None = typer.Option(
+        None,
+        "--prefix-ids",
+        help="token ids forwarded before every window, not scored (default: the artifact's "
+        "calibration prefix; none: no prefix)",
+    ),
     seed: int = typer.Option(0, "--seed"),
     json_out: Path | None = typer.Option(None, "--json", help="write the report here"),
     data_dir: str | None = DATA_DIR,
@@ -142,8 +154,15 @@ def run_eval(
     max_memory: str | None = MAX_MEMORY,
 ) -> None:
     """Perplexity, KL divergence and bytes of the quantized cache vs the unquantized model."""
+    from kvq.calibrators.options import parse_prefix_ids
     from kvq.data.text import check_seed, read_corpus
-    from kvq.eval.inputs import check_cache_source, check_protocol, check_quantize, parse_tasks
+    from kvq.eval.inputs import (
+        check_activations,
+        check_cache_source,
+        check_protocol,
+        check_quantize,
+        parse_tasks,
+    )
     from kvq.exporters.paths import check_output_file
     from kvq.models.placement import parse_placement
     from kvq.models.spec import check_model_spec
@@ -153,6 +172,9 @@ def run_eval(
     parse_tasks(tasks)
     check_protocol(protocol)
     check_quantize(quantize)
+    check_activations(activations, artifact)
+    if prefix_ids is not None:
+        parse_prefix_ids(prefix_ids)
     check_seed(seed)
     check_cache_source(artifact, policy, backend)
     check_model_spec(model)
@@ -183,6 +205,8 @@ def run_eval(
             corpus,
             quantize,
             placement,
+            activations,
+            prefix_ids,
         )
     if json_out is not None:  # first: the report is kept whatever happens on the terminal
         write_json(json_out, report)

@@ -156,6 +156,11 @@ def print_inspect(artifact: Artifact, path: Path) -> None:
 def print_eval(report: dict) -> None:
     t = report["tasks"]
     only = "" if report.get("quantize", "both") == "both" else f" ({report['quantize']} only)"
+    act = report.get("activations") or {"mode": "none"}
+    if act["mode"] != "none":
+        only += f" · activations {act['mode']} ({act['linears']} linears, {act['path']})"
+    if report.get("prefix_ids"):
+        only += f" · prefix {','.join(map(str, report['prefix_ids']))}"
     table = Table(
         title=_t(
             f"{report['model']} · {report['policy']}{only} · {report['dataset']} · "

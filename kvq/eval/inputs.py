@@ -11,6 +11,7 @@ from pathlib import Path
 
 from kvq.errors import KvqError
 from kvq.quant.schemes import (  # check_quantize: re-exported beside the other checks
+    ACTIVATION_MODES,
     NAMED_POLICIES,
     check_quantize,  # noqa: F401
     named_policy,
@@ -55,3 +56,40 @@ def check_prompt(prompt: str, max_new_tokens: int) -> None:
         raise KvqError(f"--prompt is not valid text ({e.reason} at character {e.start})") from None
     if max_new_tokens > MAX_NEW_TOKENS:
         raise KvqError(f"--max-new-tokens must be at most {MAX_NEW_TOKENS}, got {max_new_tokens}")
+
+
+def check_activations(mode: str, artifact_path: Path | None) -> None:
+    """--activations: none, a8-dynamic, or a8-static (its scales come from an artifact)."""
+    if mode not in ACTIVATION_MODES:
+        raise KvqError(f"--activations must be one of {', '.join(ACTIVATION_MODES)}, got {mode!r}")
+    if mode == "a8-static" and artifact_path is None:
+        raise KvqError(
+            "--activations a8-static needs --artifact with static input scales "
+            "(kvq calibrate act-scales)"
+        )
+
+
+def artifact_prefix(manifest) -> tuple[int, ...]:
+    """The prefix the artifact's passes were calibrated with (their `prefix_ids` option),
+    () when none was; passes that disagree are refused."""
+    from kvq.calibrators.options import parse_prefix_ids
+
+    found = {
+        parse_prefix_ids(str(p.options["prefix_ids"]))
+        for p in manifest.passes
+        if p.options.get("prefix_ids") not in (None, "", "none")
+    }
+    if len(found) > 1:
+        raise KvqError(f"the artifact's passes were calibrated with different prefixes: {found}")
+    return found.pop() if found else ()
+
+
+def check_prefix_exact(policy, prefix_len: int) -> None:
+    """A prefix's rows are state kept in full precision: every quantized layer of the cache
+    must keep at least that many first rows exact (its sink rows)."""
+    for i, layer in enumerate(policy.layers):
+        if (layer.key.stored or layer.value.stored) and layer.sink_tokens < prefix_len:
+            raise KvqError(
+                f"the cache keeps {layer.sink_tokens} first rows exact in layer {i}, fewer "
+                f"than the {prefix_len}-token prefix: calibrate it with the same --prefix-ids"
+            )

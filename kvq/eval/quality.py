@@ -14,12 +14,15 @@ The baseline is the same model with no cache in the same invocation.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
+from kvq.data.prefix import with_prefix
+from kvq.errors import KvqError
 from kvq.manifests.ledger import ByteLedger
 from kvq.models.placement import input_device
 from kvq.progress import Progress
@@ -74,6 +77,9 @@ class QualityResult:
 DECODE_LOGITS_BUDGET = 1 << 30  # bytes
 
 
+Around = Callable[[], AbstractContextManager]  # entered around each quantized forward only
+
+
 @torch.no_grad()
 def evaluate(
     model,
@@ -81,22 +87,24 @@ def evaluate(
     make_cache: Callable[[], object],
     protocol: str,
     progress: Progress,
+    prefix_ids: Sequence[int] | None = None,
+    around: Around | None = None,
 ) -> QualityResult:
-    """Score `windows` ([N, L] ids) with the quantized cache from `make_cache()`."""
+    """Score `windows` ([N, L] ids) with the quantized cache from `make_cache()`.
+
+    prefix_ids: forwarded before every window (`kvq.data.prefix.with_prefix`), by the
+    baseline and the quantized model alike; only the window's own tokens are scored.
+    around: a context (e.g. activation quantization) entered around the quantized forwards.
+    """
     if protocol == "decode":
-        return _evaluate_decode(model, windows, make_cache, progress)
-    totals = QualityTotals()
-    ledger = None
-    with progress.stage(f"eval ({protocol})", total=windows.shape[0]) as bar:
-        for i in range(windows.shape[0]):
-            ids = windows[i : i + 1].to(input_device(model))
-            base = model(ids, use_cache=False).logits[0, :-1].float()  # [L - 1, V]
-            cache = make_cache()
-            quant = model(ids, cache=cache, use_cache=True).logits[0, :-1].float()
-            _accumulate(totals, base, quant, ids[0, 1:])
-            ledger = cache.nbytes()
-            bar.advance()
-    return QualityResult(totals=totals, ledger=ledger)
+        if prefix_ids:
+            raise KvqError("a prefix is scored with the prefill protocol only")
+        return _evaluate_decode(model, windows, make_cache, progress, around)
+    result = evaluate_many(
+        model, windows, {"": make_cache}, progress, prefix_ids=prefix_ids,
+        around={"": around} if around else None, title=f"eval ({protocol})",
+    )  # fmt: skip
+    return result[""]
 
 
 def evaluate_many(
@@ -105,20 +113,29 @@ def evaluate_many(
     make_caches: dict[str, Callable[[], object]],
     progress: Progress,
     on_window: Callable[[int, dict[str, QualityResult]], None] | None = None,
+    prefix_ids: Sequence[int] | None = None,
+    around: dict[str, Around] | None = None,
+    title: str = "eval (prefill, shared baseline)",
 ) -> dict[str, QualityResult]:
     """The prefill protocol for several caches at once: each window's baseline forward runs
     once and every cache is scored against it (what `evaluate` computes for each alone,
-    at about half the forwards for a comparison of many). on_window(i, results so far)."""
+    at about half the forwards for a comparison of many). on_window(i, results so far).
+    prefix_ids, around (by cache name): as in `evaluate`."""
     totals = {name: QualityTotals() for name in make_caches}
     ledgers: dict[str, ByteLedger | None] = dict.fromkeys(make_caches)
-    with progress.stage("eval (prefill, shared baseline)", total=windows.shape[0]) as bar:
+    seqs = with_prefix(windows, prefix_ids)
+    scored = slice(seqs.window_start, seqs.window_start + windows.shape[1] - 1)
+    around = around or {}
+    with progress.stage(title, total=windows.shape[0]) as bar:
         for i in range(windows.shape[0]):
-            ids = windows[i : i + 1].to(input_device(model))
-            base = model(ids, use_cache=False).logits[0, :-1].float()  # [L - 1, V]
+            ids = seqs.ids[i : i + 1].to(input_device(model))  # [1, P + L (- 1)]
+            targets = windows[i, 1:].to(ids.device)  # [L - 1]: the window's own tokens
+            base = model(ids, use_cache=False).logits[0, scored].float()  # [L - 1, V]
             for name, make_cache in make_caches.items():
                 cache = make_cache()
-                quant = model(ids, cache=cache, use_cache=True).logits[0, :-1].float()
-                _accumulate(totals[name], base, quant, ids[0, 1:])
+                with around.get(name, nullcontext)():
+                    logits = model(ids, cache=cache, use_cache=True).logits
+                _accumulate(totals[name], base, logits[0, scored].float(), targets)
                 ledgers[name] = cache.nbytes()
             if on_window is not None:
                 on_window(i, {n: QualityResult(totals[n], ledgers[n]) for n in make_caches})
@@ -126,7 +143,9 @@ def evaluate_many(
     return {n: QualityResult(totals[n], ledgers[n]) for n in make_caches}
 
 
-def _evaluate_decode(model, windows: Tensor, make_cache, progress: Progress) -> QualityResult:
+def _evaluate_decode(
+    model, windows: Tensor, make_cache, progress: Progress, around: Around | None = None
+) -> QualityResult:
     """Prefill the first half of each window into the cache, then teacher-force the rest one
     token at a time, a batch of windows at once; score the teacher-forced positions."""
     totals = QualityTotals()
@@ -141,11 +160,12 @@ def _evaluate_decode(model, windows: Tensor, make_cache, progress: Progress) -> 
             ids = windows[a : a + batch].to(input_device(model))  # [B, L]
             base = model(ids, use_cache=False, logits_to_keep=scored + 1).logits  # [B, S + 1, V]
             cache = make_cache()
-            model(ids[:, :half], cache=cache, use_cache=True, logits_to_keep=1)
-            for t in range(half, length - 1):
-                quant = model(ids[:, t : t + 1], cache=cache, use_cache=True).logits[:, 0]
-                _accumulate(totals, base[:, t - half].float(), quant.float(), ids[:, t + 1])
-                bar.advance(ids.shape[0])
+            with (around or nullcontext)():
+                model(ids[:, :half], cache=cache, use_cache=True, logits_to_keep=1)
+                for t in range(half, length - 1):
+                    quant = model(ids[:, t : t + 1], cache=cache, use_cache=True).logits[:, 0]
+                    _accumulate(totals, base[:, t - half].float(), quant.float(), ids[:, t + 1])
+                    bar.advance(ids.shape[0])
             ledger = cache.nbytes()
     return QualityResult(totals=totals, ledger=ledger)
 

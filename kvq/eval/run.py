@@ -8,8 +8,19 @@ from pathlib import Path
 
 import torch
 
+from kvq.calibrators.options import parse_prefix_ids
+from kvq.data.prefix import check_prefix_ids, vocab_size
 from kvq.data.text import TextSource, read_corpus
-from kvq.eval.inputs import check_cache_source, check_protocol, check_quantize, parse_tasks
+from kvq.errors import KvqError
+from kvq.eval.inputs import (
+    artifact_prefix,
+    check_activations,
+    check_cache_source,
+    check_prefix_exact,
+    check_protocol,
+    check_quantize,
+    parse_tasks,
+)
 from kvq.eval.quality import evaluate
 from kvq.manifests.ledger import ByteLedger
 from kvq.models.loading import load_model
@@ -22,6 +33,7 @@ from kvq.pipeline import (
     load_windows,
 )
 from kvq.progress import Progress
+from kvq.runtime.activations import quantized_linear_inputs, static_scales
 from kvq.runtime.kernels.backend import resolve_backend
 
 
@@ -41,12 +53,19 @@ def run_eval_job(
     corpus: tuple[str, TextSource] | None = None,
     quantize: str = "both",
     placement: Placement | None = None,
+    activations: str = "none",
+    prefix_ids: str | None = None,
 ) -> dict:
     """corpus: `read_corpus` of the dataset when the caller has read it already.
-    quantize: "both", or "keys" / "values" alone (the other side at full precision)."""
+    quantize: "both", or "keys" / "values" alone (the other side at full precision).
+    activations: "none", "a8-dynamic" or "a8-static" (`kvq.runtime.activations`).
+    prefix_ids: "2,107" or "none": token ids forwarded before every window and not scored;
+    None: the prefix the artifact was calibrated with (none without one)."""
     chosen = parse_tasks(tasks)
     check_protocol(protocol)
     check_quantize(quantize)
+    check_activations(activations, artifact_path)
+    explicit_prefix = None if prefix_ids is None else parse_prefix_ids(prefix_ids)
     check_cache_source(artifact_path, policy, backend)
     # a bad dataset fails before the model load
     corpus = corpus or read_corpus(dataset, windows, seqlen, data_dir)
@@ -62,7 +81,21 @@ def run_eval_job(
         tw = load_windows(loaded, dataset, windows, seqlen, seed, data_dir, corpus)
     resolve_backend(backend, input_device(loaded.model))  # fail fast: e.g. triton without CUDA
     # fail fast on an unusable policy
-    cache_for(loaded, artifact=artifact, policy=policy, quantize=quantize)
+    probe = cache_for(loaded, artifact=artifact, policy=policy, quantize=quantize)
+    prefix = explicit_prefix
+    if prefix is None:
+        prefix = artifact_prefix(artifact.manifest) if artifact is not None else ()
+    prefix = check_prefix_ids(prefix, vocab_size(loaded.model))
+    check_prefix_exact(probe.policy, len(prefix))
+    if prefix and protocol != "prefill":
+        raise KvqError("--prefix-ids is scored with --protocol prefill only")
+    scales = None
+    if activations == "a8-static":
+        scales = static_scales(artifact.tensors, loaded.adapter)
+
+    def around():
+        return quantized_linear_inputs(loaded.adapter, activations, scales, len(prefix), backend)
+
     result = evaluate(
         loaded.model,
         tw.ids,
@@ -71,8 +104,13 @@ def run_eval_job(
         ),
         protocol,
         progress,
+        prefix_ids=prefix,
+        around=around,
     )
     cache_policy = artifact.manifest.policy if artifact is not None else None
+    linear_path = "reference fake-quant"
+    if resolve_backend(backend, input_device(loaded.model)) == "triton":
+        linear_path = "triton W8A8 GEMM (weights INT8 per channel)"
     return {
         "model": model_spec,
         "artifact": str(artifact_path) if artifact_path is not None else None,
@@ -82,6 +120,16 @@ def run_eval_job(
         "windows_sha256": tw.fingerprint,
         "protocol": protocol,
         "quantize": quantize,
+        "activations": {
+            "mode": activations,
+            "format": None if activations == "none" else "int8 symmetric",
+            "granularity": {"none": None, "a8-dynamic": "token", "a8-static": "tensor"}[
+                activations
+            ],
+            "linears": 0 if activations == "none" else len(loaded.adapter.decoder_linears()),
+            "path": None if activations == "none" else linear_path,
+        },
+        "prefix_ids": list(prefix),
         "windows": windows,
         "seqlen": seqlen,
         "seed": seed,

@@ -74,6 +74,7 @@ class ArchitectureAdapter:
     model_types: ClassVar[tuple[str, ...]] = ()
     qk_norm: ClassVar[bool] = False
     qk_norm_offset_one: ClassVar[bool] = False
+    norm_offset_one: ClassVar[bool] = False  # decoder RMSNorms scale by (1 + w)
 
     def __init__(self, model: nn.Module):
         self.model = model
@@ -169,6 +170,33 @@ class ArchitectureAdapter:
     # ---- modules and hook sites -----------------------------------------------------------
     def decoder_layers(self) -> list[nn.Module]:
         return list(self._layers)
+
+    def decoder_linears(self) -> dict[str, nn.Linear]:
+        """Every linear layer inside the decoder layers, by "layers.{i}.<path in the layer>"
+        (e.g. "layers.3.mlp.down_proj"), in execution-independent module order."""
+        found = {}
+        for i, layer in enumerate(self._layers):
+            for name, module in layer.named_modules():
+                if isinstance(module, nn.Linear):
+                    found[f"layers.{i}.{name}"] = module
+        return found
+
+    def norm_feeds(self) -> list[tuple[nn.Module, float, float, tuple[str, ...]]]:
+        """The RMSNorms whose output is the whole input of some decoder linears: (norm, eps,
+        weight offset (1 for a (1 + w) norm), the linears' `decoder_linears` names) — where a
+        fused RMSNorm + INT8 producer can replace the norm and the linears' quantizer."""
+        offset = 1.0 if self.norm_offset_one else 0.0
+        feeds = []
+        for i, layer in enumerate(self._layers):
+            attn = tuple(f"layers.{i}.self_attn.{p}_proj" for p in ("q", "k", "v"))
+            mlp = tuple(f"layers.{i}.mlp.{p}_proj" for p in ("gate", "up"))
+            for norm, names in ((layer.input_layernorm, attn), (self._pre_mlp_norm(layer), mlp)):
+                eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
+                feeds.append((norm, float(eps), offset, names))
+        return feeds
+
+    def _pre_mlp_norm(self, layer: nn.Module) -> nn.Module:
+        return layer.post_attention_layernorm  # Llama, Qwen2: the norm before the MLP
 
     def attention(self, layer_idx: int) -> nn.Module:
         return self._layers[layer_idx].self_attn
@@ -275,9 +303,14 @@ class Gemma3Adapter(ArchitectureAdapter):
     model_types = ("gemma3_text", "gemma3")
     qk_norm = True
     qk_norm_offset_one = True
+    norm_offset_one = True
 
     def attention_scaling(self, layer_idx: int) -> float:
         return float(self.config.query_pre_attn_scalar) ** -0.5
+
+    def _pre_mlp_norm(self, layer: nn.Module) -> nn.Module:
+        # post_attention_layernorm normalises the attention output before the residual add
+        return layer.pre_feedforward_layernorm
 
     def rope_parameters(self, layer_idx: int) -> dict:
         # 5.x keeps one rope dict per layer type (rope_local_base_freq became

@@ -28,6 +28,8 @@ Fp8Format = Literal["e4m3", "e5m2"]
 
 INT_BITS = (2, 3, 4, 8)
 MAX_GROUP = 4096  # channels per qparam group: at most a head (head_dim <= 4096)
+# run-eval --activations: decoder linear inputs unquantized, INT8 per token, INT8 static
+ACTIVATION_MODES = ("none", "a8-dynamic", "a8-static")
 MAX_SINK = 1 << 16  # sink tokens kept exact: far beyond any real use, a bound for tampering
 
 

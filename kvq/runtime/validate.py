@@ -78,6 +78,8 @@ def check_artifact_state(manifest: Manifest, tensors: dict[str, Tensor]) -> None
             )
         if kind == "smooth":
             _check_smooth(name, tensors[name], arch)
+        if name.startswith("act."):
+            _check_input_scale(name, tensors[name], arch.num_layers)
     for name in ("fisher.key", "fisher.value"):
         if name in tensors:
             shape = (arch.num_layers, arch.num_kv_heads, arch.head_dim)
@@ -134,6 +136,23 @@ def _check_smooth(name: str, t: Tensor, arch) -> None:
     partners = rope_partners(arch.head_dim, rope.rotary_dim, rope.pairing)
     if not torch.equal(t, t[:, partners]):
         raise IncompatibleArtifact(f"tensors[{name}]", "equal within each RoPE pair", "not")
+
+
+_INPUT_SCALE = re.compile(r"^act\.layers\.(\d+)\.[A-Za-z0-9_.]+\.input_scale$")
+
+
+def _check_input_scale(name: str, t: Tensor, num_layers: int) -> None:
+    """A static activation scale (`act-scales`): [1] float32, positive normal, of a layer
+    the model has (whether the model has that linear is checked when it is used)."""
+    m = _INPUT_SCALE.match(name)
+    if m is None or int(m.group(1)) >= num_layers:
+        want = "act.layers.{i}.<linear>.input_scale"
+        raise IncompatibleArtifact(f"tensors[{name}]", want, "other name")
+    _check_shape(name, t, (1,))
+    if t.dtype != torch.float32:
+        raise IncompatibleArtifact(f"tensors[{name}].dtype", "float32", dtype_name(t.dtype))
+    if not _all(torch.isfinite(t) & (t >= torch.finfo(torch.float32).tiny)):
+        raise IncompatibleArtifact(f"tensors[{name}]", "a finite positive normal scale", "other")
 
 
 def _check_shape(name: str, t: Tensor, shape: tuple[int, ...]) -> None:

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from kvq.calibrators.options import (
+    ActScalesOptions,
     ChannelScalesOptions,
     KVQuantOptions,
     KVScalesOptions,
@@ -29,6 +30,7 @@ SMALL = {
     "kvquant": KVQuantOptions(bits=3, fisher=False),
     "kv-scales": KVScalesOptions(granularity="head"),
     "smoothattention": SmoothAttentionOptions(alpha=0.5),
+    "act-scales": ActScalesOptions(layout="fp8-e4m3"),  # + a calibration-free cache layout
 }
 
 

@@ -1,0 +1,240 @@
+"""Static per-head INT8 K/V and static per-tensor A8 activations, without and with a prefix,
+beside dynamic per-token A8.
+
+    .venv/bin/python bench/a8_prefix.py [--windows 16] [--seqlen 512] [--prefix-ids auto|2,..]
+                                        [--eta 64] [--max-tokens 4] [--json FILE]
+
+1. The prefix (`--prefix-ids auto`): BOS plus the tokens that most often carry an outlier
+   at an MLP down-projection input on the calibration windows (position 0 left out): per
+   token and layer, max |x| over channels over that layer's median over the sequence; above
+   --eta is an outlier. How many are kept: the ceiling of the largest per-layer mean count
+   per window, at most --max-tokens, on the first --discover-windows windows (PrefixQuant's
+   rule in a few lines until the `prefixquant` pass lands: the bench's choice, not a pass).
+2. Calibration (timed), on 16 x 512 of `calibration/groups_merged.txt`: `kv-scales --format
+   int8 --granularity head` and `act-scales --method {--act-method}`, each without and with
+   the prefix (`--prefix-ids`: windows forwarded after it, its positions out of the
+   statistics, its K/V rows kept exact).
+3. WikiText-2 test, prefill: every row of a set scored against one full-precision forward
+   per window; the rows with a prefix against the full-precision model with the same
+   prefix (only the window's own tokens are scored in both sets).
+JSON is rewritten after every window, so a stopped run keeps what it measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from collections import Counter
+from functools import partial
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from kvq.calibrators.capture import capture_linear_inputs, run_windows
+from kvq.calibrators.options import ActScalesOptions, KVScalesOptions
+from kvq.eval.quality import evaluate_many
+from kvq.models.loading import load_model
+from kvq.pipeline import load_windows, run_pass
+from kvq.progress import Progress
+from kvq.quant.schemes import named_policy
+from kvq.runtime.activations import quantized_linear_inputs, static_scales
+from kvq.runtime.cache import build_cache, unit_scales
+
+SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
+
+
+def discover_prefix(loaded, windows: torch.Tensor, eta: float, max_tokens: int):
+    """BOS + the most frequent outlier tokens at the down-projection inputs (see 1. above).
+    Returns (ids, report)."""
+    adapter = loaded.adapter
+    downs = [n for n in adapter.decoder_linears() if n.endswith("down_proj")]
+    counts: dict[str, list[int]] = {n: [] for n in downs}
+    hits: Counter = Counter()
+    worst: dict[str, float] = {}
+    current: list[torch.Tensor] = []  # the window being forwarded
+
+    def consume(name: str, x: torch.Tensor) -> None:
+        if name not in counts:
+            return
+        tok_max = x[0].float().abs().amax(-1)  # [T]
+        ratio = tok_max / tok_max.median()
+        ratio[0] = 0  # position 0 (BOS) is left out
+        out = (ratio > eta).nonzero().flatten()
+        counts[name].append(out.numel())
+        worst[name] = max(worst.get(name, 0.0), float(ratio.max()))
+        hits.update(int(current[0][p]) for p in out)
+
+    with capture_linear_inputs(adapter, consume):
+        for i in range(windows.shape[0]):
+            current[:] = [windows[i]]
+            run_windows(loaded.model, windows[i : i + 1])
+    mean_counts = {n: sum(c) / len(c) for n, c in counts.items()}
+    keep = min(max_tokens, math.ceil(max(mean_counts.values())))
+    bos = loaded.tokenizer.bos_token_id
+    chosen = [t for t, _ in hits.most_common() if t != bos][:keep]
+    ids = ([bos] if bos is not None else []) + chosen
+    report = {
+        "eta": eta,
+        "kept": keep,
+        "tokens": [
+            {"id": t, "text": loaded.tokenizer.decode([t]), "outlier_hits": hits[t]} for t in chosen
+        ],
+        "max_ratio_per_layer": {n: round(v, 1) for n, v in worst.items()},
+        "mean_outliers_per_window": {n: round(v, 3) for n, v in mean_counts.items()},
+    }
+    return tuple(ids), report
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--model", default="gemma3-270m")
+    ap.add_argument("--samples", type=int, default=16)
+    ap.add_argument("--windows", type=int, default=16)
+    ap.add_argument("--seqlen", type=int, default=512)
+    ap.add_argument("--prefix-ids", default="auto")
+    ap.add_argument("--eta", type=float, default=64.0)
+    ap.add_argument("--max-tokens", type=int, default=4)
+    ap.add_argument("--discover-windows", type=int, default=8)
+    ap.add_argument("--act-method", default="absmax", choices=("absmax", "percentile", "mse"))
+    ap.add_argument("--calibration", default=str(SHARED / "calibration" / "groups_merged.txt"))
+    ap.add_argument("--data-dir", default=str(SHARED))
+    ap.add_argument("--set", default="both", choices=("none", "prefix", "both"),
+                    help="score the rows without the prefix, with it, or both (split a run "
+                    "over two processes; --merge joins them)")  # fmt: skip
+    ap.add_argument("--json", type=Path)
+    ap.add_argument("--merge", type=Path, nargs="+", help="join the JSON of split runs")
+    args = ap.parse_args()
+    if args.merge:
+        merge(args.merge, args.json)
+        return
+    console = Console(stderr=True)
+    loaded = load_model(args.model)
+    info = loaded.adapter.info
+    cal = load_windows(loaded, args.calibration, args.samples, args.seqlen, 0, None)
+    ev = load_windows(loaded, "wikitext2", args.windows, args.seqlen, 0, args.data_dir)
+    payload: dict = {"model": args.model, "dataset": ev.source.spec,
+                     "windows_sha256": ev.fingerprint, "windows": args.windows,
+                     "seqlen": args.seqlen, "protocol": "prefill", "calibration": {},
+                     "sets": {}}  # fmt: skip
+
+    def save() -> None:
+        if args.json:
+            args.json.write_text(json.dumps(payload, indent=2) + "\n")
+
+    start = time.perf_counter()
+    if args.prefix_ids == "auto":
+        prefix, found = discover_prefix(
+            loaded, cal.ids[: args.discover_windows], args.eta, args.max_tokens
+        )
+        found["seconds"] = round(time.perf_counter() - start, 1)
+    else:
+        prefix = tuple(int(t) for t in args.prefix_ids.split(","))
+        found = {"given": True}
+    payload["prefix"] = {"ids": list(prefix), **found}
+    console.print(f"prefix {prefix}: {found}")
+    save()
+
+    fp16 = named_policy("fp16", info.num_layers, info.head_dim)
+    ids = ",".join(map(str, prefix))
+    tags = {"none": [""], "prefix": ["+prefix"], "both": ["", "+prefix"]}[args.set]
+    calibrations = {  # name -> options
+        name: options
+        for name, options in (
+            ("kv-int8-head", KVScalesOptions("int8", "head")),
+            ("kv-int8-head+prefix", KVScalesOptions("int8", "head", prefix_ids=ids)),
+            ("act", ActScalesOptions(args.act_method)),
+            ("act+prefix", ActScalesOptions(args.act_method, prefix_ids=ids)),
+        )
+        if name.endswith("+prefix") == ("+prefix" in tags) or len(tags) == 2
+    }
+    states = {}
+    for name, options in calibrations.items():
+        t0 = time.perf_counter()
+        states[name] = run_pass(loaded, cal, options, Progress())
+        seconds = round(time.perf_counter() - t0, 1)
+        payload["calibration"][name] = {"pass": options.NAME, "options": options.as_dict(),
+                                        "seconds": seconds}  # fmt: skip
+        console.print(f"calibrated {name} in {seconds} s")
+        save()
+
+    def cache_of(state):
+        return partial(build_cache, loaded.model, state.policy, state.of_kind("policy"),
+                       loaded.adapter)  # fmt: skip
+
+    def fp16_cache():
+        return build_cache(loaded.model, fp16, unit_scales(fp16), loaded.adapter)
+
+    def act(mode: str, state=None, skip: int = 0):
+        scales = static_scales(state.tensors, loaded.adapter) if state is not None else None
+        return partial(quantized_linear_inputs, loaded.adapter, mode, scales, skip)
+
+    sets = {}
+    for tag in tags:
+        p = prefix if tag else ()
+        rows = {
+            f"K/V INT8 static per head{tag}": (cache_of(states[f"kv-int8-head{tag}"]), None),
+            f"A8 static per tensor ({args.act_method}){tag}": (
+                fp16_cache, act("a8-static", states[f"act{tag}"], len(p))),
+            f"A8 dynamic per token{tag}": (fp16_cache, act("a8-dynamic", None, len(p))),
+        }  # fmt: skip
+        sets[tag or "none"] = (p, rows)
+
+    t0 = time.perf_counter()
+    for key, (p, rows) in sets.items():
+
+        def on_window(i: int, results, key=key, p=p) -> None:
+            payload["sets"][key] = {"prefix_ids": list(p), "windows_scored": i + 1,
+                                    "eval_s": round(time.perf_counter() - t0, 1), "rows": [
+                {"config": n, "ppl_baseline": q["ppl"]["baseline"], "ppl": q["ppl"]["quantized"],
+                 "ratio": q["ppl"]["ratio"], "kld": q["kld"]["mean"],
+                 "top1": q["kld"]["top1_agreement"], "bytes_ratio": r.ledger.ratio}
+                for n, r in results.items() for q in [r.as_json(("ppl", "kld"))]]}  # fmt: skip
+            save()
+
+        makers = {n: m for n, (m, _) in rows.items()}
+        around = {n: a for n, (_, a) in rows.items() if a is not None}
+        with torch.no_grad():
+            evaluate_many(loaded.model, ev.ids, makers, Progress(), on_window, p, around)
+
+    print_table(payload)
+
+
+def merge(files: list[Path], out: Path | None) -> None:
+    """Join split runs (--set none / prefix) that scored the same windows with one prefix."""
+    payloads = [json.loads(f.read_text()) for f in files]
+    for other in payloads[1:]:
+        for k in ("model", "windows_sha256", "windows", "seqlen", "protocol"):
+            if other[k] != payloads[0][k]:
+                raise SystemExit(f"cannot merge: {k} differs")
+        if other["prefix"]["ids"] != payloads[0]["prefix"]["ids"]:
+            raise SystemExit("cannot merge: the prefixes differ")
+    merged = dict(payloads[0])
+    merged["calibration"] = {k: v for p in payloads for k, v in p["calibration"].items()}
+    merged["sets"] = {k: v for p in payloads for k, v in p["sets"].items()}
+    print_table(merged)
+    if out:
+        out.write_text(json.dumps(merged, indent=2) + "\n")
+
+
+def print_table(payload: dict) -> None:
+    prefix = payload["prefix"]["ids"]
+    table = Table(title=f"{payload['model']} · WikiText-2 test {payload['windows']}×"
+                  f"{payload['seqlen']} (prefill) · prefix {prefix}")  # fmt: skip
+    for col in ("config", "ppl base", "ppl", "ratio", "KLD", "top-1", "bytes/fp16"):
+        table.add_column(col, justify="left" if col == "config" else "right")
+    for s in payload["sets"].values():
+        for r in s["rows"]:
+            table.add_row(r["config"], f"{r['ppl_baseline']:.4f}", f"{r['ppl']:.4f}",
+                          f"{r['ratio']:.5f}", f"{r['kld']:.6f}", f"{r['top1']:.4f}",
+                          f"{r['bytes_ratio']:.4f}")  # fmt: skip
+    Console(width=140).print(table)
+    for name, c in payload["calibration"].items():
+        Console().print(f"calibration {name}: {c['seconds']} s")
+
+
+if __name__ == "__main__":
+    main()
