@@ -91,7 +91,7 @@ def quantize_symmetric(
 
 
 def affine_qparams(
-    lo: Tensor, hi: Tensor, bits: int, scale_dtype=torch.float16
+    lo: Tensor, hi: Tensor, bits: int, scale_dtype=torch.float16, raise_tiny: bool = True
 ) -> tuple[Tensor, Tensor]:
     """(scale, offset) in `scale_dtype` covering [lo, hi] with 2^bits - 1 steps.
 
@@ -113,7 +113,7 @@ def affine_qparams(
     offset = torch.where(varying, down, near)
     if not bool(torch.isfinite(offset.float()).all()):
         raise KvqError(f"offset overflows {dtype_name(scale_dtype)}; use a wider scale dtype")
-    scale = store_scale((hi - offset.float()) / top, scale_dtype, varying)
+    scale = store_scale((hi - offset.float()) / top, scale_dtype, varying, raise_tiny)
     return scale, offset
 
 
@@ -130,19 +130,19 @@ def affine_decode(codes: Tensor, scale: Tensor, offset: Tensor, dtype=torch.floa
 
 
 def quantize_affine(
-    x: Tensor, bits: int, dim: Dims, scale_dtype=torch.float16
+    x: Tensor, bits: int, dim: Dims, scale_dtype=torch.float16, raise_tiny: bool = True
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Dynamic asymmetric quantization with one (scale, offset) per slice over `dim`.
 
     x: [...]. Returns (codes uint8 shaped like x, scale, offset), the qparams
-    shaped like x with the `dim` axes kept as size 1.
+    shaped like x with the `dim` axes kept as size 1. raise_tiny: see `store_scale`.
     """
     _check_bits(bits)
     check_finite(x, "input")
     xf = x.float()
     lo = xf.amin(dim=dim, keepdim=True)
     hi = xf.amax(dim=dim, keepdim=True)
-    scale, offset = affine_qparams(lo, hi, bits, scale_dtype)
+    scale, offset = affine_qparams(lo, hi, bits, scale_dtype, raise_tiny)
     return affine_encode(xf, scale, offset, bits), scale, offset
 
 

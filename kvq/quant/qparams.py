@@ -46,12 +46,18 @@ def step(x: Tensor, up: bool) -> Tensor:
     return torch.nextafter(x, target)
 
 
-def store_scale(ideal: Tensor, dtype: torch.dtype, nonzero: Tensor) -> Tensor:
+def store_scale(
+    ideal: Tensor, dtype: torch.dtype, nonzero: Tensor, raise_tiny: bool = True
+) -> Tensor:
     """Round positive fp32 scales up to `dtype`; entries where `nonzero` is False become 1.
 
     ideal:   float scales, any shape.
     nonzero: bool, broadcastable to `ideal`; False marks rows with nothing to
              scale (their ideal value is ignored).
+    raise_tiny: refuse a scale below the dtype's smallest normal (calibrated scales: the
+             user's data cannot be stored); False raises it to that normal instead (live
+             data, where a near-constant slice is no error: rounding a scale up only
+             coarsens the step, here to ~6e-5 in fp16).
     Returns the stored scales in `dtype`, shape of the broadcast.
     """
     if dtype not in STORAGE_DTYPES.values():
@@ -69,6 +75,8 @@ def store_scale(ideal: Tensor, dtype: torch.dtype, nonzero: Tensor) -> Tensor:
     if bool((~torch.isfinite(back) & nonzero).any()):
         raise KvqError(f"scale overflows {name} (or is NaN); use a wider scale dtype")
     tiny = torch.finfo(dtype).tiny
+    if not raise_tiny:
+        return torch.where((back < tiny) & nonzero, torch.tensor(tiny, dtype=dtype), stored)
     under = (back < tiny) & nonzero
     if bool(under.any()):
         smallest = float(ideal[under].min())

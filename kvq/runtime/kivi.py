@@ -39,7 +39,10 @@ class KiviKeyCodec(Codec):
         if t % g:
             raise KvqError(f"KIVI keys arrive in whole groups of {g} tokens, got {t}")
         groups = x.float().reshape(b, h, t // g, g, d)
-        codes, scale, offset = affine.quantize_affine(groups, self.bits, -2, self.scale_dtype)
+        # live tokens: a channel nearly constant over a group is no error (see store_scale)
+        codes, scale, offset = affine.quantize_affine(
+            groups, self.bits, -2, self.scale_dtype, raise_tiny=False
+        )
         packed = packing.pack_bits(codes.reshape(b, h, t, d), self.bits)
         return {
             "codes": packed,

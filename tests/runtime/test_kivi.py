@@ -177,3 +177,13 @@ def test_a_padded_batch_survives_reorder_save_load_and_rollback(kivi_model, tmp_
     loaded.crop(-4)
     rest, _ = run(loaded, 5, 12, m)
     torch.testing.assert_close(torch.cat([first, rest], 1), want, atol=1e-5, rtol=1e-5)
+
+
+def test_a_channel_nearly_constant_over_a_group_is_stored_not_refused():
+    scheme = named_policy("kivi4-g4", 1, 16).layers[0].key
+    codec = KiviKeyCodec(scheme, 16)
+    x = torch.randn(1, 1, 4, 16)
+    x[..., 3] = 0.5 + torch.tensor([0.0, 1e-4, 2e-4, 3e-4])[None, None]  # range 3e-4
+    rows, _ = codec.encode(x)
+    back = decode_packed(codec.packed(rows, {}))
+    assert (back[..., 3] - x[..., 3]).abs().max() <= 6.2e-5  # half the smallest fp16 step
