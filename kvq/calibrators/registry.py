@@ -14,11 +14,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvq.calibrators.options import (
+    AutoOptions,
     ChannelScalesOptions,
     KVQuantOptions,
     KVScalesOptions,
     PassOptions,
     SmoothAttentionOptions,
+    VQOptions,
 )
 from kvq.errors import KvqError
 
@@ -44,6 +46,8 @@ PASSES: dict[str, PassEntry] = {
         PassEntry(KVQuantOptions, "kvq.calibrators.kvquant:fit"),
         PassEntry(KVScalesOptions, "kvq.calibrators.kv_scales:fit"),
         PassEntry(SmoothAttentionOptions, "kvq.calibrators.smooth_attention:fit"),
+        PassEntry(VQOptions, "kvq.calibrators.vq:fit"),
+        PassEntry(AutoOptions, "kvq.calibrators.auto:fit"),
     )
 }
 

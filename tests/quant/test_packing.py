@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from kvq.errors import KvqError
 from kvq.quant.packing import pack_bits, packed_len, unpack_bits, unpack_lookup
 
-BITS = (2, 3, 4, 8)
+BITS = (1, 2, 3, 4, 6, 8)
 
 
 @pytest.mark.parametrize("bits", BITS)
