@@ -12,7 +12,7 @@ measures it on the second (held-out) half. Per layer and side:
              normalised per channel (mean, std), values per token (the NUQ row
              normaliser). 0.5 log2(gain) bits per element is what it is worth at high rate.
   gain_F     the same in Fisher units (rows times sqrt of the diagonal Fisher), raw
-             values: what `kvq.quant.tc` codes.
+             values: what `transform_coding.py` codes.
   r2, r2_F   held-out R^2 of a ridge-regularised linear predictor of this layer's rows
              (normalised as for `gain`; Fisher-weighted raw for r2_F) from the previous
              layer's K and V (true, not reconstructed: an upper bound for AQUA-KV).
@@ -21,7 +21,7 @@ measures it on the second (held-out) half. Per layer and side:
              centroids, at most --max-centroids), in the NUQ-normalised domain (keys: per-channel range from the
              0.5/99.5% quantiles; values: per-row range); keys' 2-D groups are RoPE pairs
              (i, i + D/2), 4-D two neighbouring pairs; values' groups are neighbours.
-  err_tc     the same error for `kvq.quant.tc` (Fisher-weighted KLT, bits allocated over
+  err_tc     the same error for `transform_coding.py` (Fisher-weighted KLT, bits allocated over
              the coordinates, b * D code bits per row plus a 16-bit row scale).
   fisher     the layer-side's share of the total Fisher sum; share_1d its share of the
              total 1-D error (where the loss goes).
@@ -35,6 +35,7 @@ import time
 from pathlib import Path
 
 import torch
+import transform_coding as tc  # bench/transform_coding.py: the measured prototype
 from rich.console import Console
 from rich.table import Table
 
@@ -43,7 +44,7 @@ from kvq.calibrators.kvquant import capture_kv
 from kvq.models.loading import load_model
 from kvq.pipeline import load_windows
 from kvq.progress import Progress
-from kvq.quant import nuq, tc, vq
+from kvq.quant import nuq, vq
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
 
@@ -97,7 +98,7 @@ def r_squared(prev: torch.Tensor, y: torch.Tensor, n: int, w: torch.Tensor | Non
 
 
 def tc_error(x: torch.Tensor, f: torch.Tensor, n: int, bits: int) -> float:
-    """Held-out Fisher-weighted error of `kvq.quant.tc` at bits * D code bits per row."""
+    """Held-out Fisher-weighted error of transform coding at bits * D code bits per row."""
     fitted = tc.fit_basis(x[:n, None], f[None])
     widths = tc.allocate([fitted["variance"][0]], [bits * x.shape[1]])[0]
     state = tc.stored_state(fitted, widths)

@@ -1,5 +1,7 @@
-"""Transform coding of K/V rows: a calibrated decorrelating basis, then scalar codebook
-codes with bits allocated across the transformed coordinates.
+"""Transform coding of K/V rows (a measured prototype, not a kvq format: on Gemma 3 270M
+it lost to scalar NUQ on keys and to vector codebooks on values, see
+`bench/lowbit_probe.py`): a calibrated decorrelating basis, then scalar codebook codes
+with bits allocated across the transformed coordinates.
 
 Per layer, side and KV head, from calibration rows x [N, D] and the diagonal Fisher f [D]:
 
@@ -17,8 +19,8 @@ z), and z / r is coded per coordinate with the layer's codebook of that width:
 
 Codes of equal width sit together, widest first, each group packed by `kvq.quant.packing`.
 Keys are coded before RoPE (the basis mixes channels of different rotation frequencies;
-the runtime rotates after decode). Calibration and the runtime encode with these same
-functions. The stored basis is float16: encode and decode both read the stored one.
+a runtime would rotate after decode). The stored basis is float16: encode and decode
+both read the stored one.
 """
 
 from __future__ import annotations
