@@ -69,6 +69,8 @@ def main() -> None:
     ap.add_argument("--json", type=Path)
     ap.add_argument("--no-split", action="store_true", help="skip the K-only / V-only rows")
     ap.add_argument("--lowbit", default="", help="e.g. 3,2: scalar NUQ -> + vq -> + mixed")
+    ap.add_argument("--steps", default="nuq,vq,mixed", help="--lowbit rows to run (nuq, vq, mixed)")
+    ap.add_argument("--split", default="nuq,vq,mixed", help="--lowbit rows with K/V-only rows")
     args = ap.parse_args()
     torch.set_grad_enabled(False)
     console = Console(stderr=True)
@@ -190,23 +192,44 @@ def lowbit(args, loaded, cal, ev, console) -> None:
         )  # fmt: skip
     fisher = (info.key, info.value)
     caches, seconds, static_bytes = {}, {}, {}
+    # every pass captures the same K/V of the same windows: capture once, hand out copies
+    # of the per-layer lists (passes release their entries as they go)
+    import kvq.calibrators.kvquant as kvquant_module
+    import kvq.calibrators.vq as vq_module
+
+    captured = {}
+    original_capture = kvquant_module.capture_kv
+
+    def capture_once(model_, adapter_, windows, sink, stage, progress):
+        key = (sink, stage)
+        if key not in captured:
+            captured[key] = original_capture(model_, adapter_, windows, sink, stage, progress)
+        k, v = captured[key]
+        return list(k), list(v)
+
+    vq_module.capture_kv = kvquant_module.capture_kv = capture_once
+    steps_wanted = set(args.steps.split(","))
+    split_wanted = set(args.split.split(","))
     info = adapter.info
     for b in (int(x) for x in args.lowbit.split(",")):
         steps = [
-            (f"{b}b KVQuant (scalar NUQ)", lambda b=b: calibrate_kvquant(
+            ("nuq", f"{b}b KVQuant (scalar NUQ)", lambda b=b: calibrate_kvquant(
                 model, adapter, cal.ids, KVQuantOptions(bits=b), Progress(), fisher)),
-            (f"{b}b + vector codebooks", lambda b=b: calibrate_vq(
+            ("vq", f"{b}b + vector codebooks", lambda b=b: calibrate_vq(
                 model, adapter, cal.ids, VQOptions(bits=b), Progress(), fisher)),
-            (f"{b}b + mixed precision (auto)", lambda b=b: calibrate_vq(
+            ("mixed", f"{b}b + mixed precision (auto)", lambda b=b: calibrate_vq(
                 model, adapter, cal.ids, VQOptions(bits=b, mixed=True), Progress(), fisher)),
         ]  # fmt: skip
-        for name, calibrate in steps:
+        for step, name, calibrate in steps:
+            if step not in steps_wanted:
+                continue
             start = time.perf_counter()
             policy, tensors = calibrate()
             seconds[name] = round(time.perf_counter() - start, 1)
             console.print(f"calibrated {name} ({seconds[name]} s): {policy.name}")
             static = {n: t for n, t in tensors.items() if n.startswith("layers.")}
-            sides = ("both",) if args.no_split else ("both", "keys", "values")
+            split = not args.no_split and step in split_wanted
+            sides = ("both", "keys", "values") if split else ("both",)
             for side in sides:
                 label = name if side == "both" else f"  {name}: {side} only"
                 kept = {"both": (".key.", ".value."), "keys": (".key.",), "values": (".value.",)}
