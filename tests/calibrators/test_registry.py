@@ -9,10 +9,12 @@ import pytest
 import torch
 
 from kvq.calibrators.options import (
+    AutoOptions,
     ChannelScalesOptions,
     KVQuantOptions,
     KVScalesOptions,
     SmoothAttentionOptions,
+    VQOptions,
 )
 from kvq.calibrators.recipe import read_recipe
 from kvq.calibrators.registry import PASSES, get_pass
@@ -29,6 +31,8 @@ SMALL = {
     "kvquant": KVQuantOptions(bits=3, fisher=False),
     "kv-scales": KVScalesOptions(granularity="head"),
     "smoothattention": SmoothAttentionOptions(alpha=0.5),
+    "vq": VQOptions(bits=3, fisher=False),
+    "auto": AutoOptions(bits=3),
 }
 
 
