@@ -14,6 +14,13 @@ Steps (each adds one idea to the previous one):
   8. + Q-Norm (decoded levels carry the originals' mean and std; kvq's default)
 then, unless --no-split, the full configuration with only K or only V quantized (the
 other kept exact): where the remaining error comes from.
+
+--lowbit B1,B2,...: instead, for each width, scalar KVQuant (the full configuration above)
+then + vector codebooks (`kvq calibrate vq`: the same normalisers, outliers and sink, the
+dense codes over 2- or 4-channel groups) then + mixed precision (per-layer, per-side bits
+from the Fisher sensitivity at equal total bits: what `kvq calibrate auto` runs), each
+with both sides, keys only and values only quantized. All caches are scored against one
+baseline forward per window (`evaluate_many`); the JSON is rewritten after every window.
 Prints perplexity ratio, KLD and top-1 agreement against the unquantized model,
 and bytes per token against fp16, measured from the caches.
 """
@@ -33,7 +40,9 @@ from rich.table import Table
 from kvq.calibrators.channel_scales import ChannelScalesOptions, calibrate_channel_scales
 from kvq.calibrators.fisher import fisher_cached
 from kvq.calibrators.kvquant import KVQuantOptions, calibrate_kvquant
-from kvq.eval.quality import QualityTotals, _accumulate
+from kvq.calibrators.options import VQOptions
+from kvq.calibrators.vq import calibrate_vq
+from kvq.eval.quality import QualityTotals, _accumulate, evaluate_many
 from kvq.models.loading import load_model
 from kvq.pipeline import load_windows
 from kvq.progress import Progress
@@ -59,6 +68,9 @@ def main() -> None:
     ap.add_argument("--data-dir", default=str(SHARED))
     ap.add_argument("--json", type=Path)
     ap.add_argument("--no-split", action="store_true", help="skip the K-only / V-only rows")
+    ap.add_argument("--lowbit", default="", help="e.g. 3,2: scalar NUQ -> + vq -> + mixed")
+    ap.add_argument("--steps", default="nuq,vq,mixed", help="--lowbit rows to run (nuq, vq, mixed)")
+    ap.add_argument("--split", default="nuq,vq,mixed", help="--lowbit rows with K/V-only rows")
     args = ap.parse_args()
     torch.set_grad_enabled(False)
     console = Console(stderr=True)
@@ -68,6 +80,8 @@ def main() -> None:
     layers = adapter.info.num_layers
     cal = load_windows(loaded, args.calibration, args.samples, args.seqlen, 0, None)
     ev = load_windows(loaded, "wikitext2", args.windows, args.seqlen, 0, args.data_dir)
+    if args.lowbit:
+        return lowbit(args, loaded, cal, ev, console)
     console.print(f"baseline logits on {args.windows} × {args.seqlen} windows")
     base = [model(ev.ids[i : i + 1]).logits[0, :-1].float() for i in range(ev.ids.shape[0])]
 
@@ -166,6 +180,98 @@ def main() -> None:
     Console().print(f"baseline perplexity {results[0]['ppl_baseline']:.3f}")
     if args.json:
         args.json.write_text(json.dumps({"results": results}, indent=2) + "\n")
+
+
+def lowbit(args, loaded, cal, ev, console) -> None:
+    """Scalar NUQ -> + vector codebooks -> + mixed precision at each width of --lowbit."""
+    model, adapter = loaded.model, loaded.adapter
+    with torch.enable_grad():
+        info = fisher_cached(
+            model, adapter, cal.ids, cal.fingerprint, loaded.identity.weights_sha256,
+            Progress(), exclude_first=1,
+        )  # fmt: skip
+    fisher = (info.key, info.value)
+    caches, seconds, static_bytes = {}, {}, {}
+    # every pass captures the same K/V of the same windows: capture once, hand out copies
+    # of the per-layer lists (passes release their entries as they go)
+    import kvq.calibrators.kvquant as kvquant_module
+    import kvq.calibrators.vq as vq_module
+
+    captured = {}
+    original_capture = kvquant_module.capture_kv
+
+    def capture_once(model_, adapter_, windows, sink, stage, progress):
+        key = (sink, stage)
+        if key not in captured:
+            captured[key] = original_capture(model_, adapter_, windows, sink, stage, progress)
+        k, v = captured[key]
+        return list(k), list(v)
+
+    vq_module.capture_kv = kvquant_module.capture_kv = capture_once
+    steps_wanted = set(args.steps.split(","))
+    split_wanted = set(args.split.split(","))
+    info = adapter.info
+    for b in (int(x) for x in args.lowbit.split(",")):
+        steps = [
+            ("nuq", f"{b}b KVQuant (scalar NUQ)", lambda b=b: calibrate_kvquant(
+                model, adapter, cal.ids, KVQuantOptions(bits=b), Progress(), fisher)),
+            ("vq", f"{b}b + vector codebooks", lambda b=b: calibrate_vq(
+                model, adapter, cal.ids, VQOptions(bits=b), Progress(), fisher)),
+            ("mixed", f"{b}b + mixed precision (auto)", lambda b=b: calibrate_vq(
+                model, adapter, cal.ids, VQOptions(bits=b, mixed=True), Progress(), fisher)),
+        ]  # fmt: skip
+        for step, name, calibrate in steps:
+            if step not in steps_wanted:
+                continue
+            start = time.perf_counter()
+            policy, tensors = calibrate()
+            seconds[name] = round(time.perf_counter() - start, 1)
+            console.print(f"calibrated {name} ({seconds[name]} s): {policy.name}")
+            static = {n: t for n, t in tensors.items() if n.startswith("layers.")}
+            split = not args.no_split and step in split_wanted
+            sides = ("both", "keys", "values") if split else ("both",)
+            for side in sides:
+                label = name if side == "both" else f"  {name}: {side} only"
+                kept = {"both": (".key.", ".value."), "keys": (".key.",), "values": (".value.",)}
+                static_bytes[label] = sum(
+                    t.nbytes for n, t in static.items() if any(k in n for k in kept[side])
+                )
+                caches[label] = lambda p=policy.only(side), s=static: build_cache(
+                    model, p, s, adapter
+                )
+    title = f"{args.model} · WikiText-2 {args.windows}×{args.seqlen} · prefill"
+
+    def report(i: int, results) -> None:
+        rows = []
+        for name, r in results.items():
+            t, led = r.totals, r.ledger
+            rows.append({
+                "step": name, "windows": i + 1, "ppl_baseline": t.ppl_base(),
+                "ppl": t.ppl_quant(), "ratio": t.ppl_quant() / t.ppl_base(),
+                "kld": t.kl / t.tokens, "top1": t.top1_agree / t.tokens,
+                "bytes_ratio": led.ratio, "ledger": led.to_dict(),
+                # static state (codebooks, normalisers: per model, not per token) apart:
+                # stored bits per cached K/V element of the quantized sides, sink rows included
+                "static_bytes": static_bytes[name],
+                "stream_bits_per_element": 8 * (led.total - static_bytes[name] - led.full_precision)
+                / (led.tokens * info.num_layers * info.num_kv_heads * info.head_dim
+                   * (2 if "only" not in name else 1)),
+                "calibration_seconds": seconds.get(name),
+            })  # fmt: skip
+        if args.json:
+            args.json.write_text(json.dumps({"title": title, "results": rows}, indent=1) + "\n")
+        if i + 1 == ev.ids.shape[0]:
+            table = Table(title=f"low-bit ablation · {title}")
+            for col in ("step", "ratio", "KLD", "top-1", "bytes/fp16", "bits/elem"):
+                table.add_column(col, justify="left" if col == "step" else "right")
+            for r in rows:
+                table.add_row(r["step"], f"{r['ratio']:.4f}", f"{r['kld']:.4f}",
+                              f"{r['top1']:.3f}", f"{r['bytes_ratio']:.4f}",
+                              f"{r['stream_bits_per_element']:.3f}")  # fmt: skip
+            Console().print(table)
+            Console().print(f"baseline perplexity {rows[0]['ppl_baseline']:.3f}")
+
+    evaluate_many(model, ev.ids, caches, Progress(), on_window=report)
 
 
 if __name__ == "__main__":

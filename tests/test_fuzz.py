@@ -104,6 +104,7 @@ def sources(llama, shared_data, tmp_path_factory):
         "channel-scales": ["--v-group", 8],
         "kvquant": ["--bits", 3],
         "kv-scales": ["--granularity", "head"],
+        "vq": ["--bits", 3, "--no-fisher"],
     }.items():
         out = root / name
         result = runner.invoke(app, ["calibrate", name, *map(str, base + extra), "--out", str(out)])
@@ -192,7 +193,7 @@ def _mutate_tensor(tensors: dict[str, torch.Tensor], draw) -> None:
     tensors[name] = f if op == "float32" else f.to(t.dtype)
 
 
-@pytest.mark.parametrize("source", ["channel-scales", "kvquant", "kv-scales"])
+@pytest.mark.parametrize("source", ["channel-scales", "kvquant", "kv-scales", "vq"])
 @FUZZ
 @given(data=st.data())
 def test_mutated_artifacts_are_refused_or_load(sources, llama, tmp_path_factory, source, data):
@@ -255,6 +256,11 @@ OPTIONS = {
         "--samples": ints, "--seqlen": ints, "--bits": ints, "--outliers": floats,
         "--sink": ints, "--seed": ints,
     },
+    "calibrate vq": {
+        "--samples": ints, "--seqlen": ints, "--bits": ints, "--dim": ints,
+        "--outliers": floats, "--sink": ints, "--seed": ints,
+    },
+    "calibrate auto": {"--samples": ints, "--seqlen": ints, "--bits": ints, "--seed": ints},
     "calibrate kv-scales": {
         "--samples": ints, "--seqlen": ints, "--format": texts, "--granularity": texts,
         "--method": texts, "--percentile": floats, "--skip-layers": texts, "--seed": ints,

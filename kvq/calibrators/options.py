@@ -317,3 +317,68 @@ class SmoothAttentionOptions(PassOptions):
                 raise KvqError(f"--{name} must be in [0, 1], got {value}")
         if self.layout is not None:
             named_policy(self.layout, 1)  # one line naming the known policies
+
+
+@dataclass(frozen=True)
+class VQOptions(PassOptions):
+    NAME: ClassVar[str] = "vq"
+    SUMMARY: ClassVar[str] = (
+        "KVQuant with vector codebooks over channel groups (RoPE pairs for K); mixed bits."
+    )
+
+    bits: int = option(3, "1, 2, 3 or 4 bits per element (codes)")
+    dim: int = option(0, "channels per codebook vector: 2, 4, or 0 (4 up to 2 bits, else 2)")
+    outliers: float = option(0.01, "fraction kept exactly (sparse)")
+    sink: int = option(1, "first N positions kept in full precision")
+    fisher: bool = option(True, "Fisher-weighted codebooks", flag="--fisher/--no-fisher")
+    mixed: bool = option(
+        False, "per-layer, per-side bits from Fisher sensitivity", flag="--mixed/--no-mixed"
+    )
+    seed: int = 0  # k-means; the command line passes its --seed
+
+    def __post_init__(self) -> None:
+        if self.bits not in (1, 2, 3, 4):
+            raise KvqError(f"--bits must be 1, 2, 3 or 4 for vq, got {self.bits}")
+        if self.dim not in (0, 2, 4):
+            raise KvqError(f"--dim must be 0, 2 or 4, got {self.dim}")
+        if self.dim and 2 ** (self.bits * self.dim) > 4096:
+            raise KvqError(f"--dim {self.dim} at {self.bits} bits needs over 4096 centroids")
+        if not 0.0 <= self.outliers < 0.5:
+            raise KvqError(f"--outliers must be a fraction in [0, 0.5), got {self.outliers}")
+        if self.sink < 0:
+            raise KvqError(f"--sink must be >= 0, got {self.sink}")
+
+
+# What `kvq calibrate auto --bits B` runs, from the measurements (bench/lowbit_probe.py,
+# bench/lowbit_ablation.py on Gemma 3 270M): bits -> (vq vector dim, mixed precision).
+AUTO_CHOICES: dict[int, tuple[int, bool]] = {2: (4, True), 3: (2, True), 4: (2, True)}
+
+
+@dataclass(frozen=True)
+class AutoOptions(PassOptions):
+    NAME: ClassVar[str] = "auto"
+    SUMMARY: ClassVar[str] = (
+        "The best cache kvq measured at --bits: it says which method it ran (manifest too)."
+    )
+
+    bits: int = option(3, "2, 3 or 4 bits per K/V element (codes), overheads as KVQuant's")
+    seed: int = 0  # k-means; the command line passes its --seed
+
+    def __post_init__(self) -> None:
+        if self.bits not in AUTO_CHOICES:
+            raise KvqError(f"--bits must be one of 2, 3, 4 for auto, got {self.bits}")
+
+    def chosen(self) -> VQOptions:
+        dim, mixed = AUTO_CHOICES[self.bits]
+        return VQOptions(bits=self.bits, dim=dim, mixed=mixed, seed=self.seed)
+
+    def method(self) -> str:
+        v = self.chosen()
+        mixed = ", per-layer/side bits by Fisher sensitivity" if v.mixed else ""
+        return (
+            f"vq: KVQuant normalisers + 1% exact outliers + sink 1, {v.dim}-D Fisher-weighted "
+            f"codebooks (keys over RoPE pairs){mixed}"
+        )
+
+    def as_dict(self):
+        return super().as_dict() | {"method": self.method()}

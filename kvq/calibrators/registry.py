@@ -15,11 +15,13 @@ from dataclasses import dataclass
 
 from kvq.calibrators.options import (
     ActScalesOptions,
+    AutoOptions,
     ChannelScalesOptions,
     KVQuantOptions,
     KVScalesOptions,
     PassOptions,
     SmoothAttentionOptions,
+    VQOptions,
 )
 from kvq.errors import KvqError
 
@@ -46,6 +48,8 @@ PASSES: dict[str, PassEntry] = {
         PassEntry(KVScalesOptions, "kvq.calibrators.kv_scales:fit"),
         PassEntry(SmoothAttentionOptions, "kvq.calibrators.smooth_attention:fit"),
         PassEntry(ActScalesOptions, "kvq.calibrators.act_scales:fit"),
+        PassEntry(VQOptions, "kvq.calibrators.vq:fit"),
+        PassEntry(AutoOptions, "kvq.calibrators.auto:fit"),
     )
 }
 

@@ -78,6 +78,7 @@ def ledger_table(ledger: ByteLedger, title: str = "byte ledger (measured)") -> T
 
 def print_calibration_summary(artifact: Artifact, out: Path) -> None:
     m = artifact.manifest
+    OUT.print(Text.assemble(("policy: ", "bold"), _t(m.policy.name)))
     OUT.print(_policy_rows(artifact))
     timing = Table(title="calibration stages")
     timing.add_column("stage")

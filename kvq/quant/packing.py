@@ -2,8 +2,8 @@
 
 Bit order is little-endian within a byte: the first code of a unit sits in the
 lowest bits. Units: 8 bits -> 1 code per byte, 4 bits -> 2 codes per byte,
-2 bits -> 4 codes per byte, 3 bits -> 8 codes per 3 bytes (one 24-bit
-little-endian word). The last dimension is zero-padded to whole units.
+2 bits -> 4 codes per byte, 1 bit -> 8 codes per byte, 3 bits -> 8 codes per 3
+bytes and 6 bits -> 4 codes per 3 bytes (one 24-bit little-endian word). The last dimension is zero-padded to whole units.
 Signed codes must be offset to unsigned by the caller before packing.
 """
 
@@ -15,7 +15,7 @@ from torch import Tensor
 from kvq.errors import KvqError
 
 # bits -> (codes per unit, bytes per unit)
-_UNITS = {8: (1, 1), 4: (2, 1), 2: (4, 1), 3: (8, 3)}
+_UNITS = {8: (1, 1), 4: (2, 1), 2: (4, 1), 1: (8, 1), 3: (8, 3), 6: (4, 3)}
 
 
 def _unit(bits: int) -> tuple[int, int]:

@@ -19,7 +19,7 @@ from kvq.errors import KvqError
 
 SCHEME_VERSION = 1
 
-Format = Literal["int", "fp8", "nuq", "none"]
+Format = Literal["int", "fp8", "nuq", "vq", "none"]
 Axis = Literal["token", "channel", "head", "tensor"]
 Lifetime = Literal["static", "dynamic"]
 KeyStage = Literal["pre-rope", "post-rope"]
@@ -27,6 +27,8 @@ ScaleDtype = Literal["float16", "bfloat16", "float32"]
 Fp8Format = Literal["e4m3", "e5m2"]
 
 INT_BITS = (2, 3, 4, 8)
+VQ_DIMS = (2, 4)  # kvq.quant.vq.DIMS (no torch here)
+VQ_MAX_CENTROIDS = 4096
 MAX_GROUP = 4096  # channels per qparam group: at most a head (head_dim <= 4096)
 # run-eval --activations: decoder linear inputs unquantized, INT8 per token, INT8 static
 ACTIVATION_MODES = ("none", "a8-dynamic", "a8-static")
@@ -37,8 +39,10 @@ MAX_SINK = 1 << 16  # sink tokens kept exact: far beyond any real use, a bound f
 class QuantScheme:
     """How one cached tensor family is stored.
 
-    format:     "int" (uniform integer), "fp8", "nuq" (codebook indices) or
-                "none" (kept in full precision).
+    format:     "int" (uniform integer), "fp8", "nuq" (codebook indices), "vq" (NUQ's
+                normalisation, then one codebook index per group of `vector_dim`
+                channels, stored as `vector_dim` digits of `bits` bits) or "none"
+                (kept in full precision).
     bits:       payload bits per element (16 for "none", 8 for fp8).
     symmetric:  int only: signed codes and no offset, else unsigned codes with
                 a floating offset (x ~ code * scale + offset).
@@ -67,6 +71,7 @@ class QuantScheme:
     outlier_fraction: float = 0.0  # nuq: share of values kept exactly as sparse exceptions
     qnorm: bool = False  # nuq: decode through mean/std-corrected levels (KVQuant Q-Norm)
     zero_point: bool = False
+    vector_dim: int | None = None  # vq: channels coded jointly (2 or 4)
 
     def __post_init__(self) -> None:
         if self.format == "none":
@@ -75,6 +80,17 @@ class QuantScheme:
             return
         if self.format in ("int", "nuq") and self.bits not in INT_BITS:
             raise KvqError(f"bits must be one of {INT_BITS}, got {self.bits}")
+        if (self.format == "vq") != (self.vector_dim is not None):
+            raise KvqError("vector_dim is set exactly for format='vq'")
+        if self.format == "vq" and (
+            self.vector_dim not in VQ_DIMS
+            or self.bits not in (1, 2, 3, 4)
+            or 2 ** (self.bits * self.vector_dim) > VQ_MAX_CENTROIDS
+        ):
+            raise KvqError(
+                f"vq: vector_dim one of {VQ_DIMS}, bits 1..4, at most {VQ_MAX_CENTROIDS} "
+                f"centroids; got {self.vector_dim} x {self.bits} bits"
+            )
         if self.format == "fp8":
             if self.bits != 8 or self.fp8_format not in ("e4m3", "e5m2"):
                 raise KvqError("fp8 scheme needs bits=8 and fp8_format e4m3 or e5m2")
@@ -82,8 +98,10 @@ class QuantScheme:
             raise KvqError("fp8_format is only meaningful for format='fp8'")
         if not 0.0 <= self.outlier_fraction < 0.5:
             raise KvqError(f"outlier_fraction must be in [0, 0.5), got {self.outlier_fraction}")
-        if self.format != "nuq" and (self.outlier_fraction or self.qnorm):
-            raise KvqError("sparse outliers and Q-Norm are only defined for format='nuq'")
+        if self.format not in ("nuq", "vq") and self.outlier_fraction:
+            raise KvqError("sparse outliers are only defined for format='nuq' or 'vq'")
+        if self.format != "nuq" and self.qnorm:
+            raise KvqError("Q-Norm is only defined for format='nuq'")
         if self.group_size is not None and not 0 < self.group_size <= MAX_GROUP:
             raise KvqError(f"group_size must be in [1, {MAX_GROUP}], got {self.group_size}")
         if self.axis == "channel" and self.lifetime != "static" and not self.group_size:
@@ -116,6 +134,8 @@ class QuantScheme:
         extra += " qnorm" if self.qnorm else ""
         if self.format == "nuq":
             kind = "codebook"
+        if self.format == "vq":
+            kind = f"{self.vector_dim}-D codebook"
         return f"{name} {kind} per-{self.axis}{group} ({self.lifetime}){extra}"
 
 

@@ -312,4 +312,8 @@ def make_codec(
         from kvq.runtime.nuq_codecs import make_nuq_codec
 
         return make_nuq_codec(scheme, head_dim, state, where)
+    if scheme.format == "vq":
+        from kvq.runtime.vq_codecs import make_vq_codec
+
+        return make_vq_codec(scheme, head_dim, state, where)
     raise KvqError(f"{where}: no runtime codec for {scheme.describe()}")

@@ -33,6 +33,10 @@ _RULES = {
     "upper": ("channel", "finite"),
     "codebook": ("levels", "increasing"),
     "qnorm_levels": ("levels", "finite"),
+    # vector codebooks: shapes and values checked by their codec (kvq.runtime.vq_codecs)
+    "vq_codebook": ("codec", "finite"),
+    "vq_groups": ("codec", "index"),
+    "vq_weight": ("channel", "nonnegative"),
 }
 # a static scale of a whole KV head or tensor (FP8/INT8 as serving engines store them)
 _STATIC_AXIS_SHAPES = {"head": lambda heads: (heads,), "tensor": lambda heads: (1,)}
@@ -97,7 +101,12 @@ def _check_tensor(
     shape = (heads, head_dim) if shape_kind == "channel" else (2**scheme.bits,)
     if name == "scale" and scheme.axis in _STATIC_AXIS_SHAPES:
         shape = _STATIC_AXIS_SHAPES[scheme.axis](heads)
-    _check_shape(full, t, shape)
+    if shape_kind != "codec":
+        _check_shape(full, t, shape)
+    if rule == "index":
+        if t.dtype != torch.int16:
+            raise IncompatibleArtifact(f"tensors[{full}].dtype", "int16", dtype_name(t.dtype))
+        return
     if not t.dtype.is_floating_point:
         raise IncompatibleArtifact(f"tensors[{full}].dtype", "a float dtype", dtype_name(t.dtype))
     if name in _QPARAMS:
@@ -114,6 +123,8 @@ def _check_tensor(
         # zero, negative or subnormal (unsafe under flush-to-zero): the stored-scale policy
         want = f"positive normal {dtype_name(t.dtype)} scales (>= {tiny:.3g})"
         raise IncompatibleArtifact(f"tensors[{full}]", want, f"min {float(x.min()):.3g}")
+    if rule == "nonnegative" and not _all(x >= 0):
+        raise IncompatibleArtifact(f"tensors[{full}]", "non-negative weights", "a negative one")
     if rule == "increasing" and not _all(x[1:] > x[:-1]):
         raise IncompatibleArtifact(f"tensors[{full}]", "strictly increasing levels", "not")
 

@@ -10,10 +10,12 @@ import torch
 
 from kvq.calibrators.options import (
     ActScalesOptions,
+    AutoOptions,
     ChannelScalesOptions,
     KVQuantOptions,
     KVScalesOptions,
     SmoothAttentionOptions,
+    VQOptions,
 )
 from kvq.calibrators.recipe import read_recipe
 from kvq.calibrators.registry import PASSES, get_pass
@@ -31,6 +33,8 @@ SMALL = {
     "kv-scales": KVScalesOptions(granularity="head"),
     "smoothattention": SmoothAttentionOptions(alpha=0.5),
     "act-scales": ActScalesOptions(layout="fp8-e4m3"),  # + a calibration-free cache layout
+    "vq": VQOptions(bits=3, fisher=False),
+    "auto": AutoOptions(bits=3),
 }
 
 

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from kvq.errors import KvqError
 from kvq.quant.packing import pack_bits, packed_len, unpack_bits, unpack_lookup
 
-BITS = (2, 3, 4, 8)
+BITS = (1, 2, 3, 4, 6, 8)
 
 
 @pytest.mark.parametrize("bits", BITS)
@@ -45,7 +45,7 @@ def test_unpack_lookup_rejects_a_wrong_table():
 
 
 def test_packed_len():
-    assert [packed_len(9, b) for b in BITS] == [3, 6, 5, 9]
+    assert [packed_len(9, b) for b in BITS] == [2, 3, 6, 5, 9, 9]
     assert packed_len(0, 3) == 0
     with pytest.raises(KvqError):
         packed_len(4, 5)

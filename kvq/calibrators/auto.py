@@ -1,0 +1,31 @@
+"""`kvq calibrate auto --bits B`: the method kvq's measurements favour at that width.
+
+The choice is `AutoOptions.chosen` (`kvq.calibrators.options.AUTO_CHOICES`): vector
+codebooks over channel groups (`kvq calibrate vq`) with KVQuant's normalisers, exact
+outliers and sink, and per-layer, per-side bits from the Fisher sensitivity. Its stored
+bits per element are KVQuant's at the same width (same code bits, same overheads). The
+pass names its choice in a progress stage, in the policy name and in the manifest (the
+pass's recorded options carry `method`).
+"""
+
+from __future__ import annotations
+
+from kvq.calibrators.base import FitContext, PassResult
+from kvq.calibrators.vq import calibrate_vq, fisher_sums
+
+
+def fit(ctx: FitContext) -> PassResult:
+    opts = ctx.options
+    chosen = opts.chosen()
+    with ctx.progress.stage(f"auto {opts.bits} bits: {opts.method()}"):
+        pass  # the stage is the announcement: it shows in the output and the stage timings
+    info = fisher_sums(ctx, chosen.sink)
+    policy, tensors = calibrate_vq(
+        ctx.loaded.model, ctx.loaded.adapter, ctx.windows.ids, chosen, ctx.progress,
+        (info.key, info.value), name=f"auto{opts.bits}: {policy_name(chosen)}",
+    )  # fmt: skip
+    return PassResult(policy, tensors | info.to_tensors())
+
+
+def policy_name(v) -> str:
+    return f"vq{v.bits}-d{v.dim}" + ("-mixed" if v.mixed else "")

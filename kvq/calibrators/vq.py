@@ -1,0 +1,257 @@
+"""Vector-codebook KVQuant (`kvq calibrate vq`), with optional mixed precision.
+
+KVQuant's normalisers and exact exceptions (pre-RoPE per-channel keys with calibrated
+thresholds, per-row values with round(1% D) exceptions, sink tokens exact), but the dense
+codes are indices into a layer codebook over groups of `dim` channels (`kvq.quant.vq`):
+keys over RoPE pairs (and pairs of neighbouring pairs), values over neighbouring channels.
+Each codebook is a weighted k-means fit whose weights are the diagonal Fisher times the
+normaliser's scale squared: the error it minimises is the Fisher-weighted error in the
+original units (measured by `bench/lowbit_probe.py` on held-out rows).
+
+Mixed precision (`--mixed`): bits per layer and side from the Fisher sensitivity. Every
+layer-side is first fitted at the nominal width and its Fisher-weighted calibration error
+e measured; moving one bit from side v to side u pays when u's error drop, modelled as
+e_u (1 - 1/4), exceeds v's rise, e_v (4 - 1). Swaps run until none pays, so the total code
+bits equal the uniform policy's exactly; widths stay within nominal +-1 (1..4 bits), and
+the changed sides are refitted. The per-layer widths are the policy's schemes, recorded in
+the manifest.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from kvq.calibrators.base import FitContext, PassResult
+from kvq.calibrators.fisher import fisher_cached
+from kvq.calibrators.kvquant import _key_thresholds, capture_kv, key_fraction
+from kvq.calibrators.options import KVQuantOptions, VQOptions
+from kvq.errors import KvqError
+from kvq.models.adapters import rope_partners
+from kvq.progress import Progress
+from kvq.quant import nuq, sparse, vq
+from kvq.quant.schemes import CachePolicy, LayerPolicy, QuantScheme
+from kvq.runtime.nuq_codecs import VALUE_SPLIT
+
+MIN_BITS, MAX_BITS = 1, 4
+
+
+def vector_dim(bits: int, dim: int) -> int:
+    """The group size for `bits` (dim 0: 4 channels up to 2 bits, else 2, so that a
+    codebook has at most 256 centroids)."""
+    if dim:
+        return dim
+    return 4 if bits <= 2 else 2
+
+
+def key_groups(adapter, layer: int, dim: int) -> Tensor:
+    """[D / dim, dim]: RoPE pairs of the layer (pairs of neighbouring pairs for dim 4)."""
+    info = adapter.info
+    rope, d = info.rope[layer], info.head_dim
+    partners = rope_partners(d, rope.rotary_dim, rope.pairing)
+    pairs = [(c, int(p)) for c, p in enumerate(partners.tolist()) if c < p]
+    singles = [c for c, p in enumerate(partners.tolist()) if c == p]
+    if singles or len(pairs) * 2 != d:
+        return vq.channel_groups(d, dim, pairs=False)
+    flat = torch.tensor(pairs)  # [D/2, 2]
+    if dim == 2:
+        return flat
+    return torch.cat([flat[0::2, :1], flat[1::2, :1], flat[0::2, 1:], flat[1::2, 1:]], 1)
+
+
+@dataclass
+class _Side:
+    """What one layer-side's fit needs and keeps: normalised rows and weights."""
+
+    xn: Tensor  # [N, H, D] normalised rows
+    fit_weight: Tensor  # [N, H, D] weights of the fit (0 at exceptions)
+    search_weight: Tensor  # [H, D] static weights of the nearest-centroid search
+    groups: Tensor  # [G, m] for the nominal dim
+    static: dict[str, Tensor]  # normaliser state (keys) stored beside the codebook
+
+
+def _key_side(samples: Tensor, fisher: Tensor | None, kv: KVQuantOptions) -> _Side:
+    """samples [N, H, D] pre-RoPE keys -> the static normaliser and the fit's inputs."""
+    static: dict[str, Tensor] = {}
+    if kv.outliers:
+        fraction = key_fraction(samples, fisher, kv)
+        lower, upper = _key_thresholds(samples, fisher, kv, fraction)
+        inlier = ~sparse.threshold_outliers(samples, lower, upper)
+        static |= {"lower": lower.contiguous(), "upper": upper.contiguous()}
+    else:
+        lower, upper = samples.amin(0), samples.amax(0)
+        inlier = torch.ones_like(samples, dtype=torch.bool)
+    scale, center = nuq.normalizer(lower, upper)
+    static |= {"scale": scale, "center": center}
+    f = torch.ones_like(scale.float()) if fisher is None else fisher.float()
+    weight = f * scale.float() ** 2  # [H, D]: error in original units
+    xn = nuq.normalize(samples, scale, center)
+    return _Side(xn, weight.expand_as(xn) * inlier, weight, torch.empty(0), static)
+
+
+def _value_side(samples: Tensor, fisher: Tensor | None, kv: KVQuantOptions) -> _Side:
+    if kv.outliers:
+        idx, _, lo, hi = sparse.row_outliers(samples, kv.outliers, VALUE_SPLIT)
+        inlier = torch.ones_like(samples, dtype=torch.bool).scatter(-1, idx.long(), False)
+    else:
+        lo, hi = samples.amin(-1), samples.amax(-1)
+        inlier = torch.ones_like(samples, dtype=torch.bool)
+    scale, center = nuq.normalizer(lo, hi)  # the runtime's per-row normaliser
+    f = torch.ones(samples.shape[1:]) if fisher is None else fisher.float()
+    xn = nuq.normalize(samples, scale[..., None], center[..., None])
+    fit_weight = f * scale.float()[..., None] ** 2 * inlier
+    return _Side(xn, fit_weight, f.contiguous(), torch.empty(0), {})
+
+
+def _fit(side: _Side, groups: Tensor, bits: int, seed: int) -> dict[str, Tensor]:
+    m = groups.shape[1]
+    vectors = side.xn[..., groups].reshape(-1, m)
+    weights = side.fit_weight[..., groups].reshape(-1, m)
+    # stored in float16 (and the runtime decodes the stored values); groups in int16
+    codebook = vq.fit_codebook(vectors, weights, bits, seed=seed).half()
+    return side.static | {
+        "vq_codebook": codebook,
+        "vq_groups": groups.to(torch.int16).contiguous(),
+        "vq_weight": side.search_weight.contiguous(),
+    }
+
+
+def _error(side: _Side, state: dict[str, Tensor], bits: int, rows: int = 4096) -> float:
+    """Fisher-weighted error of the fitted codebook on (up to `rows` of) the rows."""
+    step = max(1, side.xn.shape[0] // rows)
+    xn = side.xn[::step].permute(1, 0, 2)[None]  # [1, H, N', D]
+    cb, groups = state["vq_codebook"].float(), state["vq_groups"].long()
+    digits = vq.encode(xn, cb, state["vq_weight"], groups, bits)
+    rec = vq.decode(digits, cb, groups, bits)
+    w = side.fit_weight[::step].permute(1, 0, 2)[None]
+    # exceptions carry weight 0; inliers lie within [-1, 1] by the normaliser's construction
+    return float((w * (rec - xn).square()).sum())
+
+
+def allocate_bits(errors: list[float], nominal: int) -> list[int]:
+    """Widths per side (see the module doc): swaps of one bit while the modelled error falls.
+    errors: the Fisher-weighted error of each side at the nominal width."""
+    bits = [nominal] * len(errors)
+    lo, hi = max(MIN_BITS, nominal - 1), min(MAX_BITS, nominal + 1)
+
+    def err(i: int, b: int) -> float:
+        return errors[i] * 4.0 ** (nominal - b)
+
+    for _ in range(4 * len(errors)):
+        ups = [(err(i, b) - err(i, b + 1), i) for i, b in enumerate(bits) if b < hi]
+        downs = [(err(i, b - 1) - err(i, b), i) for i, b in enumerate(bits) if b > lo]
+        if not ups or not downs:
+            break
+        gain, u = max(ups)
+        cost, v = min(downs)
+        if u == v or gain <= cost:
+            break
+        bits[u] += 1
+        bits[v] -= 1
+    return bits
+
+
+def _scheme(bits: int, dim: int, side: str, opts: VQOptions) -> QuantScheme:
+    if side == "key":
+        return QuantScheme(
+            format="vq", bits=bits, axis="channel", lifetime="static",
+            outlier_fraction=opts.outliers, vector_dim=dim,
+        )  # fmt: skip
+    return QuantScheme(
+        format="vq", bits=bits, axis="token", lifetime="dynamic",
+        outlier_fraction=opts.outliers, vector_dim=dim,
+    )  # fmt: skip
+
+
+def calibrate_vq(
+    model, adapter, windows: Tensor, opts: VQOptions, progress: Progress,
+    fisher: tuple[Tensor, Tensor] | None, name: str | None = None,
+) -> tuple[CachePolicy, dict[str, Tensor]]:  # fmt: skip
+    """Windows [N, L] ids and optional Fisher sums ([L, H, D] for K and V) -> policy + tensors."""
+    if windows.shape[1] <= opts.sink + 1:
+        raise KvqError(
+            f"--seqlen {windows.shape[1]} leaves no tokens after {opts.sink} sink tokens"
+        )
+    kv = KVQuantOptions(bits=max(2, opts.bits), outliers=opts.outliers, sink=opts.sink)
+    keys, values = capture_kv(model, adapter, windows, opts.sink, "pre-rope", progress)
+    n_layers, d = adapter.info.num_layers, adapter.info.head_dim
+    sides: list[tuple[int, str, _Side]] = []
+    states: list[dict[str, Tensor]] = []
+    errors: list[float] = []
+    dim = vector_dim(opts.bits, opts.dim)
+    with progress.stage("fit vector codebooks", total=2 * n_layers) as bar:
+        for layer in range(n_layers):
+            fk = fisher[0][layer] if fisher is not None else None
+            fv = fisher[1][layer] if fisher is not None else None
+            for part, side in (
+                ("key", _key_side(keys[layer].float(), fk, kv)),
+                ("value", _value_side(values[layer].float(), fv, kv)),
+            ):
+                groups = (
+                    key_groups(adapter, layer, dim)
+                    if part == "key"
+                    else vq.channel_groups(d, dim, False)
+                )
+                state = _fit(side, groups, opts.bits, opts.seed)
+                sides.append((layer, part, side))
+                states.append(state)
+                if opts.mixed:
+                    errors.append(_error(side, state, opts.bits))
+                bar.advance()
+            keys[layer] = values[layer] = torch.empty(0)  # release as we go
+    widths = allocate_bits(errors, opts.bits) if opts.mixed else [opts.bits] * len(sides)
+    changed = [i for i, b in enumerate(widths) if b != opts.bits]
+    if changed:
+        with progress.stage("refit mixed-precision sides", total=len(changed)) as bar:
+            for i in changed:
+                layer, part, side = sides[i]
+                dim_i = vector_dim(widths[i], opts.dim if widths[i] <= 2 else 0)
+                if part == "key":
+                    groups = key_groups(adapter, layer, dim_i)
+                else:
+                    groups = vq.channel_groups(d, dim_i, False)
+                states[i] = _fit(side, groups, widths[i], opts.seed)
+                bar.advance()
+    tensors: dict[str, Tensor] = {}
+    schemes: dict[tuple[int, str], QuantScheme] = {}
+    for (layer, part, _), state, bits in zip(sides, states, widths, strict=True):
+        m = state["vq_groups"].shape[1]  # [G, m]
+        schemes[(layer, part)] = _scheme(bits, m, part, opts)
+        for n, t in state.items():
+            tensors[f"layers.{layer}.{part}.{n}"] = t.contiguous()
+    layers = tuple(
+        LayerPolicy(
+            key=schemes[(i, "key")],
+            value=schemes[(i, "value")],
+            key_stage="pre-rope",
+            sink_tokens=opts.sink,
+        )  # fmt: skip
+        for i in range(n_layers)
+    )
+    mixed = "-mixed" if opts.mixed else ""
+    return CachePolicy(name or f"vq{opts.bits}-d{dim}{mixed}", layers), tensors
+
+
+def fisher_sums(ctx: FitContext, sink: int):
+    loaded, windows = ctx.loaded, ctx.windows
+    info = fisher_cached(
+        loaded.model, loaded.adapter, windows.ids, windows.fingerprint,
+        ctx.weights_key or loaded.identity.weights_sha256, ctx.progress, exclude_first=sink,
+    )  # fmt: skip
+    return info
+
+
+def fit(ctx: FitContext) -> PassResult:
+    """The registered `vq` pass (Fisher sums cached per model and windows, stored as
+    provenance)."""
+    opts = ctx.options
+    fisher, extra = None, {}
+    if opts.fisher:
+        info = fisher_sums(ctx, opts.sink)
+        fisher, extra = (info.key, info.value), info.to_tensors()
+    policy, tensors = calibrate_vq(
+        ctx.loaded.model, ctx.loaded.adapter, ctx.windows.ids, opts, ctx.progress, fisher
+    )
+    return PassResult(policy, tensors | extra)

@@ -1,0 +1,130 @@
+"""Vector-codebook codecs: KVQuant's normalisers and exact exceptions, with the dense
+codes taken jointly over groups of channels (`kvq.quant.vq`).
+
+Keys: static per-channel normaliser and thresholds, variable-length exceptions (as
+`NuqKeyCodec`); values: per-row normaliser and a fixed number of exact exceptions per row
+(as `NuqValueCodec`). Only the dense code differs: each group of `vector_dim` channels is
+one codebook index, stored as `vector_dim` digits of `bits` bits, so a row's stored bytes
+equal a NUQ row's of the same width.
+
+Static state (artifact tensors under layers.{i}.{key|value}.):
+    vq_codebook [2^(bits m), m] float16   the layer's centroids (normalised domain)
+    vq_groups   [D / m, m]      int16     channels of each group (a permutation of 0..D-1)
+    vq_weight   [H, D]          float32   channel weights of the nearest-centroid search
+plus the NUQ key normaliser (scale, center, lower, upper) for keys.
+
+Decode is pure torch (`packed` hands the attention decoders the decoded rows); there is
+no Triton append or lookup kernel for this layout yet.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from kvq.errors import KvqError
+from kvq.quant import nuq, packing, sparse, vq
+from kvq.quant.qparams import check_finite, storage_dtype
+from kvq.quant.schemes import QuantScheme
+from kvq.runtime.codecs import Codec, Flat, Rows
+from kvq.runtime.nuq_codecs import NuqKeyCodec, NuqValueCodec, _index_dtype
+from kvq.runtime.packed import PackedRows, _merge_flat
+
+VQ_STATE = ("vq_codebook", "vq_groups", "vq_weight")
+
+
+def _vq_state(scheme: QuantScheme, head_dim: int, state: dict[str, Tensor], where: str):
+    for name in VQ_STATE:
+        if name not in state:
+            raise KvqError(f"{where}: the artifact has no {where}.{name}")
+    vq.check_codebook(state["vq_codebook"], scheme.bits, scheme.vector_dim, where)
+    groups = state["vq_groups"]
+    m = scheme.vector_dim
+    if tuple(groups.shape) != (head_dim // m, m) or groups.dtype != torch.int16:
+        raise KvqError(f"{where}.vq_groups: expected int16 [{head_dim // m}, {m}]")
+    if not torch.equal(groups.long().reshape(-1).sort().values, torch.arange(head_dim)):
+        raise KvqError(f"{where}.vq_groups: not a permutation of the {head_dim} channels")
+    weight = state["vq_weight"]
+    if weight.dim() != 2 or weight.shape[-1] != head_dim:
+        raise KvqError(f"{where}.vq_weight: expected [H_kv, {head_dim}]")
+    check_finite(weight.float(), f"{where}.vq_weight")
+    if not bool((weight >= 0).all()):
+        raise KvqError(f"{where}.vq_weight: weights must be non-negative")
+
+
+class _VqMixin:
+    """Dense codes over channel groups; the NUQ codec supplies normaliser and exceptions."""
+
+    def _setup(self, scheme: QuantScheme, head_dim: int, state: dict[str, Tensor], where: str):
+        _vq_state(scheme, head_dim, state, where)
+        Codec.__init__(self, head_dim, torch.float32)
+        self.bits, self.dim = scheme.bits, scheme.vector_dim
+        self.fraction = scheme.outlier_fraction
+        self.index_dtype = _index_dtype(head_dim)
+        self.codebook = state["vq_codebook"].float()
+        self.groups = state["vq_groups"].long()
+        self.weight = state["vq_weight"].float()
+        self.static = {n: state[n] for n in VQ_STATE}
+
+    def _codes(self, x_norm: Tensor) -> Tensor:
+        digits = vq.encode(x_norm, self.codebook, self.weight, self.groups, self.bits)
+        return packing.pack_bits(digits, self.bits)
+
+    def _dense(self, codes: Tensor) -> Tensor:
+        """Packed codes [B, H, T, bytes] -> normalised rows [B, H, T, D] float32."""
+        digits = packing.unpack_bits(codes, self.bits, self.head_dim)
+        return vq.decode(digits, self.codebook, self.groups, self.bits)
+
+    def row_spec(self, x: Tensor):
+        return None  # no Triton append kernel: rows are encoded in torch
+
+    def append_into(self, x: Tensor, buffers: dict[str, Tensor], start: int) -> Flat:
+        raise NotImplementedError("vq codecs have no append kernel")
+
+
+class VqKeyCodec(_VqMixin, NuqKeyCodec):
+    """Static per-channel normaliser and thresholds; variable-length exact exceptions."""
+
+    def __init__(self, scheme: QuantScheme, head_dim: int, state: dict[str, Tensor], where: str):
+        names = ("scale", "center") + (("lower", "upper") if scheme.outlier_fraction else ())
+        for name in names:
+            if name not in state:
+                raise KvqError(f"{where}: the artifact has no {where}.{name}")
+        self._setup(scheme, head_dim, state, where)
+        self.static |= {n: state[n] for n in names}
+        self._scale = state["scale"][None, :, None, :]  # [1, H, 1, D]
+        self._center = state["center"][None, :, None, :]
+        self._lower = state["lower"][None, :, None, :] if self.fraction else None
+        self._upper = state["upper"][None, :, None, :] if self.fraction else None
+
+    def packed(self, rows: Rows, flat: Flat) -> PackedRows:
+        x = nuq.denormalize(self._dense(rows["codes"]), self._scale, self._center)
+        if self.fraction and flat.get("sparse_index") is not None and flat["sparse_index"].numel():
+            x = _merge_flat(x, rows["sparse_count"], flat["sparse_index"], flat["sparse_value"])
+        return PackedRows("full", self.head_dim, x)
+
+
+class VqValueCodec(_VqMixin, NuqValueCodec):
+    """Per-token normaliser from the row's inliers; a fixed number of exact exceptions."""
+
+    def __init__(self, scheme: QuantScheme, head_dim: int, state: dict[str, Tensor], where: str):
+        self._setup(scheme, head_dim, state, where)
+        self.scale_dtype = storage_dtype(scheme.scale_dtype)
+
+    def packed(self, rows: Rows, flat: Flat) -> PackedRows:
+        x = nuq.denormalize(
+            self._dense(rows["codes"]), rows["scale"][..., None], rows["center"][..., None]
+        )
+        if self.fraction:
+            x = sparse.merge_exceptions(
+                x, rows["sparse_index"].long(), rows["sparse_value"].float(), inplace=True
+            )
+        return PackedRows("full", self.head_dim, x)
+
+
+def make_vq_codec(scheme: QuantScheme, head_dim: int, state: dict[str, Tensor], where: str):
+    if scheme.axis == "channel" and scheme.lifetime == "static":
+        return VqKeyCodec(scheme, head_dim, state, where)
+    if scheme.axis == "token":
+        return VqValueCodec(scheme, head_dim, state, where)
+    raise KvqError(f"{where}: no vq codec for {scheme.describe()}")

@@ -1,0 +1,79 @@
+"""`kvq calibrate auto` and `kvq calibrate vq` through the CLI, then run-eval and generate."""
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from kvq.cli.app import app
+
+runner = CliRunner()
+
+
+def _run(*args):
+    return runner.invoke(app, [str(a) for a in args])
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tiny_model_dir):
+    return tiny_model_dir("llama")
+
+
+@pytest.fixture(scope="module")
+def auto_artifact(llama_dir, shared_data, tmp_path_factory):
+    out = tmp_path_factory.mktemp("auto") / "a3"
+    calib = shared_data / "calibration" / "groups_merged.txt"
+    result = _run(
+        "calibrate", "auto", "--model", llama_dir, "--dataset", calib,
+        "--samples", 4, "--seqlen", 32, "--bits", 3, "--out", out,
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output + result.stderr
+    assert "auto3: vq3" in result.output  # the policy it chose, named in the output
+    return out
+
+
+def test_auto_records_its_choice_and_stays_within_the_bits(auto_artifact):
+    manifest = json.loads((auto_artifact / "manifest.json").read_text())
+    auto = manifest["passes"][-1]
+    assert auto["method"] == "auto" and auto["options"]["bits"] == 3
+    assert auto["options"]["method"].startswith("vq:")
+    assert any(s.startswith("auto 3 bits: vq") for s in auto["stage_seconds"])
+    layers = manifest["policy"]["_data"]["layers"]
+    widths = [layer[side]["bits"] for layer in layers for side in ("key", "value")]
+    assert sum(widths) == 3 * len(widths)  # mixed precision, same total code bits
+    assert {layer["key"]["format"] for layer in layers} == {"vq"}
+
+
+def test_auto_artifact_evaluates_and_generates(auto_artifact, llama_dir, shared_data, tmp_path):
+    report = tmp_path / "eval.json"
+    result = _run(
+        "run-eval", "--model", llama_dir, "--artifact", auto_artifact, "--dataset",
+        "wikitext2", "--data-dir", shared_data, "--windows", 2, "--seqlen", 32, "--json", report,
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output + result.stderr
+    tasks = json.loads(report.read_text())["tasks"]
+    # (a tiny model's 32 tokens do not amortise the static codebooks: no bytes bound here)
+    assert tasks["ppl"]["quantized"] > 0 and tasks["bytes"]["kv_bytes_per_token"] > 0
+    result = _run(
+        "generate", "--model", llama_dir, "--artifact", auto_artifact,
+        "--prompt", "The cache", "--max-new-tokens", 4,
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output + result.stderr
+    assert "4 new tokens in" in result.stderr
+
+
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["auto", "--bits", "5"], "--bits must be one of 2, 3, 4"),
+        (["vq", "--bits", "4", "--dim", "4"], "4096 centroids"),
+        (["vq", "--dim", "3"], "--dim must be"),
+    ],
+)
+def test_bad_options_are_one_line_before_loading(args, needle, llama_dir, tmp_path):
+    result = _run(
+        "calibrate", *args, "--model", llama_dir, "--dataset", "wikitext2",
+        "--out", tmp_path / "x",
+    )  # fmt: skip
+    assert result.exit_code == 2, result.output
+    assert needle in result.stderr and "Traceback" not in result.output
