@@ -7,11 +7,12 @@ the weights), the calibration windows and the base artifact, if any.
 
 Artifact tensors fall in three kinds, told apart by name:
     layers.{i}.key.* / layers.{i}.value.*   the cache policy's static state (codecs)
+    layers.{i}.prefix.key / .value          declared prefix rows (`CachePolicy.prefix`)
     layers.{i}.<other>.*                    model transforms (e.g. layers.3.smooth.lambda)
     anything else                           provenance of the pass that made the policy
                                             (e.g. fisher.key)
 A pass that returns a policy replaces the base's policy state and provenance; transforms
-always carry forward along the chain.
+always carry forward along the chain, and so does a prefix unless the pass declares its own.
 """
 
 from __future__ import annotations
@@ -28,13 +29,16 @@ from kvq.progress import Progress
 from kvq.quant.schemes import CachePolicy
 
 _POLICY_STATE = re.compile(r"^layers\.\d+\.(key|value)\.")
+_PREFIX = re.compile(r"^layers\.\d+\.prefix\.")
 _LAYER_TENSOR = re.compile(r"^layers\.\d+\.")
 
 
 def tensor_kind(name: str) -> str:
-    """ "policy", "transform" or "provenance" (see the module docstring)."""
+    """ "policy", "prefix", "transform" or "provenance" (see the module docstring)."""
     if _POLICY_STATE.match(name):
         return "policy"
+    if _PREFIX.match(name):
+        return "prefix"
     return "transform" if _LAYER_TENSOR.match(name) else "provenance"
 
 
@@ -45,6 +49,7 @@ class ChainState:
 
     policy: CachePolicy
     tensors: dict[str, Tensor]
+    report: dict = field(default_factory=dict)  # what the latest pass found (its manifest entry)
 
     def of_kind(self, kind: str) -> dict[str, Tensor]:
         return {n: t for n, t in self.tensors.items() if tensor_kind(n) == kind}
@@ -66,3 +71,6 @@ class FitContext:
 class PassResult:
     policy: CachePolicy | None  # None: keep the base artifact's policy and its state
     tensors: dict[str, Tensor] = field(default_factory=dict)  # named by kind, see above
+    # what the pass found, recorded in its manifest entry and shown by `kvq inspect`:
+    # str / int / float / bool / None values, or tuples of floats or of strings
+    report: dict = field(default_factory=dict)

@@ -15,9 +15,11 @@ from dataclasses import dataclass
 
 from kvq.calibrators.options import (
     ChannelScalesOptions,
+    IntactKVOptions,
     KVQuantOptions,
     KVScalesOptions,
     PassOptions,
+    PrefixQuantOptions,
     SmoothAttentionOptions,
 )
 from kvq.errors import KvqError
@@ -44,6 +46,8 @@ PASSES: dict[str, PassEntry] = {
         PassEntry(KVQuantOptions, "kvq.calibrators.kvquant:fit"),
         PassEntry(KVScalesOptions, "kvq.calibrators.kv_scales:fit"),
         PassEntry(SmoothAttentionOptions, "kvq.calibrators.smooth_attention:fit"),
+        PassEntry(PrefixQuantOptions, "kvq.calibrators.prefixquant:fit"),
+        PassEntry(IntactKVOptions, "kvq.calibrators.intactkv:fit"),
     )
 }
 

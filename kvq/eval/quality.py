@@ -8,7 +8,10 @@ Two protocols:
   teacher-forced positions are scored (for baseline and quantized alike),
   since they are the ones that exercise the decode path.
 
-The baseline is the same model with no cache in the same invocation.
+The baseline is the same model with no cache in the same invocation. With a declared
+prefix (IntactKV, PrefixQuant) the served sequence is prefix + window: the baseline runs
+the unquantized model over both, the quantized run feeds only the window to a cache seeded
+with the prefix, and only the window's own tokens are scored.
 """
 
 from __future__ import annotations
@@ -74,6 +77,16 @@ class QualityResult:
 DECODE_LOGITS_BUDGET = 1 << 30  # bytes
 
 
+def _baseline(model, ids: Tensor, prefix: Tensor | None, **kwargs) -> Tensor:
+    """Unquantized logits of the window ids [B, L] served after `prefix` ([P] ids or None),
+    at the window's own positions: [B, L, V] (or fewer with `logits_to_keep`)."""
+    if prefix is None:
+        return model(ids, use_cache=False, **kwargs).logits
+    served = torch.cat([prefix.to(ids.device)[None].expand(ids.shape[0], -1), ids], dim=1)
+    logits = model(served, use_cache=False, **kwargs).logits
+    return logits[:, -ids.shape[1] :] if logits.shape[1] > ids.shape[1] else logits
+
+
 @torch.no_grad()
 def evaluate(
     model,
@@ -81,16 +94,20 @@ def evaluate(
     make_cache: Callable[[], object],
     protocol: str,
     progress: Progress,
+    prefix: Tensor | None = None,
 ) -> QualityResult:
-    """Score `windows` ([N, L] ids) with the quantized cache from `make_cache()`."""
+    """Score `windows` ([N, L] ids) with the quantized cache from `make_cache()`.
+
+    prefix: [P] ids the cache is seeded with (its declared prefix), served before each
+    window by the baseline too; None without one."""
     if protocol == "decode":
-        return _evaluate_decode(model, windows, make_cache, progress)
+        return _evaluate_decode(model, windows, make_cache, progress, prefix)
     totals = QualityTotals()
     ledger = None
     with progress.stage(f"eval ({protocol})", total=windows.shape[0]) as bar:
         for i in range(windows.shape[0]):
             ids = windows[i : i + 1].to(input_device(model))
-            base = model(ids, use_cache=False).logits[0, :-1].float()  # [L - 1, V]
+            base = _baseline(model, ids, prefix)[0, :-1].float()  # [L - 1, V]
             cache = make_cache()
             quant = model(ids, cache=cache, use_cache=True).logits[0, :-1].float()
             _accumulate(totals, base, quant, ids[0, 1:])
@@ -105,6 +122,7 @@ def evaluate_many(
     make_caches: dict[str, Callable[[], object]],
     progress: Progress,
     on_window: Callable[[int, dict[str, QualityResult]], None] | None = None,
+    prefix: Tensor | None = None,
 ) -> dict[str, QualityResult]:
     """The prefill protocol for several caches at once: each window's baseline forward runs
     once and every cache is scored against it (what `evaluate` computes for each alone,
@@ -114,7 +132,7 @@ def evaluate_many(
     with progress.stage("eval (prefill, shared baseline)", total=windows.shape[0]) as bar:
         for i in range(windows.shape[0]):
             ids = windows[i : i + 1].to(input_device(model))
-            base = model(ids, use_cache=False).logits[0, :-1].float()  # [L - 1, V]
+            base = _baseline(model, ids, prefix)[0, :-1].float()  # [L - 1, V]
             for name, make_cache in make_caches.items():
                 cache = make_cache()
                 quant = model(ids, cache=cache, use_cache=True).logits[0, :-1].float()
@@ -126,7 +144,9 @@ def evaluate_many(
     return {n: QualityResult(totals[n], ledgers[n]) for n in make_caches}
 
 
-def _evaluate_decode(model, windows: Tensor, make_cache, progress: Progress) -> QualityResult:
+def _evaluate_decode(
+    model, windows: Tensor, make_cache, progress: Progress, prefix: Tensor | None = None
+) -> QualityResult:
     """Prefill the first half of each window into the cache, then teacher-force the rest one
     token at a time, a batch of windows at once; score the teacher-forced positions."""
     totals = QualityTotals()
@@ -139,7 +159,7 @@ def _evaluate_decode(model, windows: Tensor, make_cache, progress: Progress) -> 
     with progress.stage("eval (decode)", total=n * scored) as bar:  # window-steps
         for a in range(0, n, batch):
             ids = windows[a : a + batch].to(input_device(model))  # [B, L]
-            base = model(ids, use_cache=False, logits_to_keep=scored + 1).logits  # [B, S + 1, V]
+            base = _baseline(model, ids, prefix, logits_to_keep=scored + 1)  # [B, S + 1, V]
             cache = make_cache()
             model(ids[:, :half], cache=cache, use_cache=True, logits_to_keep=1)
             for t in range(half, length - 1):

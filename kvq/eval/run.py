@@ -23,6 +23,7 @@ from kvq.pipeline import (
 )
 from kvq.progress import Progress
 from kvq.runtime.kernels.backend import resolve_backend
+from kvq.runtime.prefix import user_tokens
 
 
 def run_eval_job(
@@ -63,14 +64,16 @@ def run_eval_job(
     resolve_backend(backend, input_device(loaded.model))  # fail fast: e.g. triton without CUDA
     # fail fast on an unusable policy
     cache_for(loaded, artifact=artifact, policy=policy, quantize=quantize)
+    ids, prefix = served_windows(loaded, artifact, tw.ids)
     result = evaluate(
         loaded.model,
-        tw.ids,
+        ids,
         lambda: cache_for(
             loaded, artifact=artifact, policy=policy, backend=backend, quantize=quantize
         ),
         protocol,
         progress,
+        prefix,
     )
     cache_policy = artifact.manifest.policy if artifact is not None else None
     return {
@@ -85,9 +88,21 @@ def run_eval_job(
         "windows": windows,
         "seqlen": seqlen,
         "seed": seed,
+        "prefix": None if prefix is None else prefix.tolist(),
         "tasks": result.as_json(chosen),
         "seconds": {**progress.seconds, "total": round(time.perf_counter() - start, 3)},
     }
+
+
+def served_windows(loaded, artifact, windows: torch.Tensor):
+    """(the windows' user tokens [N, L'], the artifact's prefix ids [P] or None): a window's
+    BOS goes when the prefix supplies it."""
+    spec = None if artifact is None else artifact.manifest.policy.prefix
+    if spec is None:
+        return windows, None
+    bos = getattr(loaded.tokenizer, "bos_token_id", None)
+    ids = user_tokens(windows, spec, bos)
+    return ids, torch.tensor(spec.token_ids, dtype=torch.long)
 
 
 @dataclass(frozen=True)
@@ -115,9 +130,18 @@ def generate_text(
     transforms = apply_transforms(loaded, artifact.tensors) if artifact is not None else ()
     cache = cache_for(loaded, artifact=artifact, policy=policy, backend=backend)
     inputs = loaded.tokenizer(prompt, return_tensors="pt")
+    if artifact is not None and artifact.manifest.policy.prefix is not None:
+        # the cache supplies the prefix (and with it the BOS, when it starts with one)
+        ids, _ = served_windows(loaded, artifact, inputs["input_ids"])
+        inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
     prompt_len = inputs["input_ids"].shape[1]
+    hidden = (
+        0 if artifact is None else len(getattr(artifact.manifest.policy.prefix, "token_ids", ()))
+    )
     check_context(
-        loaded, prompt_len + max_new_tokens, f"a {prompt_len}-token prompt + --max-new-tokens"
+        loaded,
+        hidden + prompt_len + max_new_tokens,
+        f"a {hidden}-token prefix + {prompt_len}-token prompt + --max-new-tokens",
     )
     start = time.perf_counter()
     out = loaded.model.generate(

@@ -80,8 +80,13 @@ def _rows_mask(mask: Tensor | None, view, state, query: Tensor) -> Tensor | None
     sink = state.sink
     b, _, q_len, _ = query.shape
     settled = view.layer.settled_seen_encoded(state, q_len)
-    plain = settled is None and (
-        sink is None or bool((sink.valid() & (sink.cols < state.lead)).all())
+    prefix = None
+    if state.prefix is not None:
+        prefix = state.prefix.visible(view.query_positions, view.layer.sliding_window)
+    plain = (
+        settled is None
+        and prefix is None
+        and (sink is None or bool((sink.valid() & (sink.cols < state.lead)).all()))
     )
     if mask is None:
         if q_len == 1 and plain:
@@ -90,7 +95,7 @@ def _rows_mask(mask: Tensor | None, view, state, query: Tensor) -> Tensor | None
         q_pos = torch.arange(cols - q_len, cols, device=query.device)
         causal = torch.arange(cols, device=query.device)[None, :] <= q_pos[:, None]
         mask = causal[None, None].expand(b, 1, q_len, cols)
-    return kernel_mask(mask, sink, state.lead, state.main.length, settled)
+    return kernel_mask(mask, sink, state.lead, state.main.length, settled, prefix)
 
 
 def install_attention(model) -> None:

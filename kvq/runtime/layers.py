@@ -1,4 +1,4 @@
-"""One cache layer per policy entry: packed K/V rows, sink rows, positions.
+"""One cache layer per policy entry: packed K/V rows, prefix and sink rows, positions.
 
 A layer's public state is an immutable `LayerState`. `prepare` computes the
 successor for new rows without touching the public one; the owning cache
@@ -19,6 +19,7 @@ from kvq.runtime.codecs import Codec
 from kvq.runtime.kernels.backend import resolve_backend
 from kvq.runtime.kernels.decode_attention import Rope, Segment, rotate
 from kvq.runtime.packed import PackedRows, decode_packed
+from kvq.runtime.prefix import PrefixKV, PrefixRows
 from kvq.runtime.sink import SinkRows
 from kvq.runtime.state import FlatStore, RowStore
 
@@ -46,6 +47,9 @@ class LayerState:
     residual: RowStore = field(default_factory=RowStore.empty)  # "k"/"v" exact recent rows
     settled: int = 0  # leading residual rows already encoded in main, kept for a rollback
     skipped: int = 0  # rows ever held only by the sink (never entered main or the residual)
+    # declared prefix rows, placed before each sequence's first real token; they hold no
+    # mask column (transformers never sees them) and are never encoded (see kvq.runtime.prefix)
+    prefix: PrefixRows | None = None
 
     @property
     def visible(self) -> int:
@@ -83,6 +87,8 @@ class KvqLayer(CacheLayerMixin):
         sliding_window: int | None,
         unrotate: RopeFn,
         rope_table: RopeTable,
+        prefix: PrefixKV | None = None,
+        rotate: RopeFn | None = None,
     ):
         super().__init__()
         self.layer_idx = layer_idx
@@ -98,6 +104,7 @@ class KvqLayer(CacheLayerMixin):
         self.windowed = policy.residual_tokens > 0 or self.group_rows > 1
         self.is_sliding = sliding_window is not None
         self.unrotate, self.rope_table = unrotate, rope_table
+        self.prefix_kv, self.rotate = prefix, rotate  # the artifact's prefix rows, RoPE
         self._rope: Rope | None = None
         self.state = EMPTY
         self.record_past = False  # see activate_past_recording
@@ -121,6 +128,7 @@ class KvqLayer(CacheLayerMixin):
         """
         st = self.state
         b, h, t, d = key.shape
+        prefix = self._placed_prefix(st, b, positions, real, key.device)
         if self.policy.key_stage == "pre-rope":
             key = self.unrotate(key.float(), positions)
         sink, lead, skip = st.sink, st.lead, 0
@@ -157,8 +165,23 @@ class KvqLayer(CacheLayerMixin):
             main = self._append_main(main, key, value, flat, positions, backend)
         return replace(
             st, sink=sink, main=main, residual=residual, settled=settled, seen=st.seen + t,
-            lead=lead, skipped=st.skipped + skip, flat=flat,
+            lead=lead, skipped=st.skipped + skip, flat=flat, prefix=prefix,
         )  # fmt: skip
+
+    def _placed_prefix(self, st: LayerState, batch: int, positions, real, device):
+        """The prefix rows with every sequence whose first real token arrives now placed."""
+        kv = self.prefix_kv
+        if kv is None:
+            return None
+        prefix = st.prefix
+        if prefix is None:
+            heads, length, d = kv.key.shape
+            prefix = PrefixRows.empty(batch, heads, length, d, self.sink_dtype, device)
+        if prefix.all_placed:
+            return prefix
+        real = torch.ones(positions.shape, dtype=torch.bool) if real is None else real
+        first_col = st.evicted + st.visible  # absolute column of the first new row
+        return prefix.placed_for(kv, self.rotate, positions, real.to(device), first_col)
 
     def settled_seen_encoded(self, state: LayerState, queries: int) -> Tensor | None:
         """[Q, S] bool: whether each of this forward's queries sees each settled row through
@@ -259,10 +282,15 @@ class KvqLayer(CacheLayerMixin):
     # --- read ----------------------------------------------------------------------
 
     def segments(self, state: LayerState) -> list[Segment]:
-        """The rows as attention segments: the sink slots first, then the encoded rows
-        (see `kvq.runtime.sink.kernel_mask` for the mask over them)."""
+        """The rows as attention segments: the prefix rows (post-RoPE, exact), the sink
+        slots, then the encoded rows (see `kvq.runtime.sink.kernel_mask` for the mask)."""
         pre = self.policy.key_stage == "pre-rope"
         out = []
+        if state.prefix is not None:
+            r = state.prefix.rows
+            key = PackedRows("full", self.key_codec.head_dim, r["k"])
+            value = PackedRows("full", self.value_codec.head_dim, r["v"])
+            out.append(Segment(key, value, state.prefix.positions))
         if state.sink is not None:
             r = state.sink.rows
             key = PackedRows("full", self.key_codec.head_dim, r["k"], pre_rope=pre)
@@ -297,8 +325,8 @@ class KvqLayer(CacheLayerMixin):
         return self._rope
 
     def decoded(self, state: LayerState) -> tuple[Tensor, Tensor]:
-        """The segments' rows decoded (sink slots, then main rows): key post-RoPE, value;
-        each [B, H, slots + main rows, D] float32."""
+        """The segments' rows decoded (prefix rows, sink slots, then main rows): key
+        post-RoPE, value; each [B, H, prefix + slots + main rows, D] float32."""
         rope = self.rope(state)
         keys, values = [], []
         for seg in self.segments(state):
@@ -318,6 +346,8 @@ class KvqLayer(CacheLayerMixin):
             return rotate(x, positions, rope) if pre and p.pre_rope else x
 
         segs = self.segments(state)
+        if state.prefix is not None:
+            segs = segs[1:]  # the prefix holds no mask column (see `prefix_rows`)
         main_k, main_v = [], []
         for seg in segs[1:] if state.sink is not None else segs:
             main_k.append(rows(seg.key, seg.positions))
@@ -344,11 +374,23 @@ class KvqLayer(CacheLayerMixin):
         out_k[bi, :, col], out_v[bi, :, col] = sk[bi, :, si], sv[bi, :, si]
         return out_k, out_v
 
+    @staticmethod
+    def prefix_rows(state: LayerState) -> tuple[Tensor, Tensor] | None:
+        """The prefix rows as attention sees them: key post-RoPE, value, [B, H, P, D]
+        float32 (a sequence not yet placed holds zeros); None without a prefix."""
+        if state.prefix is None:
+            return None
+        return state.prefix.rows["k"].float(), state.prefix.rows["v"].float()
+
     # --- ledger --------------------------------------------------------------------
 
     def ledger_bytes(self) -> dict[str, int]:
         """Measured bytes per ledger category of the committed state."""
-        out = dict.fromkeys(("codes", "qparams", "sparse", "sink", "residual", "full_precision"), 0)
+        out = dict.fromkeys(
+            ("codes", "qparams", "sparse", "sink", "residual", "full_precision", "prefix"), 0
+        )
+        if self.state.prefix is not None:
+            out["prefix"] += self.state.prefix.nbytes()
         if self.state.sink is not None:
             out["sink"] += self.state.sink.nbytes()
         out["residual"] += sum(self.state.residual.nbytes().values())
@@ -367,6 +409,7 @@ class KvqLayer(CacheLayerMixin):
         st = self.state
         flat = sum(f.allocated_bytes() for f in st.flat.values())
         sink = 0 if st.sink is None else st.sink.allocated_bytes()
+        sink += 0 if st.prefix is None else st.prefix.allocated_bytes()
         return sink + st.main.allocated_bytes() + st.residual.allocated_bytes() + flat
 
     # --- CacheLayerMixin -------------------------------------------------------------
@@ -426,6 +469,7 @@ class KvqLayer(CacheLayerMixin):
         return replace(
             st,
             sink=None if st.sink is None else st.sink.cropped(columns),
+            prefix=None if st.prefix is None else st.prefix.cropped(st.evicted + columns),
             main=st.main.truncated(keep),
             residual=residual,
             settled=0,
@@ -457,15 +501,16 @@ class KvqLayer(CacheLayerMixin):
         index = index.to(device=self._device(st), dtype=torch.long)
         flat = {p: f.reordered(_batch_order(st.main, p, index)) for p, f in st.flat.items()}
         sink = None if st.sink is None else st.sink.selected(index)
+        prefix = None if st.prefix is None else st.prefix.selected(index)
         main, residual = st.main.select_batch(index), st.residual.select_batch(index)
-        return replace(st, sink=sink, main=main, residual=residual, flat=flat)
+        return replace(st, sink=sink, prefix=prefix, main=main, residual=residual, flat=flat)
 
     @staticmethod
     def _device(st: LayerState) -> torch.device:
         for t in (st.main.positions, st.residual.positions):
             if t is not None:
                 return t.device
-        return st.sink.cols.device
+        return (st.sink.cols if st.sink is not None else st.prefix.placed).device
 
     def crop(self, tokens_to_remove: int) -> None:
         """Remove the last `-tokens_to_remove` tokens (transformers 5 semantics: 0 removes
@@ -504,7 +549,9 @@ class KvqLayer(CacheLayerMixin):
         for store in (self.state.main, self.state.residual):
             if store.positions is not None:
                 return store.positions.shape[0]
-        return 0 if self.state.sink is None else self.state.sink.cols.shape[0]
+        if self.state.sink is not None:
+            return self.state.sink.cols.shape[0]
+        return 0 if self.state.prefix is None else self.state.prefix.placed.shape[0]
 
 
 def _strip(rows: dict[str, Tensor], prefix: str) -> dict[str, Tensor]:

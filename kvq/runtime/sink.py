@@ -109,6 +109,7 @@ def kernel_mask(
     lead: int,
     main_rows: int = 0,
     settled: Tensor | None = None,
+    prefix: Tensor | None = None,
 ) -> Tensor:
     """transformers' mask [B, 1, Q, C] over mask columns -> the mask over the kernel's rows.
 
@@ -118,7 +119,16 @@ def kernel_mask(
     sequence's sink sits past the lead) is hidden, so each token is seen exactly once.
     settled: [Q, S] bool, True where a query sees a settled row's encoded copy (else its
     exact one); None when nothing is settled.
+    prefix: [B, 1, Q, P] bool over the declared prefix rows, which the kernel reads before
+    everything else and which hold no mask column (`PrefixRows.visible`); None: no prefix.
     """
+    rows = _sink_and_main(mask, sink, lead, main_rows, settled)
+    if prefix is None:
+        return rows
+    return torch.cat([prefix.to(rows.device).expand(rows.shape[0], 1, -1, -1), rows], dim=-1)
+
+
+def _sink_and_main(mask, sink, lead, main_rows, settled) -> Tensor:
     main = mask[..., lead:]
     if settled is not None:
         s = settled.shape[1]
