@@ -154,8 +154,12 @@ def test_a_chunk_of_padding_only_places_nothing_until_the_first_real_token(loade
     for a in range(0, 12, 4):  # the short sequence is all padding in the first two chunks
         m = mask[:, : a + 4]
         logits.append(
-            model(ids[:, a : a + 4], attention_mask=m, position_ids=positions[:, a : a + 4],
-                  cache=cache).logits  # fmt: skip
+            model(
+                ids[:, a : a + 4],
+                attention_mask=m,
+                position_ids=positions[:, a : a + 4],
+                cache=cache,
+            ).logits  # fmt: skip
         )
         if a == 0:
             assert cache.layers[0].state.prefix.placed.tolist() == [True, False]
@@ -209,7 +213,9 @@ def test_prefix_survives_crop_reorder_fork_and_save(loaded_for, tmp_path):
     from kvq.runtime.saved import restore_cache
 
     restore_cache(restored, path)
-    assert torch.equal(restored.layers[2].state.prefix.rows["k"], ref.layers[2].state.prefix.rows["k"])
+    assert torch.equal(
+        restored.layers[2].state.prefix.rows["k"], ref.layers[2].state.prefix.rows["k"]
+    )
     torch.testing.assert_close(model(step, cache=restored).logits, want, atol=2e-4, rtol=1e-4)
     # a state saved with a prefix does not load into a layout without one
     with pytest.raises(KvqError):
