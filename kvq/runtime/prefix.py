@@ -86,7 +86,7 @@ def load_prefix(artifact) -> Prefix | None:
     """The declared prefix of an artifact (a `kvq.exporters.artifact.Artifact` or its
     path): token ids, the tokenizer fingerprint and per-layer pre-RoPE K and V
     ([H_kv, P, D]); None when the artifact declares none. Calibrators use it to observe
-    statistics with the prefix in place (see `prefixed_forward`)."""
+    statistics with the prefix in place (see `prefix_dynamic_cache`)."""
     from pathlib import Path
 
     if isinstance(artifact, (str, Path)):
@@ -198,3 +198,24 @@ def user_tokens(ids: Tensor, spec: PrefixSpec | None, bos: int | None) -> Tensor
     if ids.shape[1] > 1 and bool((ids[:, 0] == bos).all()):
         return ids[:, 1:]
     return ids
+
+
+def prefix_dynamic_cache(model, adapter, prefix: Prefix, batch: int = 1):
+    """A transformers `DynamicCache` holding `prefix`'s rows at positions 0 .. P-1 (keys
+    rotated there, in the model's dtype), for `batch` sequences: `model(ids, cache=it)`
+    then runs ids at positions P .. with the prefix in place, as served, while forward
+    hooks see only the ids' own activations (what a calibrator that excludes the prefix
+    from its statistics wants)."""
+    from transformers import DynamicCache
+
+    dtype = next(model.parameters()).dtype
+    device = next(model.parameters()).device
+    cache = DynamicCache(config=model.config)
+    positions = torch.arange(prefix.length)
+    for i, kv in enumerate(prefix.layers):
+        cos, sin = adapter.rope_cos_sin(i, positions)
+        key = adapter.apply_rope(kv.key.float()[None], cos.to(kv.key.device), sin.to(kv.key.device))
+        key = key.expand(batch, -1, -1, -1).to(device=device, dtype=dtype).contiguous()
+        value = kv.value[None].expand(batch, -1, -1, -1).to(device=device, dtype=dtype)
+        cache.update(key, value.contiguous(), i)
+    return cache

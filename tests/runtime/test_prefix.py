@@ -244,3 +244,17 @@ def test_rows_without_their_policy_are_refused(loaded_for):
         build_cache(loaded.model, policy, {}, loaded.adapter, prefix=rows)
     with pytest.raises(KvqError, match="prefix"):
         build_cache(loaded.model, policy.with_prefix(rows.spec), {}, loaded.adapter)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+@torch.no_grad()
+def test_a_dynamic_cache_holding_the_prefix_serves_prefix_and_prompt(loaded_for, family):
+    from kvq.runtime.prefix import prefix_dynamic_cache
+
+    loaded = loaded_for(family)
+    rows = extract_prefix(loaded, PREFIX, "test")
+    ids = _ids(12, seed=12, b=2)
+    want = loaded.model(_served(ids)).logits[:, len(PREFIX) :]
+    cache = prefix_dynamic_cache(loaded.model, loaded.adapter, rows, batch=2)
+    got = loaded.model(ids, cache=cache).logits
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
