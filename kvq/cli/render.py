@@ -184,6 +184,7 @@ def print_eval(report: dict) -> None:
         title=_t(
             f"{report['model']} · {report['policy']}{only} · {report['dataset']} · "
             f"{report['windows']}×{report['seqlen']} · {report['protocol']}"
+            + (f" · prefix {report['prefix']}" if report.get("prefix") else "")
         )
     )
     table.add_column("metric")

@@ -156,3 +156,11 @@ def test_run_eval_scores_only_the_users_tokens(setup):
     assert a["prefix"] == [2] and b["prefix"] is None
     # same text, same unquantized model: the baselines agree up to fp32 rounding
     assert abs(a["tasks"]["ppl"]["baseline"] / b["tasks"]["ppl"]["baseline"] - 1) < 0.2
+
+
+def test_generate_serves_the_prompt_after_the_prefix(setup):
+    model_dir, data, base, tmp = setup
+    art = _calibrate(model_dir, data, tmp / "gen", IntactKVOptions(lr=0.0, steps=1), base)
+    result = _run("generate", "--model", model_dir, "--artifact", art, "--prompt", "The keys",
+                  "--max-new-tokens", 4)  # fmt: skip
+    assert result.exit_code == 0, result.output + result.stderr
