@@ -290,8 +290,10 @@ class IntactKVOptions(PassOptions):
     )
 
     prefix: str = option("bos", "bos, prefixquant (the base's, or found now) or a TEXT after BOS")
-    # 48 steps of one 512-token window each: about 6 minutes of training on Gemma 3 270M on
-    # two CPU cores, so a 16 x 512 run (load, targets, losses) stays within 15 minutes
+    # 48 steps of one window each (a forward and a backward: about three forwards), plus
+    # 16 + 2 x 16 forwards for the targets and the losses before and after: sized to stay
+    # within 15 minutes for 16 x 512 on Gemma 3 270M on two free CPU cores by that count;
+    # not yet timed on a quiet machine (see the pass's stage_seconds)
     steps: int = option(48, "optimizer steps, one calibration window each (cycling)")
     lr: float = option(2e-4, "AdamW learning rate (0: the exact prefix, loss measured)")
     clip: float = 1.0  # gradient norm clipping
