@@ -66,8 +66,14 @@ def check_context(loaded: LoadedModel, tokens: int, what: str) -> None:
 def measure_ledger(
     loaded: LoadedModel, policy: CachePolicy, tensors: dict[str, Tensor], ids: Tensor
 ) -> ByteLedger:
-    """Run one window through a real cache and read its ledger from the stored tensors."""
-    cache = build_cache(loaded.model, policy, tensors, loaded.adapter)
+    """Run one window through a real cache and read its ledger from the stored tensors
+    (`tensors`: the policy's state and its prefix rows, if any)."""
+    from kvq.runtime.prefix import prefix_from_tensors, user_tokens
+
+    static = {n: t for n, t in tensors.items() if tensor_kind(n) == "policy"}
+    prefix = prefix_from_tensors(policy.prefix, tensors, policy.num_layers)
+    cache = build_cache(loaded.model, policy, static, loaded.adapter, prefix=prefix)
+    ids = user_tokens(ids, policy.prefix, getattr(loaded.tokenizer, "bos_token_id", None))
     loaded.model(ids.to(input_device(loaded.model)), cache=cache, use_cache=True)
     return cache.nbytes()
 
@@ -128,13 +134,13 @@ def calibrate_job(
         state = run_pass(loaded, windows, options, progress, state)
         if i == len(r.passes) - 1:
             with progress.stage("measure ledger"):
-                ledger = measure_ledger(
-                    loaded, state.policy, state.of_kind("policy"), windows.ids[:1]
-                )
+                ledger = measure_ledger(loaded, state.policy, state.tensors, windows.ids[:1])
         # each pass records the stages that ran since the one before (the first: loading too)
         seconds = {k: v for k, v in progress.seconds.items() if seen.get(k) != v}
         seen = dict(progress.seconds)
-        chain.append(Calibration(options.NAME, dataset_info, options.as_dict(), seconds))
+        chain.append(
+            Calibration(options.NAME, dataset_info, options.as_dict(), seconds, state.report)
+        )
     manifest = new_manifest(
         model_spec=r.model_spec,
         identity=loaded.identity,
@@ -171,15 +177,25 @@ def run_pass(
                 f"{options.NAME} transforms the model, but the base artifact holds qparams "
                 "calibrated on the untransformed model; run it first in the chain"
             )
+        if new_transforms and base.policy.prefix is not None:
+            raise KvqError(
+                f"{options.NAME} transforms the model, but the base artifact's prefix rows "
+                "come from the untransformed model; run it first in the chain"
+            )
         carried = base.of_kind("transform") | base.of_kind("activation")
         clash = sorted(carried.keys() & new_transforms.keys())
         if clash:
             raise KvqError(f"{options.NAME}: the base artifact already holds {clash[0]}")
         if result.policy is None:  # the pass only transforms: the base's policy stays
             state = ChainState(base.policy, dict(base.tensors) | result.tensors)
+        elif result.policy.prefix is None and base.policy.prefix is not None:
+            # a new layout keeps the base's prefix: declared state, like a transform
+            policy = result.policy.with_prefix(base.policy.prefix)
+            state = ChainState(policy, carried | base.of_kind("prefix") | result.tensors)
         else:
             state = ChainState(result.policy, carried | result.tensors)
     apply_transforms(loaded, new_transforms)
+    state.report = dict(result.report)
     return state
 
 
@@ -233,6 +249,17 @@ def load_artifact(path: str | Path, loaded: LoadedModel | None = None) -> Artifa
     return artifact
 
 
+def artifact_prefix(loaded: LoadedModel, artifact: Artifact):
+    """The artifact's declared prefix (`kvq.runtime.prefix.Prefix`), checked against the
+    model's tokenizer; None when it declares none."""
+    from kvq.runtime.prefix import check_tokenizer, load_prefix
+
+    prefix = load_prefix(artifact)
+    if prefix is not None:
+        check_tokenizer(prefix.spec, loaded.identity.tokenizer_sha256)
+    return prefix
+
+
 def cache_for(
     loaded: LoadedModel,
     artifact: Artifact | None = None,
@@ -258,7 +285,8 @@ def cache_for(
             )
         static = {n: t for n, t in artifact.tensors.items() if tensor_kind(n) == "policy"}
         policy_obj = artifact.manifest.policy.only(quantize)
-        cache = build_cache(loaded.model, policy_obj, static, loaded.adapter, backend)
+        prefix = artifact_prefix(loaded, artifact)
+        cache = build_cache(loaded.model, policy_obj, static, loaded.adapter, backend, prefix)
         # the whole artifact (transforms folded into the weights included) names the state
         index = {n: e.sha256 for n, e in sorted(artifact.manifest.tensors.items())}
         cache.identity["artifact"] = hashlib.sha256(json.dumps(index).encode()).hexdigest()

@@ -7,12 +7,14 @@ the weights), the calibration windows and the base artifact, if any.
 
 Artifact tensors fall in three kinds, told apart by name:
     layers.{i}.key.* / layers.{i}.value.*   the cache policy's static state (codecs)
+    layers.{i}.prefix.key / .value          declared prefix rows (`CachePolicy.prefix`)
     layers.{i}.<other>.*                    model transforms (e.g. layers.3.smooth.lambda)
     act.layers.{i}.<linear>.input_scale     static activation scales (A8, `act-scales`)
     anything else                           provenance of the pass that made the policy
                                             (e.g. fisher.key)
 A pass that returns a policy replaces the base's policy state and provenance; transforms
-and activation scales always carry forward along the chain.
+and activation scales always carry forward along the chain, and so does a prefix unless
+the pass declares its own.
 """
 
 from __future__ import annotations
@@ -29,14 +31,18 @@ from kvq.progress import Progress
 from kvq.quant.schemes import CachePolicy
 
 _POLICY_STATE = re.compile(r"^layers\.\d+\.(key|value)\.")
+_PREFIX = re.compile(r"^layers\.\d+\.prefix\.")
 _LAYER_TENSOR = re.compile(r"^layers\.\d+\.")
 _ACTIVATION = re.compile(r"^act\.layers\.\d+\.")
 
 
 def tensor_kind(name: str) -> str:
-    """ "policy", "transform", "activation" or "provenance" (see the module docstring)."""
+    """ "policy", "prefix", "activation", "transform" or "provenance" (see the module
+    docstring)."""
     if _POLICY_STATE.match(name):
         return "policy"
+    if _PREFIX.match(name):
+        return "prefix"
     if _ACTIVATION.match(name):
         return "activation"
     return "transform" if _LAYER_TENSOR.match(name) else "provenance"
@@ -49,6 +55,7 @@ class ChainState:
 
     policy: CachePolicy
     tensors: dict[str, Tensor]
+    report: dict = field(default_factory=dict)  # what the latest pass found (its manifest entry)
 
     def of_kind(self, kind: str) -> dict[str, Tensor]:
         return {n: t for n, t in self.tensors.items() if tensor_kind(n) == kind}
@@ -70,3 +77,6 @@ class FitContext:
 class PassResult:
     policy: CachePolicy | None  # None: keep the base artifact's policy and its state
     tensors: dict[str, Tensor] = field(default_factory=dict)  # named by kind, see above
+    # what the pass found, recorded in its manifest entry and shown by `kvq inspect`:
+    # str / int / float / bool / None values, or tuples of floats or of strings
+    report: dict = field(default_factory=dict)

@@ -382,3 +382,59 @@ class AutoOptions(PassOptions):
 
     def as_dict(self):
         return super().as_dict() | {"method": self.method()}
+
+
+@dataclass(frozen=True)
+class PrefixQuantOptions(PassOptions):
+    NAME: ClassVar[str] = "prefixquant"
+    SUMMARY: ClassVar[str] = (
+        "PrefixQuant: find outlier tokens at the MLP down-projection input; prefix them, exact."
+    )
+
+    eta: float = option(64.0, "outlier threshold: token max |x| over the sequence median, > 1")
+    max_tokens: int = option(4, "most prefix tokens kept (BOS included)")
+    # None: int8, or the base artifact's layout with --base
+    layout: str | None = option(
+        None, "calibration-free cache policy of the artifact (default int8)"
+    )
+
+    def __post_init__(self) -> None:
+        if not self.eta > 1.0:  # NaN fails too
+            raise KvqError(f"--eta must be > 1 (a ratio to the median), got {self.eta}")
+        if not 1 <= self.max_tokens <= 64:
+            raise KvqError(f"--max-tokens must be in [1, 64], got {self.max_tokens}")
+        if self.layout is not None:
+            named_policy(self.layout, 1)
+
+
+@dataclass(frozen=True)
+class IntactKVOptions(PassOptions):
+    NAME: ClassVar[str] = "intactkv"
+    SUMMARY: ClassVar[str] = (
+        "IntactKV: exact prefix K/V from the full model, then calibrated against layer outputs."
+    )
+
+    prefix: str = option("bos", "bos, prefixquant (the base's, or found now) or a TEXT after BOS")
+    # 48 steps of one window each (a forward and a backward: about three forwards), plus
+    # 16 + 2 x 16 forwards for the targets and the losses before and after: sized to stay
+    # within 15 minutes for 16 x 512 on Gemma 3 270M on two free CPU cores by that count;
+    # not yet timed on a quiet machine (see the pass's stage_seconds)
+    steps: int = option(48, "optimizer steps, one calibration window each (cycling)")
+    lr: float = option(2e-4, "AdamW learning rate (0: the exact prefix, loss measured)")
+    clip: float = 1.0  # gradient norm clipping
+    seed: int = 0  # window order; the command line passes its --seed
+
+    def __post_init__(self) -> None:
+        if not self.prefix.strip():
+            raise KvqError("--prefix is empty: give bos, prefixquant or a text")
+        if not 1 <= self.steps <= 1_000_000:
+            raise KvqError(f"--steps must be in [1, 1000000], got {self.steps}")
+        if not 0.0 <= self.lr < 1.0:
+            raise KvqError(f"--lr must be in [0, 1), got {self.lr}")
+        if not self.clip > 0.0:
+            raise KvqError(f"clip must be > 0, got {self.clip}")
+
+    @property
+    def prefix_kind(self) -> str:
+        """ "bos", "prefixquant" or "text"."""
+        return self.prefix if self.prefix in ("bos", "prefixquant") else "text"

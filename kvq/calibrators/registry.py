@@ -17,9 +17,11 @@ from kvq.calibrators.options import (
     ActScalesOptions,
     AutoOptions,
     ChannelScalesOptions,
+    IntactKVOptions,
     KVQuantOptions,
     KVScalesOptions,
     PassOptions,
+    PrefixQuantOptions,
     SmoothAttentionOptions,
     VQOptions,
 )
@@ -50,6 +52,8 @@ PASSES: dict[str, PassEntry] = {
         PassEntry(ActScalesOptions, "kvq.calibrators.act_scales:fit"),
         PassEntry(VQOptions, "kvq.calibrators.vq:fit"),
         PassEntry(AutoOptions, "kvq.calibrators.auto:fit"),
+        PassEntry(PrefixQuantOptions, "kvq.calibrators.prefixquant:fit"),
+        PassEntry(IntactKVOptions, "kvq.calibrators.intactkv:fit"),
     )
 }
 

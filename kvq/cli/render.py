@@ -129,12 +129,23 @@ def print_inspect(artifact: Artifact, path: Path) -> None:
             d = cal.dataset
             data = f"{d.spec} ({d.samples} × {d.seqlen}, seed {d.seed})"
             head.add_row("  calibration data", _t(data))
+        for key, value in cal.report.items():
+            head.add_row(f"  {key}", _t(_report_value(value)))
     head.add_row(
         "tensors",
         f"{len(artifact.tensors)} ({sum(t.nbytes for t in artifact.tensors.values()):,} bytes)",
     )
     from kvq.calibrators.base import tensor_kind
 
+    prefix = m.policy.prefix
+    if prefix is not None:  # served before every sequence; its rows are exact
+        head.add_row(
+            "prefix",
+            _t(
+                f"{prefix.length} tokens {list(prefix.token_ids)} ({prefix.source}; tokenizer "
+                f"{prefix.tokenizer_sha256[:16]}…), K/V kept exact before each sequence"
+            ),
+        )
     kinds = sorted({n.split(".")[2] for n in artifact.tensors if tensor_kind(n) == "transform"})
     if kinds:  # folded into the model's weights whenever the artifact is loaded
         head.add_row(
@@ -154,6 +165,19 @@ def print_inspect(artifact: Artifact, path: Path) -> None:
     )
 
 
+def _report_value(value) -> str:
+    """A pass report's value as one line: floats to 4 significant digits, tuples joined
+    (a long curve summarised by its first, middle and last points)."""
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    if isinstance(value, tuple):
+        items = [f"{v:.4g}" if isinstance(v, float) else str(v) for v in value]
+        if len(items) > 24:
+            items = [*items[:8], f"… ({len(items)} values) …", *items[-8:]]
+        return ", ".join(items)
+    return str(value)
+
+
 def print_eval(report: dict) -> None:
     t = report["tasks"]
     only = "" if report.get("quantize", "both") == "both" else f" ({report['quantize']} only)"
@@ -166,6 +190,7 @@ def print_eval(report: dict) -> None:
         title=_t(
             f"{report['model']} · {report['policy']}{only} · {report['dataset']} · "
             f"{report['windows']}×{report['seqlen']} · {report['protocol']}"
+            + (f" · prefix {report['prefix']}" if report.get("prefix") else "")
         )
     )
     table.add_column("metric")

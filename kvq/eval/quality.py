@@ -8,7 +8,10 @@ Two protocols:
   teacher-forced positions are scored (for baseline and quantized alike),
   since they are the ones that exercise the decode path.
 
-The baseline is the same model with no cache in the same invocation.
+The baseline is the same model with no cache in the same invocation. With a declared
+prefix (IntactKV, PrefixQuant) the served sequence is prefix + window: the baseline runs
+the unquantized model over both, the quantized run feeds only the window to a cache seeded
+with the prefix, and only the window's own tokens are scored.
 """
 
 from __future__ import annotations
@@ -80,6 +83,16 @@ DECODE_LOGITS_BUDGET = 1 << 30  # bytes
 Around = Callable[[], AbstractContextManager]  # entered around each quantized forward only
 
 
+def _baseline(model, ids: Tensor, prefix: Tensor | None, **kwargs) -> Tensor:
+    """Unquantized logits of the window ids [B, L] served after `prefix` ([P] ids or None),
+    at the window's own positions: [B, L, V] (or fewer with `logits_to_keep`)."""
+    if prefix is None:
+        return model(ids, use_cache=False, **kwargs).logits
+    served = torch.cat([prefix.to(ids.device)[None].expand(ids.shape[0], -1), ids], dim=1)
+    logits = model(served, use_cache=False, **kwargs).logits
+    return logits[:, -ids.shape[1] :] if logits.shape[1] > ids.shape[1] else logits
+
+
 @torch.no_grad()
 def evaluate(
     model,
@@ -89,20 +102,23 @@ def evaluate(
     progress: Progress,
     prefix_ids: Sequence[int] | None = None,
     around: Around | None = None,
+    prefix: Tensor | None = None,
 ) -> QualityResult:
     """Score `windows` ([N, L] ids) with the quantized cache from `make_cache()`.
 
     prefix_ids: forwarded before every window (`kvq.data.prefix.with_prefix`), by the
     baseline and the quantized model alike; only the window's own tokens are scored.
     around: a context (e.g. activation quantization) entered around the quantized forwards.
+    prefix: [P] ids the cache is seeded with (its declared prefix), served before each
+    window by the baseline too; None without one.
     """
     if protocol == "decode":
         if prefix_ids:
             raise KvqError("a prefix is scored with the prefill protocol only")
-        return _evaluate_decode(model, windows, make_cache, progress, around)
+        return _evaluate_decode(model, windows, make_cache, progress, around, prefix)
     result = evaluate_many(
         model, windows, {"": make_cache}, progress, prefix_ids=prefix_ids,
-        around={"": around} if around else None, title=f"eval ({protocol})",
+        around={"": around} if around else None, title=f"eval ({protocol})", prefix=prefix,
     )  # fmt: skip
     return result[""]
 
@@ -116,11 +132,14 @@ def evaluate_many(
     prefix_ids: Sequence[int] | None = None,
     around: dict[str, Around] | None = None,
     title: str = "eval (prefill, shared baseline)",
+    prefix: Tensor | None = None,
 ) -> dict[str, QualityResult]:
     """The prefill protocol for several caches at once: each window's baseline forward runs
     once and every cache is scored against it (what `evaluate` computes for each alone,
     at about half the forwards for a comparison of many). on_window(i, results so far).
-    prefix_ids, around (by cache name): as in `evaluate`."""
+    prefix_ids, around (by cache name), prefix: as in `evaluate`."""
+    if prefix_ids and prefix is not None:
+        raise KvqError("--prefix-ids and an artifact's declared prefix cannot be combined")
     totals = {name: QualityTotals() for name in make_caches}
     ledgers: dict[str, ByteLedger | None] = dict.fromkeys(make_caches)
     seqs = with_prefix(windows, prefix_ids)
@@ -130,7 +149,7 @@ def evaluate_many(
         for i in range(windows.shape[0]):
             ids = seqs.ids[i : i + 1].to(input_device(model))  # [1, P + L (- 1)]
             targets = windows[i, 1:].to(ids.device)  # [L - 1]: the window's own tokens
-            base = model(ids, use_cache=False).logits[0, scored].float()  # [L - 1, V]
+            base = _baseline(model, ids, prefix)[0, scored].float()  # [L - 1, V]
             for name, make_cache in make_caches.items():
                 cache = make_cache()
                 with around.get(name, nullcontext)():
@@ -144,7 +163,12 @@ def evaluate_many(
 
 
 def _evaluate_decode(
-    model, windows: Tensor, make_cache, progress: Progress, around: Around | None = None
+    model,
+    windows: Tensor,
+    make_cache,
+    progress: Progress,
+    around: Around | None = None,
+    prefix: Tensor | None = None,
 ) -> QualityResult:
     """Prefill the first half of each window into the cache, then teacher-force the rest one
     token at a time, a batch of windows at once; score the teacher-forced positions."""
@@ -158,7 +182,7 @@ def _evaluate_decode(
     with progress.stage("eval (decode)", total=n * scored) as bar:  # window-steps
         for a in range(0, n, batch):
             ids = windows[a : a + batch].to(input_device(model))  # [B, L]
-            base = model(ids, use_cache=False, logits_to_keep=scored + 1).logits  # [B, S + 1, V]
+            base = _baseline(model, ids, prefix, logits_to_keep=scored + 1)  # [B, S + 1, V]
             cache = make_cache()
             with (around or nullcontext)():
                 model(ids[:, :half], cache=cache, use_cache=True, logits_to_keep=1)

@@ -35,6 +35,7 @@ from kvq.pipeline import (
 from kvq.progress import Progress
 from kvq.runtime.activations import quantized_linear_inputs, static_scales
 from kvq.runtime.kernels.backend import resolve_backend
+from kvq.runtime.prefix import user_tokens
 
 
 def run_eval_job(
@@ -82,30 +83,36 @@ def run_eval_job(
     resolve_backend(backend, input_device(loaded.model))  # fail fast: e.g. triton without CUDA
     # fail fast on an unusable policy
     probe = cache_for(loaded, artifact=artifact, policy=policy, quantize=quantize)
-    prefix = explicit_prefix
-    if prefix is None:
-        prefix = artifact_prefix(artifact.manifest) if artifact is not None else ()
-    prefix = check_prefix_ids(prefix, vocab_size(loaded.model))
-    check_prefix_exact(probe.policy, len(prefix))
-    if prefix and protocol != "prefill":
+    ids, prefix = served_windows(loaded, artifact, tw.ids)  # prefix: the declared one
+    prefix_ids = explicit_prefix
+    if prefix_ids is None:
+        prefix_ids = artifact_prefix(artifact.manifest) if artifact is not None else ()
+    prefix_ids = check_prefix_ids(prefix_ids, vocab_size(loaded.model))
+    check_prefix_exact(probe.policy, len(prefix_ids))
+    if prefix_ids and protocol != "prefill":
         raise KvqError("--prefix-ids is scored with --protocol prefill only")
+    if prefix_ids and prefix is not None:
+        raise KvqError("--prefix-ids cannot be combined with an artifact's declared prefix")
     scales = None
     if activations == "a8-static":
         scales = static_scales(artifact.tensors, loaded.adapter)
 
     def around():
-        return quantized_linear_inputs(loaded.adapter, activations, scales, len(prefix), backend)
+        return quantized_linear_inputs(
+            loaded.adapter, activations, scales, len(prefix_ids), backend
+        )
 
     result = evaluate(
         loaded.model,
-        tw.ids,
+        ids,
         lambda: cache_for(
             loaded, artifact=artifact, policy=policy, backend=backend, quantize=quantize
         ),
         protocol,
         progress,
-        prefix_ids=prefix,
+        prefix_ids=prefix_ids,
         around=around,
+        prefix=prefix,
     )
     cache_policy = artifact.manifest.policy if artifact is not None else None
     linear_path = "reference fake-quant"
@@ -129,13 +136,25 @@ def run_eval_job(
             "linears": 0 if activations == "none" else len(loaded.adapter.decoder_linears()),
             "path": None if activations == "none" else linear_path,
         },
-        "prefix_ids": list(prefix),
+        "prefix_ids": list(prefix_ids),
         "windows": windows,
         "seqlen": seqlen,
         "seed": seed,
+        "prefix": None if prefix is None else prefix.tolist(),
         "tasks": result.as_json(chosen),
         "seconds": {**progress.seconds, "total": round(time.perf_counter() - start, 3)},
     }
+
+
+def served_windows(loaded, artifact, windows: torch.Tensor):
+    """(the windows' user tokens [N, L'], the artifact's prefix ids [P] or None): a window's
+    BOS goes when the prefix supplies it."""
+    spec = None if artifact is None else artifact.manifest.policy.prefix
+    if spec is None:
+        return windows, None
+    bos = getattr(loaded.tokenizer, "bos_token_id", None)
+    ids = user_tokens(windows, spec, bos)
+    return ids, torch.tensor(spec.token_ids, dtype=torch.long)
 
 
 @dataclass(frozen=True)
@@ -163,9 +182,18 @@ def generate_text(
     transforms = apply_transforms(loaded, artifact.tensors) if artifact is not None else ()
     cache = cache_for(loaded, artifact=artifact, policy=policy, backend=backend)
     inputs = loaded.tokenizer(prompt, return_tensors="pt")
+    if artifact is not None and artifact.manifest.policy.prefix is not None:
+        # the cache supplies the prefix (and with it the BOS, when it starts with one)
+        ids, _ = served_windows(loaded, artifact, inputs["input_ids"])
+        inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
     prompt_len = inputs["input_ids"].shape[1]
+    hidden = (
+        0 if artifact is None else len(getattr(artifact.manifest.policy.prefix, "token_ids", ()))
+    )
     check_context(
-        loaded, prompt_len + max_new_tokens, f"a {prompt_len}-token prompt + --max-new-tokens"
+        loaded,
+        hidden + prompt_len + max_new_tokens,
+        f"a {hidden}-token prefix + {prompt_len}-token prompt + --max-new-tokens",
     )
     start = time.perf_counter()
     out = loaded.model.generate(

@@ -88,6 +88,10 @@ def serving_scales(artifact: Artifact, target: Target) -> ServingScales:
     policy = artifact.manifest.policy
     chosen: tuple[str, str] | None = None
     key, value = {}, {}
+    if policy.prefix is not None:  # an engine would serve the prompts without it
+        raise _refuse(
+            target, "policy.prefix", f"{policy.prefix.length} tokens", "no declared prefix state"
+        )
     for i, layer in enumerate(policy.layers):
         where = f"policy.layers[{i}]"
         if not layer.key.stored or not layer.value.stored:

@@ -7,7 +7,8 @@ buffers it actually holds and puts each byte in exactly one category, so that
     codes           packed quantized payload (int/nuq indices, fp8 values)
     qparams         scales, offsets, codebooks stored next to the codes
     sparse          outliers kept aside in a sparse side structure
-    sink            sink / IntactKV / PrefixQuant rows kept in full precision
+    sink            sink rows (each sequence's first real tokens) kept in full precision
+    prefix          declared prefix rows (IntactKV / PrefixQuant) seeded before them
     residual        a KIVI-style recent window not yet quantized
     full_precision  whole layers (or rows) the policy leaves unquantized
 
@@ -22,7 +23,7 @@ from dataclasses import asdict, dataclass, fields
 
 from kvq.errors import IncompatibleArtifact, KvqError
 
-CATEGORIES = ("codes", "qparams", "sparse", "sink", "residual", "full_precision")
+CATEGORIES = ("codes", "qparams", "sparse", "sink", "residual", "full_precision", "prefix")
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,7 @@ class ByteLedger:
     full_precision: int
     tokens: int  # retained sequence positions (not per layer, not summed over layers)
     fp16_bytes: int  # the same retained rows stored as fp16 K and V, from real lengths
+    prefix: int = 0  # declared prefix rows (counted apart from the user's tokens)
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -114,6 +116,6 @@ class ByteLedger:
             if key not in names:
                 raise IncompatibleArtifact(f"ledger.{key}", "no such field", d[key])
         for name in names:
-            if name not in d:
+            if name not in d and name != "prefix":  # ledgers written before prefixes
                 raise IncompatibleArtifact(f"ledger.{name}", "int", "missing")
         return cls(**d)

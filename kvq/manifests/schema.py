@@ -18,7 +18,7 @@ import importlib.metadata
 import math
 import types
 import typing
-from dataclasses import dataclass, fields, is_dataclass
+from dataclasses import dataclass, field, fields, is_dataclass
 from datetime import datetime, timezone
 from typing import Any, Literal, Union
 
@@ -78,14 +78,20 @@ class DatasetInfo:
         require(0 <= self.seed < 1 << 63, "seed", "in [0, 2**63)", self.seed)
 
 
+ReportValue = str | int | float | bool | None | tuple[float, ...] | tuple[str, ...]
+
+
 @dataclass(frozen=True)
 class Calibration:
-    """One calibration pass of the artifact's chain: what ran, on which text, how long."""
+    """One calibration pass of the artifact's chain: what ran, on which text, how long, and
+    what it found (`report`: e.g. PrefixQuant's per-layer statistic and chosen tokens,
+    IntactKV's losses)."""
 
     method: str  # calibrator name, or the named policy for calibration-free artifacts
     dataset: DatasetInfo | None  # None for calibration-free policies
     options: dict[str, str | int | float | bool | None]
     stage_seconds: dict[str, float]  # wall time per calibration stage
+    report: dict[str, ReportValue] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for name, seconds in self.stage_seconds.items():
@@ -188,7 +194,13 @@ def _encode(value: Any) -> Any:
 
 _MISSING = "<missing>"
 # fields added within schema 2, whose defaults reproduce what earlier artifacts meant
-LATER_FIELDS = {("QuantScheme", "zero_point"), ("LayerPolicy", "residual_tokens")}
+LATER_FIELDS = {
+    ("QuantScheme", "zero_point"),
+    ("LayerPolicy", "residual_tokens"),
+    ("CachePolicy", "prefix"),
+    ("ByteLedger", "prefix"),
+    ("Calibration", "report"),
+}
 
 
 def manifest_from_json(d: Any) -> Manifest:

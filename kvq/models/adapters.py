@@ -213,6 +213,11 @@ class ArchitectureAdapter:
         """(module, fn): fn(module output) is the pre-RoPE query [B, H_q, T, D]."""
         return self.attention(layer_idx).q_proj, _split_heads(self.num_q_heads, self.head_dim)
 
+    def mlp_down_site(self, layer_idx: int) -> nn.Module:
+        """The MLP's down projection: its input [B, T, I] is where token-wise activation
+        outliers are largest (PrefixQuant's statistic)."""
+        return self._layers[layer_idx].mlp.down_proj
+
     # ---- RoPE ---------------------------------------------------------------------------
     def _rotary_call(self, layer_idx: int, x: Tensor, position_ids: Tensor):
         return self.text_model.rotary_emb(x, position_ids)

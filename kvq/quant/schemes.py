@@ -173,19 +173,53 @@ class LayerPolicy:
         return not self.key.stored and not self.value.stored
 
 
+MAX_PREFIX = 1 << 12  # prefix tokens: far beyond any real use, a bound for tampering
+
+
+@dataclass(frozen=True)
+class PrefixSpec:
+    """Declared prefix state (IntactKV, PrefixQuant): tokens whose K/V rows every sequence's
+    cache is seeded with, in full precision, before its first real token.
+
+    token_ids: the prefix, in order; tokenizer_sha256: the tokenizer that made them (a
+    string means nothing under another tokenizer); source: the pass that made the rows
+    ("prefixquant", "intactkv-exact", "intactkv-calibrated"). The rows themselves are
+    artifact tensors `layers.{i}.prefix.key` (pre-RoPE) and `.value`, [H_kv, P, D].
+    """
+
+    token_ids: tuple[int, ...]
+    tokenizer_sha256: str
+    source: str
+
+    def __post_init__(self) -> None:
+        if not 1 <= len(self.token_ids) <= MAX_PREFIX:
+            raise KvqError(f"a prefix needs 1 to {MAX_PREFIX} tokens, got {len(self.token_ids)}")
+        if any(type(t) is not int or t < 0 for t in self.token_ids):
+            raise KvqError(f"prefix token ids must be ints >= 0, got {self.token_ids}")
+
+    @property
+    def length(self) -> int:
+        return len(self.token_ids)
+
+
 @dataclass(frozen=True)
 class CachePolicy:
-    """One `LayerPolicy` per decoder layer, in layer order."""
+    """One `LayerPolicy` per decoder layer, in layer order, and the prefix (if any) that
+    every layer holds before each sequence's first real token."""
 
     name: str
     layers: tuple[LayerPolicy, ...]
     version: int = field(default=SCHEME_VERSION)
+    prefix: PrefixSpec | None = None
 
     def __post_init__(self) -> None:
         if not self.layers:
             raise KvqError("a cache policy needs at least one layer")
         if self.version != SCHEME_VERSION:
             raise KvqError(f"cache policy version {self.version} is not {SCHEME_VERSION}")
+
+    def with_prefix(self, prefix: PrefixSpec | None) -> CachePolicy:
+        return replace(self, prefix=prefix)
 
     @property
     def num_layers(self) -> int:
@@ -199,7 +233,7 @@ class CachePolicy:
             return self
         other = "value" if side == "keys" else "key"
         layers = tuple(replace(layer, **{other: FULL_PRECISION}) for layer in self.layers)
-        return CachePolicy(f"{self.name} ({side} only)", layers, self.version)
+        return CachePolicy(f"{self.name} ({side} only)", layers, self.version, self.prefix)
 
     def to_json(self) -> dict[str, Any]:
         return {"_type": "CachePolicy", "_version": self.version, "_data": asdict(self)}
@@ -223,7 +257,14 @@ class CachePolicy:
             )
             for layer in data["layers"]
         )
-        return cls(name=data["name"], layers=layers, version=data["version"])
+        prefix = data.get("prefix")
+        if prefix is not None:
+            prefix = PrefixSpec(
+                token_ids=tuple(prefix["token_ids"]),
+                tokenizer_sha256=prefix["tokenizer_sha256"],
+                source=prefix["source"],
+            )
+        return cls(name=data["name"], layers=layers, version=data["version"], prefix=prefix)
 
 
 def _scheme(d: dict[str, Any]) -> QuantScheme:

@@ -80,7 +80,10 @@ def _rows_mask(mask: Tensor | None, view, state, query: Tensor) -> Tensor | None
     sink = state.sink
     b, _, q_len, _ = query.shape
     encoded = view.layer.seen_encoded(state, q_len)
-    plain = encoded is None and view.layer.sink_in_lead(state)
+    prefix = None
+    if state.prefix is not None:
+        prefix = state.prefix.visible(view.query_positions, view.layer.sliding_window)
+    plain = encoded is None and prefix is None and view.layer.sink_in_lead(state)
     if mask is None:
         if q_len == 1 and plain:
             return None
@@ -89,8 +92,9 @@ def _rows_mask(mask: Tensor | None, view, state, query: Tensor) -> Tensor | None
         causal = torch.arange(cols, device=query.device)[None, :] <= q_pos[:, None]
         mask = causal[None, None].expand(b, 1, q_len, cols)
     return kernel_mask(
-        mask, sink, state.lead, state.main.length, state.residual.length, state.phase, encoded
-    )
+        mask, sink, state.lead, state.main.length, state.residual.length, state.phase, encoded,
+        prefix,
+    )  # fmt: skip
 
 
 def install_attention(model) -> None:

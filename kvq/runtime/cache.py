@@ -29,6 +29,7 @@ from kvq.runtime.codecs import make_codec
 from kvq.runtime.kernels.backend import check_choice
 from kvq.runtime.kernels.decode_attention import Rope
 from kvq.runtime.layers import KvqLayer, LayerState
+from kvq.runtime.prefix import Prefix
 
 
 @dataclass
@@ -40,6 +41,7 @@ class _Transaction:
     pending: dict[int, tuple[Tensor, Tensor, Tensor]] = field(default_factory=dict)
     prepared: dict[int, LayerState] = field(default_factory=dict)
     query_len: int = 0
+    positions: Tensor | None = None  # [B, T] RoPE positions of the new rows (all layers)
 
 
 @dataclass(frozen=True)
@@ -60,6 +62,11 @@ class LayerView:
 
     def prepare(self, mask: Tensor | None) -> LayerState:
         return self.cache._prepare(self.layer.layer_idx, mask)
+
+    @property
+    def query_positions(self) -> Tensor:
+        """[B, Q] RoPE positions of this forward's queries (= its new rows)."""
+        return self.cache._txn.positions
 
     @property
     def shape(self) -> tuple[int, ...]:  # informative only; never a real tensor
@@ -108,6 +115,7 @@ class QuantizedKVCache(Cache):
         if positions is None:
             positions = torch.arange(txn.base_seen, txn.base_seen + t, device=key_states.device)
         positions = positions.to(torch.long).expand(key_states.shape[0], t)
+        txn.positions = positions
         if layer_idx == 0 and self.max_position is not None and self._pre_rope:
             top = int(positions.max())  # pre-RoPE keys re-rotate from tables that stop there
             if top >= self.max_position:
@@ -209,7 +217,7 @@ class QuantizedKVCache(Cache):
     def nbytes(self) -> ByteLedger:
         """The byte ledger measured from the stored tensors of the committed state."""
         totals = dict.fromkeys(
-            ("codes", "qparams", "sparse", "sink", "residual", "full_precision"), 0
+            ("codes", "qparams", "sparse", "sink", "residual", "full_precision", "prefix"), 0
         )
         fp16 = 0
         for layer in self.layers:
@@ -218,7 +226,8 @@ class QuantizedKVCache(Cache):
             b = layer.batch_size
             head_dim = layer.key_codec.head_dim
             heads = _heads(layer)
-            # what the same retained rows would cost as fp16 K and V
+            # what the same retained rows would cost as fp16 K and V (the user's rows: the
+            # prefix's bytes are the cost of the method, counted in `prefix`)
             fp16 += 2 * 2 * b * heads * layer.state.visible * head_dim
         tokens = max((layer.state.seen for layer in self.layers), default=0)
         batch = max((layer.batch_size for layer in self.layers), default=0)
@@ -236,7 +245,10 @@ class QuantizedKVCache(Cache):
 def _heads(layer: KvqLayer) -> int:
     for buf in layer.state.main.buffers.values():
         return buf.shape[1]
-    return 0 if layer.state.sink is None else layer.state.sink.rows["k"].shape[1]
+    for rows in (layer.state.sink, layer.state.prefix):
+        if rows is not None:
+            return rows.rows["k"].shape[1]
+    return 0
 
 
 def unit_scales(policy: CachePolicy) -> dict[str, Tensor]:
@@ -257,17 +269,36 @@ def unit_scales(policy: CachePolicy) -> dict[str, Tensor]:
 
 
 def build_cache(
-    model, policy: CachePolicy, static: dict[str, Tensor], adapter, backend: str | None = None
+    model,
+    policy: CachePolicy,
+    static: dict[str, Tensor],
+    adapter,
+    backend: str | None = None,
+    prefix: Prefix | None = None,
 ) -> QuantizedKVCache:
     """A fresh cache for `model` following `policy`.
 
     static: artifact tensors named "layers.{i}.{key|value}.{name}" (static qparams).
+    prefix: the rows of `policy.prefix` (`kvq.runtime.prefix.load_prefix`), seeded before
+    each sequence's first real token; required exactly when the policy declares one.
     adapter: the model's `ArchitectureAdapter` (RoPE, head layout, windows).
     backend: "auto" | "triton" | "reference" for attention; None reads KVQ_BACKEND.
     """
     info = adapter.info
+    seeded = prefix  # (`prefix` names tensor name prefixes below)
     if policy.num_layers != info.num_layers:
         raise KvqError(f"policy has {policy.num_layers} layers, model has {info.num_layers}")
+    if (prefix is None) != (policy.prefix is None):
+        raise KvqError("a policy with a prefix needs its rows, and rows need such a policy")
+    if prefix is not None:
+        if prefix.spec != policy.prefix or len(prefix.layers) != info.num_layers:
+            raise KvqError("the prefix rows do not belong to this policy")
+        for i, kv in enumerate(prefix.layers):
+            if kv.key.shape[0] != info.num_kv_heads or kv.key.shape[2] != info.head_dim:
+                raise KvqError(
+                    f"layers.{i}.prefix rows are [{kv.key.shape[0]}, P, {kv.key.shape[2]}], "
+                    f"the model has {info.num_kv_heads} KV heads of {info.head_dim}"
+                )
     install_attention(model)
     dtype = next(model.parameters()).dtype
     ropes = _RopeTables(adapter, info.head_dim)
@@ -288,12 +319,15 @@ def build_cache(
                 sliding_window=adapter.sliding_window(i),
                 unrotate=_rope_fn(adapter, i, inverse=True),
                 rope_table=ropes.for_layer(i, needed=lp.key_stage == "pre-rope"),
+                prefix=None if seeded is None else seeded.layers[i],
+                rotate=_rope_fn(adapter, i, inverse=False),
             )
         )
+    named = dict(static) | ({} if seeded is None else seeded.tensors())
     identity = {
         "model": config_sha256(model.config),
         "policy": _digest(policy.to_json()),
-        "artifact": _digest({n: _tensor_digest(t) for n, t in sorted(static.items())}),
+        "artifact": _digest({n: _tensor_digest(t) for n, t in sorted(named.items())}),
     }
     cache = QuantizedKVCache(layers, policy, backend, identity)
     cache.max_position = adapter.max_positions

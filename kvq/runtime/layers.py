@@ -1,4 +1,4 @@
-"""One cache layer per policy entry: packed K/V rows, sink rows, positions.
+"""One cache layer per policy entry: packed K/V rows, prefix and sink rows, positions.
 
 A layer's public state is an immutable `LayerState`. `prepare` computes the
 successor for new rows without touching the public one; the owning cache
@@ -19,6 +19,7 @@ from kvq.runtime.codecs import Codec
 from kvq.runtime.kernels.backend import resolve_backend
 from kvq.runtime.kernels.decode_attention import Rope, Segment, rotate
 from kvq.runtime.packed import PackedRows, decode_packed
+from kvq.runtime.prefix import PrefixKV, PrefixRows
 from kvq.runtime.sink import SinkRows, kernel_mask
 from kvq.runtime.state import FlatStore, RowStore
 
@@ -53,6 +54,9 @@ class LayerState:
     phase: Tensor | None = None  # [B] int64 in [0, G)
     phase_max: int = 0  # phase.max() on the host: how far ahead of the columns main runs
     first_real: Tensor | None = None  # [B] int64 token index of each first real token (-1: none)
+    # declared prefix rows, placed before each sequence's first real token; they hold no
+    # mask column (transformers never sees them) and are never encoded (see kvq.runtime.prefix)
+    prefix: PrefixRows | None = None
 
     @property
     def visible(self) -> int:
@@ -90,6 +94,8 @@ class KvqLayer(CacheLayerMixin):
         sliding_window: int | None,
         unrotate: RopeFn,
         rope_table: RopeTable,
+        prefix: PrefixKV | None = None,
+        rotate: RopeFn | None = None,
     ):
         super().__init__()
         self.layer_idx = layer_idx
@@ -105,6 +111,7 @@ class KvqLayer(CacheLayerMixin):
         self.windowed = policy.residual_tokens > 0 or self.group_rows > 1
         self.is_sliding = sliding_window is not None
         self.unrotate, self.rope_table = unrotate, rope_table
+        self.prefix_kv, self.rotate = prefix, rotate  # the artifact's prefix rows, RoPE
         self._rope: Rope | None = None
         self._in_lead: tuple | None = None  # (sink rows, lead, result) of `sink_in_lead`
         self.state = EMPTY
@@ -129,6 +136,7 @@ class KvqLayer(CacheLayerMixin):
         """
         st = self.state
         b, h, t, d = key.shape
+        prefix = self._placed_prefix(st, b, positions, real, key.device)
         if self.policy.key_stage == "pre-rope":
             key = self.unrotate(key.float(), positions)
         sink, lead, skip = st.sink, st.lead, 0
@@ -172,7 +180,7 @@ class KvqLayer(CacheLayerMixin):
             main = self._append_main(main, key, value, flat, positions, backend)
         return replace(
             st, sink=sink, main=main, residual=residual, settled=settled, seen=st.seen + t,
-            lead=lead, skipped=st.skipped + skip, flat=flat,
+            lead=lead, skipped=st.skipped + skip, flat=flat, prefix=prefix,
             phase=phase, phase_max=phase_max, first_real=first_real,
         )  # fmt: skip
 
@@ -186,6 +194,21 @@ class KvqLayer(CacheLayerMixin):
         phase = (lead - start) % self.group_rows
         top = int(phase.max())
         return (phase, top) if top else (None, 0)
+
+    def _placed_prefix(self, st: LayerState, batch: int, positions, real, device):
+        """The prefix rows with every sequence whose first real token arrives now placed."""
+        kv = self.prefix_kv
+        if kv is None:
+            return None
+        prefix = st.prefix
+        if prefix is None:
+            heads, length, d = kv.key.shape
+            prefix = PrefixRows.empty(batch, heads, length, d, self.sink_dtype, device)
+        if prefix.all_placed:
+            return prefix
+        real = torch.ones(positions.shape, dtype=torch.bool) if real is None else real
+        first_col = st.evicted + st.visible  # absolute column of the first new row
+        return prefix.placed_for(kv, self.rotate, positions, real.to(device), first_col)
 
     def _encoded(self, columns: int, shift: int = 0) -> int:
         """Main rows encoded once `columns` columns follow the lead: whole groups beyond the
@@ -324,10 +347,15 @@ class KvqLayer(CacheLayerMixin):
     # --- read ----------------------------------------------------------------------
 
     def segments(self, state: LayerState) -> list[Segment]:
-        """The rows as attention segments: the sink slots first, then the encoded rows
-        (see `kvq.runtime.sink.kernel_mask` for the mask over them)."""
+        """The rows as attention segments: the prefix rows (post-RoPE, exact), the sink
+        slots, then the encoded rows (see `kvq.runtime.sink.kernel_mask` for the mask)."""
         pre = self.policy.key_stage == "pre-rope"
         out = []
+        if state.prefix is not None:
+            r = state.prefix.rows
+            key = PackedRows("full", self.key_codec.head_dim, r["k"])
+            value = PackedRows("full", self.value_codec.head_dim, r["v"])
+            out.append(Segment(key, value, state.prefix.positions))
         if state.sink is not None:
             r = state.sink.rows
             key = PackedRows("full", self.key_codec.head_dim, r["k"], pre_rope=pre)
@@ -362,8 +390,8 @@ class KvqLayer(CacheLayerMixin):
         return self._rope
 
     def decoded(self, state: LayerState) -> tuple[Tensor, Tensor]:
-        """The segments' rows decoded (sink slots, main rows, residual rows): key post-RoPE,
-        value; each [B, H, kernel rows, D] float32."""
+        """The segments' rows decoded (prefix rows, sink slots, main rows, residual rows):
+        key post-RoPE, value; each [B, H, kernel rows, D] float32."""
         rope = self.rope(state)
         keys, values = [], []
         for seg in self.segments(state):
@@ -376,6 +404,9 @@ class KvqLayer(CacheLayerMixin):
         """The rows the next query sees, decoded, in mask-column order: key post-RoPE,
         value; each [B, H, visible, D] float32 (a sink row at its own column, each once)."""
         k, v = self.decoded(state)  # [B, H, kernel rows, D]
+        if state.prefix is not None:  # the prefix holds no mask column (see `prefix_rows`)
+            p = state.prefix.rows["k"].shape[2]
+            k, v = k[:, :, p:], v[:, :, p:]
         b, h, _, d = k.shape
         c, m = state.visible, state.main.length
         everything = torch.ones(b, 1, 1, c, dtype=torch.bool, device=k.device)
@@ -394,11 +425,23 @@ class KvqLayer(CacheLayerMixin):
         out_k[bi, :, col[bi, ri]], out_v[bi, :, col[bi, ri]] = k[bi, :, ri], v[bi, :, ri]
         return out_k, out_v
 
+    @staticmethod
+    def prefix_rows(state: LayerState) -> tuple[Tensor, Tensor] | None:
+        """The prefix rows as attention sees them: key post-RoPE, value, [B, H, P, D]
+        float32 (a sequence not yet placed holds zeros); None without a prefix."""
+        if state.prefix is None:
+            return None
+        return state.prefix.rows["k"].float(), state.prefix.rows["v"].float()
+
     # --- ledger --------------------------------------------------------------------
 
     def ledger_bytes(self) -> dict[str, int]:
         """Measured bytes per ledger category of the committed state."""
-        out = dict.fromkeys(("codes", "qparams", "sparse", "sink", "residual", "full_precision"), 0)
+        out = dict.fromkeys(
+            ("codes", "qparams", "sparse", "sink", "residual", "full_precision", "prefix"), 0
+        )
+        if self.state.prefix is not None:
+            out["prefix"] += self.state.prefix.nbytes()
         if self.state.sink is not None:
             out["sink"] += self.state.sink.nbytes()
         out["residual"] += sum(self.state.residual.nbytes().values())
@@ -417,6 +460,7 @@ class KvqLayer(CacheLayerMixin):
         st = self.state
         flat = sum(f.allocated_bytes() for f in st.flat.values())
         sink = 0 if st.sink is None else st.sink.allocated_bytes()
+        sink += 0 if st.prefix is None else st.prefix.allocated_bytes()
         return sink + st.main.allocated_bytes() + st.residual.allocated_bytes() + flat
 
     # --- CacheLayerMixin -------------------------------------------------------------
@@ -478,6 +522,7 @@ class KvqLayer(CacheLayerMixin):
         return replace(
             st,
             sink=None if st.sink is None else st.sink.cropped(columns),
+            prefix=None if st.prefix is None else st.prefix.cropped(st.evicted + columns),
             main=st.main.truncated(keep),
             residual=residual,
             settled=0,
@@ -503,6 +548,7 @@ class KvqLayer(CacheLayerMixin):
         return replace(
             st,
             sink=None if st.sink is None else st.sink.cropped(columns),
+            prefix=None if st.prefix is None else st.prefix.cropped(st.evicted + columns),
             main=st.main.truncated(keep),
             residual=st.residual.truncated(max(0, columns - start)),
             settled=lead + keep - start,
@@ -532,19 +578,22 @@ class KvqLayer(CacheLayerMixin):
         index = index.to(device=self._device(st), dtype=torch.long)
         flat = {p: f.reordered(_batch_order(st.main, p, index)) for p, f in st.flat.items()}
         sink = None if st.sink is None else st.sink.selected(index)
+        prefix = None if st.prefix is None else st.prefix.selected(index)
         main, residual = st.main.select_batch(index), st.residual.select_batch(index)
         pick = {
             name: None if x is None else x.index_select(0, index)
             for name, x in (("phase", st.phase), ("first_real", st.first_real))
         }  # (phase_max stays: an upper bound is enough, see `_still_exact`)
-        return replace(st, sink=sink, main=main, residual=residual, flat=flat, **pick)
+        return replace(
+            st, sink=sink, prefix=prefix, main=main, residual=residual, flat=flat, **pick
+        )
 
     @staticmethod
     def _device(st: LayerState) -> torch.device:
         for t in (st.main.positions, st.residual.positions):
             if t is not None:
                 return t.device
-        return st.sink.cols.device
+        return (st.sink.cols if st.sink is not None else st.prefix.placed).device
 
     def crop(self, tokens_to_remove: int) -> None:
         """Remove the last `-tokens_to_remove` tokens (transformers 5 semantics: 0 removes
@@ -583,7 +632,9 @@ class KvqLayer(CacheLayerMixin):
         for store in (self.state.main, self.state.residual):
             if store.positions is not None:
                 return store.positions.shape[0]
-        return 0 if self.state.sink is None else self.state.sink.cols.shape[0]
+        if self.state.sink is not None:
+            return self.state.sink.cols.shape[0]
+        return 0 if self.state.prefix is None else self.state.prefix.placed.shape[0]
 
 
 def _first_real(known: Tensor | None, real: Tensor | None, seen: int, b: int, device) -> Tensor:

@@ -8,8 +8,9 @@ refuses any mismatch with a one-line error before reading a single row.
 File layout: tensors `layers.{i}.main.{name}` [B, H, T, ...] (committed rows only),
 `layers.{i}.main.positions` [B, T], `layers.{i}.residual.{k|v|positions}` (exact recent rows), `layers.{i}.flat.{k|v}.{name}` [E],
 `layers.{i}.sink.{k|v|positions|cols|filled}`, `layers.{i}.{phase|first_real}` [B] (a
-padded batch's group shifts); metadata "kvq" = JSON of the identity and each layer's
-counters.
+padded batch's group shifts), `layers.{i}.prefix.{k|v|positions|placed|first_col}` (the
+placed prefix rows: the prefix's own tensors are part of the artifact, which the identity
+names); metadata "kvq" = JSON of the identity and each layer's counters.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from kvq.errors import KvqError
+from kvq.runtime.prefix import PrefixRows
 from kvq.runtime.sink import SinkRows
 from kvq.runtime.state import FlatStore, RowStore
 
@@ -57,6 +59,10 @@ def save_cache(cache, path) -> None:
         for n in ("phase", "first_real"):
             if getattr(st, n) is not None:
                 tensors[f"{pre}{n}"] = getattr(st, n)
+        if st.prefix is not None:
+            tensors |= {f"{pre}prefix.{n}": r for n, r in st.prefix.rows.items()}
+            for n in ("positions", "placed", "first_col"):
+                tensors[f"{pre}prefix.{n}"] = getattr(st.prefix, n)
         layers.append({k: getattr(st, k) for k in COUNTERS})
     meta = {"format": FORMAT, "identity": cache.identity, "layers": layers}
     path = Path(path)
@@ -160,8 +166,21 @@ def _layer_state(layer, counters: dict, t: dict, where: str):
         if sink.slots != layer.policy.sink_tokens:
             raise KvqError(f"{where}: saved with {sink.slots} sink tokens, the layout has "
                            f"{layer.policy.sink_tokens}")  # fmt: skip
+    prefix = None
+    if "prefix.k" in t:
+        prefix = PrefixRows(
+            rows={"k": t["prefix.k"], "v": t["prefix.v"]},
+            positions=t["prefix.positions"],
+            placed=t["prefix.placed"],
+            first_col=t["prefix.first_col"],
+        )
+    kv = layer.prefix_kv
+    if (prefix is not None and (kv is None or prefix.length != kv.key.shape[1])) or (
+        prefix is None and kv is not None and seen
+    ):
+        raise KvqError(f"{where}: the saved prefix rows do not match the layout's prefix")
     state = replace(
-        EMPTY, sink=sink, main=main, residual=residual, seen=seen, evicted=evicted, lead=lead,
+        EMPTY, sink=sink, prefix=prefix, main=main, residual=residual, seen=seen, evicted=evicted, lead=lead,
         flat=flat, settled=settled, skipped=skipped,
         **_phase(t, layer, where),
     )  # fmt: skip

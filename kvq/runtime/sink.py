@@ -114,6 +114,7 @@ def kernel_mask(
     residual_rows: int,
     phase: Tensor | None = None,
     encoded: Tensor | None = None,
+    prefix: Tensor | None = None,
 ) -> Tensor:
     """transformers' mask [B, 1, Q, C] over mask columns -> the mask over the kernel's rows.
 
@@ -125,7 +126,16 @@ def kernel_mask(
     sees: main rows below it, residual columns from its main column on.
     A sink slot takes its row's column; a main or residual row that is also a sink row (a
     padded sequence's sink sits past the lead) is hidden, so each token is seen once.
+    prefix: [B, 1, Q, P] bool over the declared prefix rows, which the kernel reads before
+    everything else and which hold no mask column (`PrefixRows.visible`); None: no prefix.
     """
+    rows = _sink_main_residual(mask, sink, lead, main_rows, residual_rows, phase, encoded)
+    if prefix is None:
+        return rows
+    return torch.cat([prefix.to(rows.device).expand(rows.shape[0], 1, -1, -1), rows], dim=-1)
+
+
+def _sink_main_residual(mask, sink, lead, main_rows, residual_rows, phase, encoded) -> Tensor:
     b, _, q, c = mask.shape
     dev = mask.device
     start = c - residual_rows  # column of the first residual row

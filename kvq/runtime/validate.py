@@ -42,7 +42,7 @@ _RULES = {
 _STATIC_AXIS_SHAPES = {"head": lambda heads: (heads,), "tensor": lambda heads: (1,)}
 _QPARAMS = ("scale", "offset", "center")  # stored in the scheme's scale dtype
 # layers.{i}.KIND.* other than the policy's key/value state: model transforms
-_TRANSFORM = re.compile(r"^layers\.\d+\.(?!key\.|value\.)[^.]+\.")
+_TRANSFORM = re.compile(r"^layers\.\d+\.(?!key\.|value\.|prefix\.)[^.]+\.")
 
 
 def check_artifact_state(manifest: Manifest, tensors: dict[str, Tensor]) -> None:
@@ -73,6 +73,7 @@ def check_artifact_state(manifest: Manifest, tensors: dict[str, Tensor]) -> None
                 raise IncompatibleArtifact(
                     f"tensors[{prefix}{unused[0]}]", f"absent ({scheme.describe()})", "present"
                 )
+    _check_prefix(manifest, tensors)
     for name in tensors:
         # a model transform this kvq cannot apply would be silently skipped: refuse it
         kind = name.split(".")[2] if _TRANSFORM.match(name) else None
@@ -90,6 +91,24 @@ def check_artifact_state(manifest: Manifest, tensors: dict[str, Tensor]) -> None
             _check_shape(name, tensors[name], shape)
             if not _all(torch.isfinite(tensors[name]) & (tensors[name] >= 0)):
                 raise IncompatibleArtifact(f"tensors[{name}]", "finite, >= 0", "other values")
+
+
+def _check_prefix(manifest: Manifest, tensors: dict[str, Tensor]) -> None:
+    """Prefix rows: exactly `layers.{i}.prefix.key|value` [H_kv, P, D] for every layer when
+    the policy declares a prefix of P tokens, none otherwise; float, finite."""
+    arch, spec = manifest.architecture, manifest.policy.prefix
+    names = {n for n in tensors if re.match(r"^layers\.\d+\.prefix\.", n)}
+    want = set()
+    if spec is not None:
+        want = {f"layers.{i}.prefix.{p}" for i in range(arch.num_layers) for p in ("key", "value")}
+    for name in sorted(names ^ want):
+        found = "present" if name in names else "missing"
+        raise IncompatibleArtifact(f"tensors[{name}]", "the policy's prefix rows", found)
+    for name in sorted(names):
+        t = tensors[name]
+        _check_shape(name, t, (arch.num_kv_heads, spec.length, arch.head_dim))
+        if not t.dtype.is_floating_point or not _all(torch.isfinite(t.float())):
+            raise IncompatibleArtifact(f"tensors[{name}]", "finite floats", "other values")
 
 
 def _check_tensor(

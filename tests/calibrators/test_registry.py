@@ -12,8 +12,10 @@ from kvq.calibrators.options import (
     ActScalesOptions,
     AutoOptions,
     ChannelScalesOptions,
+    IntactKVOptions,
     KVQuantOptions,
     KVScalesOptions,
+    PrefixQuantOptions,
     SmoothAttentionOptions,
     VQOptions,
 )
@@ -35,7 +37,10 @@ SMALL = {
     "act-scales": ActScalesOptions(layout="fp8-e4m3"),  # + a calibration-free cache layout
     "vq": VQOptions(bits=3, fisher=False),
     "auto": AutoOptions(bits=3),
+    "prefixquant": PrefixQuantOptions(eta=2.0),
+    "intactkv": IntactKVOptions(steps=2, lr=1e-3),
 }
+NEEDS_BASE = {"intactkv"}  # calibrates for a quantized layout: chained after channel-scales
 
 
 def test_every_registered_pass_has_small_settings_here():
@@ -46,8 +51,9 @@ def test_every_registered_pass_has_small_settings_here():
 @pytest.mark.parametrize("name", sorted(PASSES))
 def test_pass_fit_write_read_cache_decode(name, family, tiny_model_dir, shared_data, tmp_path):
     model_dir = tiny_model_dir(family)
+    chain = (SMALL["channel-scales"],) if name in NEEDS_BASE else ()
     request = CalibrationRequest(
-        passes=(SMALL[name],),
+        passes=(*chain, SMALL[name]),
         model_spec=str(model_dir),
         dataset=str(shared_data / "calibration" / "groups_merged.txt"),
         out=tmp_path / "ART",
@@ -57,7 +63,7 @@ def test_pass_fit_write_read_cache_decode(name, family, tiny_model_dir, shared_d
     written = calibrate_job(request, Progress())
     artifact = read_artifact(tmp_path / "ART")
     assert artifact.manifest == written.manifest
-    assert [p.method for p in artifact.manifest.passes] == [name]
+    assert [p.method for p in artifact.manifest.passes] == [*(c.NAME for c in chain), name]
     loaded = load_model(str(model_dir))
     cache = cache_for(loaded, artifact=artifact)
     ids = torch.randint(3, 200, (1, 9), generator=torch.Generator().manual_seed(0))

@@ -10,7 +10,12 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from kvq.calibrators.options import ChannelScalesOptions, KVQuantOptions, KVScalesOptions
+from kvq.calibrators.options import (
+    ChannelScalesOptions,
+    KVQuantOptions,
+    KVScalesOptions,
+    PrefixQuantOptions,
+)
 from kvq.exporters.artifact import Artifact, read_artifact, write_artifact
 from kvq.exporters.checkpoint import read_checkpoint_tensors
 from kvq.exporters.paths import EXPORT_MARKER
@@ -156,6 +161,7 @@ def _synthetic(src, out, scheme, **layer):
         ("e5m2", ["policy.layers[0].key.fp8_format", "fp8-e5m2", "fp8-e4m3/int8"]),
         ("skip", ["policy.layers[", "16-bit", "no skipped layers"]),
         ("sink", ["policy.layers[0].sink_tokens", "every row quantized alike"]),
+        ("prefix", ["policy.prefix", "1 tokens", "no declared prefix state"]),
     ],
 )
 def test_what_the_target_cannot_represent_is_refused(
@@ -181,8 +187,12 @@ def test_what_the_target_cannot_represent_is_refused(
     elif make == "skip":
         model = tiny_model_dir("gemma3")
         _calibrate(model, data, art, KVScalesOptions(skip_layers="sliding"))
-    else:  # a base's sink kept exact
-        base = _calibrate(llama, data, tmp_path / "b", ChannelScalesOptions(sink=1, value_group=8))
+    else:  # a base's sink kept exact, or its prefix (carried along the chain)
+        if make == "prefix":
+            base = _calibrate(llama, data, tmp_path / "b", PrefixQuantOptions())
+        else:
+            opts = ChannelScalesOptions(sink=1, value_group=8)
+            base = _calibrate(llama, data, tmp_path / "b", opts)
         request = CalibrationRequest(
             passes=(KVScalesOptions(),), model_spec=str(llama), dataset=data, out=art,
             samples=2, seqlen=24, base=base,
