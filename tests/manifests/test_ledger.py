@@ -80,7 +80,7 @@ def test_dict_round_trip_and_strict_fields():
 counts = st.integers(min_value=0, max_value=10**9)
 ledgers = st.builds(
     ByteLedger,
-    *[counts for _ in CATEGORIES],
+    **{name: counts for name in CATEGORIES},
     tokens=st.sampled_from([0, 50]),
     fp16_bytes=counts,
 )
