@@ -15,6 +15,7 @@ import os
 import subprocess
 import sys
 from collections import Counter
+from pathlib import Path
 
 import pytest
 import torch
@@ -59,6 +60,9 @@ def _compile(case: str) -> dict:
 @pytest.fixture(scope="module")
 def compiled() -> dict[str, tuple[KernelResources, dict]]:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    # the child runs this file as a script: it imports `tests.` from the repository root
+    root = str(Path(__file__).resolve().parents[3])
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
     run = subprocess.run(
         [sys.executable, __file__, json.dumps(list(CASES))],
         env=env, capture_output=True, text=True, timeout=900,
