@@ -169,10 +169,7 @@ class KvqLayer(CacheLayerMixin):
             move = self._encoded(columns - lead, phase_max) - main.length
             if move > 0:
                 start = lead + main.length - settled  # column of the residual's first row
-                first = None  # each sequence's first column seen through main
-                if first_real is not None:
-                    first = first_real + self.policy.sink_tokens - st.evicted
-                    first = torch.where(first_real >= 0, first, lead)
+                first = self._group_start(first_real, lead, st.evicted)
                 old, pos = _moved(residual, start, lead, phase, main.length, move, first)
                 main = self._append_main(main, old["k"].float(), old["v"], flat, pos, backend)
                 settled += move  # their exact rows stay until published (see kernel_mask)
@@ -187,13 +184,20 @@ class KvqLayer(CacheLayerMixin):
     def _phase(self, first_real: Tensor | None, lead: int, evicted: int):
         """(phase [B] or None, its max): the shift that starts each sequence's groups at its
         first token after the sink (one device sync, when the first group is encoded)."""
-        if first_real is None:
+        start = self._group_start(first_real, lead, evicted)
+        if start is None:
             return None, 0
-        start = first_real + self.policy.sink_tokens - evicted  # [B] column of first group
-        start = torch.where(first_real >= 0, start, torch.full_like(start, lead))
         phase = (lead - start) % self.group_rows
         top = int(phase.max())
         return (phase, top) if top else (None, 0)
+
+    def _group_start(self, first_real: Tensor | None, lead: int, evicted: int) -> Tensor | None:
+        """[B] each sequence's first column after its sink: where its groups start, and the
+        first column it sees through main (the lead while no real token has arrived)."""
+        if first_real is None:
+            return None
+        start = first_real + self.policy.sink_tokens - evicted
+        return torch.where(first_real >= 0, start, torch.full_like(start, lead))
 
     def _placed_prefix(self, st: LayerState, batch: int, positions, real, device):
         """The prefix rows with every sequence whose first real token arrives now placed."""
