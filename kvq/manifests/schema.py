@@ -196,6 +196,7 @@ _MISSING = "<missing>"
 # fields added within schema 2, whose defaults reproduce what earlier artifacts meant
 LATER_FIELDS = {
     ("QuantScheme", "zero_point"),
+    ("QuantScheme", "vector_dim"),
     ("LayerPolicy", "residual_tokens"),
     ("CachePolicy", "prefix"),
     ("ByteLedger", "prefix"),

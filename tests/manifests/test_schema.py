@@ -142,6 +142,38 @@ def test_schema_is_generated_from_the_dataclasses():
     }
 
 
+# Each dataclass's fields as schema 2 was first released. A field added since must be in
+# LATER_FIELDS (its default meaning what older artifacts did) or bump SCHEMA_VERSION:
+# otherwise every artifact users already have is refused as incompatible.
+SCHEMA_2_FIELDS = {
+    "QuantScheme": {"format", "bits", "axis", "symmetric", "group_size", "scale_dtype"}
+    | {"lifetime", "fp8_format", "outlier_fraction", "qnorm"},
+    "LayerPolicy": {"key", "value", "key_stage", "sink_tokens"},
+    "CachePolicy": {"name", "layers", "version"},
+    "ByteLedger": {"codes", "qparams", "sparse", "sink", "residual", "full_precision"}
+    | {"tokens", "fp16_bytes"},
+    "Calibration": {"method", "dataset", "options", "stage_seconds"},
+}
+
+
+@pytest.mark.parametrize("cls", [QuantScheme, LayerPolicy, CachePolicy, ByteLedger, Calibration])
+def test_fields_added_within_schema_2_are_optional(cls):
+    added = {f.name for f in fields(cls)} - SCHEMA_2_FIELDS[cls.__name__]
+    assert added <= {n for c, n in LATER_FIELDS if c == cls.__name__}
+
+
+def test_a_manifest_without_the_later_fields_reads_with_their_defaults():
+    d = through_json(make_manifest(calibrated=True, ledger=LEDGER))
+    for layer in d["policy"]["_data"]["layers"]:
+        for side in ("key", "value"):
+            for name in ("zero_point", "vector_dim"):
+                del layer[side][name]
+        del layer["residual_tokens"]
+    del d["policy"]["_data"]["prefix"]
+    back = manifest_from_json(d)
+    assert back.policy == make_manifest(calibrated=True, ledger=LEDGER).policy
+
+
 def edited(path: list, value=None, delete: bool = False) -> dict:
     """The calibrated manifest's JSON with one field replaced or deleted."""
     d = copy.deepcopy(through_json(make_manifest(calibrated=True, ledger=LEDGER)))
