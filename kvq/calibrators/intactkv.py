@@ -157,10 +157,17 @@ class _Trainer:
                 h.remove()
         return outputs
 
-    def loss(self, ids: Tensor, targets: list[Tensor]) -> Tensor:
-        """Sum over layers of the MSE between quantized-cache and unquantized outputs."""
+    def loss(self, ids: Tensor, targets: list[Tensor], relative: bool = False) -> Tensor:
+        """Sum over layers of the MSE between quantized-cache and unquantized outputs;
+        `relative` divides each layer's MSE by its unquantized output's mean square. The
+        residual stream grows with depth (Gemma 3 270M: mean square 150 at layer 0, 2e6 at
+        layer 17), so the plain sum is decided by the last few layers."""
         outputs = self._layer_outputs(ids, quantized=True)
-        return sum(F.mse_loss(o.float(), t.float()) for o, t in zip(outputs, targets, strict=True))
+        total = outputs[0].new_zeros((), dtype=torch.float32)
+        for o, t in zip(outputs, targets, strict=True):
+            mse = F.mse_loss(o.float(), t.float())
+            total = total + (mse / t.float().pow(2).mean() if relative else mse)
+        return total
 
     def calibrated(self, source: str) -> Prefix:
         layers = tuple(
@@ -189,6 +196,7 @@ def fit(ctx: FitContext) -> PassResult:
         exact = extract_prefix(loaded, ids_prefix, "intactkv-exact")
     trainer = _Trainer(loaded, ctx.base.policy, ctx.base.tensors, exact)
     _register(trainer)
+    relative = options.loss == "relative"
     bos = getattr(loaded.tokenizer, "bos_token_id", None)
     windows = user_tokens(ctx.windows.ids, exact.spec, bos).to(trainer.device)
     n = windows.shape[0]
@@ -209,7 +217,7 @@ def fit(ctx: FitContext) -> PassResult:
             total = 0.0
             with torch.no_grad(), progress.stage(stage, total=n) as bar:
                 for w in range(n):
-                    total += float(trainer.loss(windows[w : w + 1], targets[w]))
+                    total += float(trainer.loss(windows[w : w + 1], targets[w], relative))
                     bar.advance()
             return total / n
 
@@ -222,7 +230,7 @@ def fit(ctx: FitContext) -> PassResult:
             for step in range(options.steps):
                 w = int(order[step % n])
                 opt.zero_grad(set_to_none=True)
-                loss = trainer.loss(windows[w : w + 1], targets[w])
+                loss = trainer.loss(windows[w : w + 1], targets[w], relative)
                 loss.backward()
                 torch.nn.utils.clip_grad_norm_(params, options.clip)
                 opt.step()
@@ -241,7 +249,8 @@ def fit(ctx: FitContext) -> PassResult:
     report = {
         "prefix_ids": tuple(str(t) for t in prefix.token_ids),
         "prefix_text": tuple(repr(tokenizer.decode([t])) for t in prefix.token_ids),
-        "objective": "sum over layers of MSE(layer output: quantized cache, unquantized)",
+        "objective": "sum over layers of MSE(layer output: quantized cache, unquantized)"
+        + (" / mean square(unquantized layer output)" if relative else ""),
         "optimizer": f"AdamW lr {options.lr:g}, weight decay 0, grad-norm clip {options.clip:g}",
         "steps": options.steps,
         "loss_before": before,

@@ -421,6 +421,9 @@ class IntactKVOptions(PassOptions):
     # not yet timed on a quiet machine (see the pass's stage_seconds)
     steps: int = option(48, "optimizer steps, one calibration window each (cycling)")
     lr: float = option(2e-4, "AdamW learning rate (0: the exact prefix, loss measured)")
+    loss: str = option(
+        "mse", "mse (sum over layers) or relative (each layer's MSE over its output's power)"
+    )
     clip: float = 1.0  # gradient norm clipping
     seed: int = 0  # window order; the command line passes its --seed
 
@@ -433,6 +436,8 @@ class IntactKVOptions(PassOptions):
             raise KvqError(f"--lr must be in [0, 1), got {self.lr}")
         if not self.clip > 0.0:
             raise KvqError(f"clip must be > 0, got {self.clip}")
+        if self.loss not in ("mse", "relative"):
+            raise KvqError(f"--loss must be mse or relative, got {self.loss!r}")
 
     @property
     def prefix_kind(self) -> str:

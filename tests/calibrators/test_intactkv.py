@@ -67,6 +67,17 @@ def test_calibration_lowers_the_layer_output_loss(setup):
     assert art.manifest.ledger.prefix > 0
 
 
+def test_the_relative_loss_is_each_layers_mse_over_its_power(setup):
+    model_dir, data, base, tmp = setup
+    opts = IntactKVOptions(lr=1e-2, steps=12, loss="relative")
+    art = read_artifact(_calibrate(model_dir, data, tmp / "rel", opts, base))
+    report = art.manifest.passes[-1].report
+    assert "mean square" in report["objective"]
+    # each layer's term is a relative error: below 1 unless the cache lost the layer
+    assert 0 < report["loss_before"] < art.manifest.architecture.num_layers
+    assert report["loss_after"] < report["loss_before"]
+
+
 def test_the_training_forward_is_the_cache_forward(setup):
     """What IntactKV optimises is what the runtime computes: the fake-quantized forward
     over the prefix rows equals the model run through the real cache."""
@@ -94,7 +105,12 @@ def test_the_training_forward_is_the_cache_forward(setup):
 
 @pytest.mark.parametrize(
     "flags, needle",
-    [(["--steps", 0], "--steps"), (["--prefix", " "], "--prefix"), (["--lr", -1], "--lr")],
+    [
+        (["--steps", 0], "--steps"),
+        (["--prefix", " "], "--prefix"),
+        (["--lr", -1], "--lr"),
+        (["--loss", "l1"], "--loss"),
+    ],
 )
 def test_bad_options_are_one_line_and_write_nothing(setup, flags, needle):
     model_dir, data, base, tmp = setup
