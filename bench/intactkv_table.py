@@ -4,7 +4,8 @@
         [--windows 16] [--seqlen 512] [--json FILE]
 
 BASE_ART is a quantized artifact without a prefix (e.g. `kvq calibrate kvquant --bits 3`),
-CALIBRATED_ART the `kvq calibrate intactkv --base BASE_ART` result. The exact prefix is
+CALIBRATED_ART the `kvq calibrate intactkv --base BASE_ART` result (pairs that share a
+base, e.g. two learning rates, score its no-prefix and exact-prefix rows once). The exact prefix is
 extracted here from the unquantized model (the same tokens as the calibrated one).
 WikiText-2 test windows (prefill protocol) start with BOS; the prefix supplies that BOS,
 so each window is served as prefix + window[1:], and all three variants are scored on
@@ -53,9 +54,11 @@ def main() -> None:
     model = loaded.model
     ev = load_windows(loaded, "wikitext2", args.windows, args.seqlen, 0, args.data_dir)
     setups = {}
+    shared = {}  # pair name -> the earlier pair with the same base: its none/exact rows
     for pair in args.pair:
         name, paths = pair.split("=", 1)
         base_path, cal_path = paths.split(",")
+        shared[name] = next((n for n, s in setups.items() if s["_base"] == base_path), None)
         base, cal = read_artifact(Path(base_path)), read_artifact(Path(cal_path))
         calibrated = artifact_prefix(loaded, cal)
         exact = extract_prefix(loaded, calibrated.token_ids, "intactkv-exact")
@@ -63,6 +66,7 @@ def main() -> None:
             "none": lambda base=base: cache_for(loaded, artifact=base),
             "exact": lambda base=base, exact=exact: exact_cache(loaded, base, exact),
             "calibrated": lambda cal=cal: cache_for(loaded, artifact=cal),
+            "_base": base_path,
             "_prefix_len": calibrated.length,
             "_cal_report": cal.manifest.passes[-1].report,
             "_cal_seconds": cal.manifest.passes[-1].stage_seconds,
@@ -76,6 +80,8 @@ def main() -> None:
         for name, s in setups.items():
             assert s["_prefix_len"] == 1, "the shared baseline assumes a BOS-only prefix"
             for variant in ("none", "exact", "calibrated"):
+                if variant != "calibrated" and shared[name] is not None:
+                    continue  # the same base's rows: copied from the earlier pair below
                 cache = s[variant]()
                 if variant == "none":
                     quant = model(ids, cache=cache).logits[0, 1:-1].float()
@@ -83,6 +89,10 @@ def main() -> None:
                     quant = model(ids[:, 1:], cache=cache).logits[0, :-1].float()
                 _accumulate(totals[(name, variant)], base[1:-1], quant, targets)
         print(f"window {w + 1}/{ev.ids.shape[0]}  {time.perf_counter() - start:.0f} s", flush=True)
+    for name, earlier in shared.items():
+        if earlier is not None:
+            for variant in ("none", "exact"):
+                totals[(name, variant)] = totals[(earlier, variant)]
     rows = []
     for (name, variant), t in totals.items():
         s = setups[name]
