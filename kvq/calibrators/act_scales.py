@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from kvq.calibrators.base import FitContext, PassResult, tensor_kind
+from kvq.calibrators.base import FitContext, PassResult
 from kvq.calibrators.capture import capture_linear_inputs
 from kvq.calibrators.observers import AbsObserver, fit_static_scale
 from kvq.calibrators.options import ActScalesOptions
@@ -67,9 +67,8 @@ def fit(ctx: FitContext) -> PassResult:
         policy = named_policy(options.layout or "fp16", info.num_layers, info.head_dim)
         tensors |= unit_scales(policy)
     else:  # --prefix-ids on a base without a prefix: the base's layout, now with one
-        policy = base.policy  # (its transforms and scales are carried by the chain)
-        own = ("policy", "provenance")
-        tensors |= {n: t for n, t in base.tensors.items() if tensor_kind(n) in own}
+        policy = base.policy
+        tensors |= base.policy_tensors()
     if prefix is None:
         return PassResult(policy, tensors)
     return PassResult(policy.with_prefix(prefix.spec), tensors | prefix.tensors())

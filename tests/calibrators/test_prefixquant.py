@@ -78,3 +78,37 @@ def test_cli_records_the_statistic_and_inspect_shows_the_tokens(
     shown = _run("inspect", out)
     assert shown.exit_code == 0
     assert "prefix" in shown.output and "top_ratio_per_layer" in shown.output
+
+
+def test_a_transformed_base_keeps_its_transform_down_the_prefix_chain(
+    tiny_model_dir, shared_data, tmp_path
+):
+    """smoothattention -> prefixquant --base -> kv-scales --base: the transform is carried
+    (not returned again as a new one), the prefix rows come from the smoothed model, and
+    the last artifact serves both."""
+    from kvq.calibrators.prefix_state import extract_prefix
+    from kvq.exporters.artifact import read_artifact
+    from kvq.pipeline import apply_transforms
+
+    data = shared_data / "calibration" / "groups_merged.txt"
+    model_dir = tiny_model_dir("llama")
+    args = ["--model", model_dir, "--dataset", data, "--samples", 2, "--seqlen", 24]
+    chain = [("smoothattention", ()), ("prefixquant", ("--eta", 2.0)),
+             ("kv-scales", ("--format", "int8"))]  # fmt: skip
+    previous = None
+    for name, extra in chain:
+        out = tmp_path / name
+        base = ("--base", previous) if previous else ()
+        result = _run("calibrate", name, *args, *extra, *base, "--out", out)
+        assert result.exit_code == 0, result.output + result.stderr
+        previous = out
+    art = read_artifact(previous)
+    assert [p.method for p in art.manifest.passes] == [n for n, _ in chain]
+    smooth = read_artifact(tmp_path / "smoothattention").tensors
+    assert all(torch.equal(art.tensors[n], t) for n, t in smooth.items() if ".smooth." in n)
+    loaded = load_model(str(model_dir))
+    apply_transforms(loaded, smooth)
+    exact = extract_prefix(loaded, art.manifest.policy.prefix.token_ids, "x").tensors()
+    assert all(torch.equal(art.tensors[n], t) for n, t in exact.items())
+    run = ["--model", model_dir, "--dataset", data, "--windows", 1, "--seqlen", 16]
+    assert _run("run-eval", *run, "--artifact", previous).exit_code == 0
