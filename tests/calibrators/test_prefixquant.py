@@ -112,3 +112,31 @@ def test_a_transformed_base_keeps_its_transform_down_the_prefix_chain(
     assert all(torch.equal(art.tensors[n], t) for n, t in exact.items())
     run = ["--model", model_dir, "--dataset", data, "--windows", 1, "--seqlen", 16]
     assert _run("run-eval", *run, "--artifact", previous).exit_code == 0
+
+
+def test_a_recipe_calibrates_static_scales_after_the_prefix_it_finds(
+    tiny_model_dir, shared_data, tmp_path
+):
+    """prefixquant then kv-scales in one command: the second pass takes the first's
+    declared prefix as a --base would, and gives the same artifact as the two commands."""
+    from kvq.exporters.artifact import read_artifact
+
+    data = shared_data / "calibration" / "groups_merged.txt"
+    model_dir = tiny_model_dir("gemma3")
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(
+        f"model: {model_dir}\ndataset: {data}\nsamples: 2\nseqlen: 24\npasses:\n"
+        "  - prefixquant: {eta: 2.0}\n  - kv-scales: {format: int8, granularity: head}\n"
+    )
+    result = _run("calibrate", "recipe", recipe, "--out", tmp_path / "one")
+    assert result.exit_code == 0, result.output + result.stderr
+    args = ["--model", model_dir, "--dataset", data, "--samples", 2, "--seqlen", 24]
+    result = _run("calibrate", "prefixquant", *args, "--eta", 2.0, "--out", tmp_path / "pq")
+    assert result.exit_code == 0, result.output + result.stderr
+    result = _run("calibrate", "kv-scales", *args, "--format", "int8", "--granularity",
+                  "head", "--base", tmp_path / "pq", "--out", tmp_path / "two")  # fmt: skip
+    assert result.exit_code == 0, result.output + result.stderr
+    one, two = read_artifact(tmp_path / "one"), read_artifact(tmp_path / "two")
+    assert one.manifest.policy == two.manifest.policy and one.manifest.policy.prefix
+    assert one.tensors.keys() == two.tensors.keys()
+    assert all(torch.equal(one.tensors[n], two.tensors[n]) for n in one.tensors)

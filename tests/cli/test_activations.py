@@ -178,6 +178,17 @@ def test_an_fp16_cache_after_the_prefix_is_a_plain_forward_over_prefix_and_promp
     torch.testing.assert_close(got, want, atol=5e-4, rtol=1e-3)
 
 
+def test_the_decode_protocol_serves_the_prefix_too(arts, model_dir, calib, tmp_path):
+    report, _ = _report(model_dir, calib, tmp_path / "d.json", "--artifact", arts["act-ids"],
+                        "--protocol", "decode", "--activations", "a8-static")  # fmt: skip
+    users = SEQLEN - 1  # the prefix supplies BOS
+    assert report["tasks"]["ppl"]["scored_tokens"] == 2 * (users - 1 - users // 2)
+    assert report["prefix"] == [2, 7] and report["tasks"]["kld"]["mean"] > 0
+    plain, _ = _report(model_dir, calib, tmp_path / "p.json", "--artifact", arts["act-ids"],
+                       "--protocol", "decode")  # fmt: skip
+    assert plain["tasks"]["kld"]["mean"] < 1e-5  # fp16 cache + exact prefix: a plain forward
+
+
 @pytest.mark.parametrize("name, mode", [("act-pq", "a8-static"), ("kv-pq", "a8-dynamic")])
 def test_left_padded_and_unpadded_batches_agree_with_a8_and_a_prefix(arts, model_dir, name, mode):
     loaded = load_model(str(model_dir))
