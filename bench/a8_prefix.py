@@ -4,19 +4,18 @@ beside dynamic per-token A8.
     .venv/bin/python bench/a8_prefix.py [--windows 16] [--seqlen 512] [--prefix-ids auto|2,..]
                                         [--eta 64] [--max-tokens 4] [--json FILE]
 
-1. The prefix (`--prefix-ids auto`): BOS plus the tokens that most often carry an outlier
-   at an MLP down-projection input on the calibration windows (position 0 left out): per
-   token and layer, max |x| over channels over that layer's median over the sequence; above
-   --eta is an outlier. How many are kept: the ceiling of the largest per-layer mean count
-   per window, at most --max-tokens, on the first --discover-windows windows (PrefixQuant's
-   rule in a few lines until the `prefixquant` pass lands: the bench's choice, not a pass).
+1. The prefix (`--prefix-ids auto`): the `prefixquant` pass's choice (`outlier_stats`,
+   `choose_tokens`) on the first --discover-windows calibration windows: BOS plus the
+   tokens most often over --eta x the median at an MLP down-projection input, as many as
+   the largest per-layer mean count per window asks for (at most --max-tokens).
 2. Calibration (timed), on 16 x 512 of `calibration/groups_merged.txt`: `kv-scales --format
    int8 --granularity head` and `act-scales --method {--act-method}`, each without and with
-   the prefix (`--prefix-ids`: windows forwarded after it, its positions out of the
-   statistics, its K/V rows kept exact).
+   the prefix (`--prefix-ids`: a declared prefix, its exact K/V rows in the cache while the
+   windows are served after it, so its positions are never in the statistics).
 3. WikiText-2 test, prefill: every row of a set scored against one full-precision forward
-   per window; the rows with a prefix against the full-precision model with the same
-   prefix (only the window's own tokens are scored in both sets).
+   per window; the rows with a prefix are caches seeded with it (the A8 rows: an fp16
+   cache with the exact prefix), scored against the full-precision model over prefix +
+   window on the window's own tokens (its BOS supplied by the prefix).
 JSON is rewritten after every window, so a stopped run keeps what it measured.
 """
 
@@ -24,9 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import time
-from collections import Counter
 from functools import partial
 from pathlib import Path
 
@@ -34,8 +31,9 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from kvq.calibrators.capture import capture_linear_inputs, run_windows
 from kvq.calibrators.options import ActScalesOptions, KVScalesOptions
+from kvq.calibrators.prefix_state import bos_id, ids_prefix
+from kvq.calibrators.prefixquant import choose_tokens, outlier_stats
 from kvq.eval.quality import evaluate_many
 from kvq.models.loading import load_model
 from kvq.pipeline import load_windows, run_pass
@@ -43,48 +41,24 @@ from kvq.progress import Progress
 from kvq.quant.schemes import named_policy
 from kvq.runtime.activations import quantized_linear_inputs, static_scales
 from kvq.runtime.cache import build_cache, unit_scales
+from kvq.runtime.prefix import prefix_from_tensors, user_tokens
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
 
 
 def discover_prefix(loaded, windows: torch.Tensor, eta: float, max_tokens: int):
-    """BOS + the most frequent outlier tokens at the down-projection inputs (see 1. above).
-    Returns (ids, report)."""
-    adapter = loaded.adapter
-    downs = [n for n in adapter.decoder_linears() if n.endswith("down_proj")]
-    counts: dict[str, list[int]] = {n: [] for n in downs}
-    hits: Counter = Counter()
-    worst: dict[str, float] = {}
-    current: list[torch.Tensor] = []  # the window being forwarded
-
-    def consume(name: str, x: torch.Tensor) -> None:
-        if name not in counts:
-            return
-        tok_max = x[0].float().abs().amax(-1)  # [T]
-        ratio = tok_max / tok_max.median()
-        ratio[0] = 0  # position 0 (BOS) is left out
-        out = (ratio > eta).nonzero().flatten()
-        counts[name].append(out.numel())
-        worst[name] = max(worst.get(name, 0.0), float(ratio.max()))
-        hits.update(int(current[0][p]) for p in out)
-
-    with capture_linear_inputs(adapter, consume):
-        for i in range(windows.shape[0]):
-            current[:] = [windows[i]]
-            run_windows(loaded.model, windows[i : i + 1])
-    mean_counts = {n: sum(c) / len(c) for n, c in counts.items()}
-    keep = min(max_tokens, math.ceil(max(mean_counts.values())))
-    bos = loaded.tokenizer.bos_token_id
-    chosen = [t for t, _ in hits.most_common() if t != bos][:keep]
-    ids = ([bos] if bos is not None else []) + chosen
+    """The prefixquant pass's tokens for these windows (see 1. above). Returns (ids, report)."""
+    stats = outlier_stats(loaded.adapter, windows, Progress())
+    ids, wanted, counts = choose_tokens(stats, eta, max_tokens, bos_id(loaded.tokenizer))
     report = {
         "eta": eta,
-        "kept": keep,
+        "wanted": wanted,
         "tokens": [
-            {"id": t, "text": loaded.tokenizer.decode([t]), "outlier_hits": hits[t]} for t in chosen
+            {"id": t, "text": loaded.tokenizer.decode([t]), "outlier_hits": counts.get(t, 0)}
+            for t in ids
         ],
-        "max_ratio_per_layer": {n: round(v, 1) for n, v in worst.items()},
-        "mean_outliers_per_window": {n: round(v, 3) for n, v in mean_counts.items()},
+        "top_ratio_per_layer": [round(float(r), 1) for r in stats.top_ratio()],
+        "mean_outliers_per_window": [round(float(c), 3) for c in stats.mean_count(eta)],
     }
     return tuple(ids), report
 
@@ -162,15 +136,21 @@ def main() -> None:
         save()
 
     def cache_of(state):
+        rows = prefix_from_tensors(state.policy.prefix, state.tensors, info.num_layers)
         return partial(build_cache, loaded.model, state.policy, state.of_kind("policy"),
-                       loaded.adapter)  # fmt: skip
+                       loaded.adapter, prefix=rows)  # fmt: skip
 
-    def fp16_cache():
-        return build_cache(loaded.model, fp16, unit_scales(fp16), loaded.adapter)
+    exact = ids_prefix(loaded, prefix) if "+prefix" in tags else None
 
-    def act(mode: str, state=None, skip: int = 0):
+    def fp16_cache(with_prefix: bool):
+        rows = exact if with_prefix else None
+        policy = fp16.with_prefix(rows.spec) if rows is not None else fp16
+        return partial(build_cache, loaded.model, policy, unit_scales(fp16), loaded.adapter,
+                       prefix=rows)  # fmt: skip
+
+    def act(mode: str, state=None):
         scales = static_scales(state.tensors, loaded.adapter) if state is not None else None
-        return partial(quantized_linear_inputs, loaded.adapter, mode, scales, skip)
+        return partial(quantized_linear_inputs, loaded.adapter, mode, scales)
 
     sets = {}
     for tag in tags:
@@ -178,8 +158,8 @@ def main() -> None:
         rows = {
             f"K/V INT8 static per head{tag}": (cache_of(states[f"kv-int8-head{tag}"]), None),
             f"A8 static per tensor ({args.act_method}){tag}": (
-                fp16_cache, act("a8-static", states[f"act{tag}"], len(p))),
-            f"A8 dynamic per token{tag}": (fp16_cache, act("a8-dynamic", None, len(p))),
+                fp16_cache(bool(tag)), act("a8-static", states[f"act{tag}"])),
+            f"A8 dynamic per token{tag}": (fp16_cache(bool(tag)), act("a8-dynamic")),
         }  # fmt: skip
         sets[tag or "none"] = (p, rows)
 
@@ -197,8 +177,12 @@ def main() -> None:
 
         makers = {n: m for n, (m, _) in rows.items()}
         around = {n: a for n, (_, a) in rows.items() if a is not None}
+        ids, served = ev.ids, None
+        if p:  # the caches serve the prefix (and with it each window's BOS)
+            ids = user_tokens(ev.ids, exact.spec, loaded.tokenizer.bos_token_id)
+            served = torch.tensor(p)
         with torch.no_grad():
-            evaluate_many(loaded.model, ev.ids, makers, Progress(), on_window, p, around)
+            evaluate_many(loaded.model, ids, makers, Progress(), on_window, around, prefix=served)
 
     print_table(payload)
 

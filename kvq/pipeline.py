@@ -37,6 +37,7 @@ from kvq.models.placement import Placement, input_device
 from kvq.progress import Progress
 from kvq.quant.schemes import CachePolicy, named_policy
 from kvq.runtime.cache import QuantizedKVCache, build_cache, unit_scales
+from kvq.runtime.prefix import Prefix, check_tokenizer, load_prefix
 
 
 def load_windows(
@@ -244,16 +245,31 @@ def apply_transforms(
 def load_artifact(path: str | Path, loaded: LoadedModel | None = None) -> Artifact:
     """Read and validate an artifact; with a model, also check it was made for that model."""
     artifact = read_artifact(Path(path))
+    check_prefix_declared(artifact.manifest)
     if loaded is not None:
         check_model_compatible(artifact.manifest, loaded.identity, loaded.adapter.info)
     return artifact
 
 
-def artifact_prefix(loaded: LoadedModel, artifact: Artifact):
+def check_prefix_declared(manifest) -> None:
+    """A pass calibrated with --prefix-ids needs that prefix served: kvq before prefixes
+    were declared state kept it as sink rows and in the pass options only; refuse such an
+    artifact rather than serve it without its prefix."""
+    if manifest.policy.prefix is not None:
+        return
+    for p in manifest.passes:
+        ids = p.options.get("prefix_ids")
+        if ids not in (None, "", "none"):
+            raise KvqError(
+                f"the artifact's {p.method} pass was calibrated with --prefix-ids {ids}, but "
+                "its policy declares no prefix (made before prefixes were declared state); "
+                "calibrate it again"
+            )
+
+
+def artifact_prefix(loaded: LoadedModel, artifact: Artifact) -> Prefix | None:
     """The artifact's declared prefix (`kvq.runtime.prefix.Prefix`), checked against the
     model's tokenizer; None when it declares none."""
-    from kvq.runtime.prefix import check_tokenizer, load_prefix
-
     prefix = load_prefix(artifact)
     if prefix is not None:
         check_tokenizer(prefix.spec, loaded.identity.tokenizer_sha256)
@@ -266,15 +282,22 @@ def cache_for(
     policy: str | None = None,
     backend: str | None = None,
     quantize: str = "both",
+    prefix: Prefix | None = None,
 ) -> QuantizedKVCache:
     """A fresh cache from a validated artifact or a named calibration-free policy.
 
     backend: attention backend "auto" | "triton" | "reference" (None: KVQ_BACKEND).
     quantize: "both", or "keys" / "values" to keep the other side at full precision
     (`CachePolicy.only`).
+    prefix: a prefix to declare on a policy or artifact that declares none (run-eval's
+    --prefix-ids, `prefix_state.ids_prefix`), checked against the model's tokenizer.
     """
     if (artifact is None) == (policy is None):
         raise KvqError("give exactly one of an artifact or a policy name")
+    if prefix is not None:
+        check_tokenizer(prefix.spec, loaded.identity.tokenizer_sha256)
+        if artifact is not None and artifact.manifest.policy.prefix is not None:
+            raise KvqError("the artifact declares a prefix of its own: no second one")
     if artifact is not None:
         check_model_compatible(artifact.manifest, loaded.identity, loaded.adapter.info)
         applied = apply_transforms(loaded, artifact.tensors)  # once per model, then a no-op
@@ -285,7 +308,10 @@ def cache_for(
             )
         static = {n: t for n, t in artifact.tensors.items() if tensor_kind(n) == "policy"}
         policy_obj = artifact.manifest.policy.only(quantize)
-        prefix = artifact_prefix(loaded, artifact)
+        if prefix is None:
+            prefix = artifact_prefix(loaded, artifact)
+        else:
+            policy_obj = policy_obj.with_prefix(prefix.spec)
         cache = build_cache(loaded.model, policy_obj, static, loaded.adapter, backend, prefix)
         # the whole artifact (transforms folded into the weights included) names the state
         index = {n: e.sha256 for n, e in sorted(artifact.manifest.tensors.items())}
@@ -293,4 +319,6 @@ def cache_for(
         return cache
     info = loaded.adapter.info
     named = named_policy(policy, info.num_layers, info.head_dim).only(quantize)
-    return build_cache(loaded.model, named, unit_scales(named), loaded.adapter, backend)
+    if prefix is not None:
+        named = named.with_prefix(prefix.spec)
+    return build_cache(loaded.model, named, unit_scales(named), loaded.adapter, backend, prefix)

@@ -34,6 +34,7 @@ _POLICY_STATE = re.compile(r"^layers\.\d+\.(key|value)\.")
 _PREFIX = re.compile(r"^layers\.\d+\.prefix\.")
 _LAYER_TENSOR = re.compile(r"^layers\.\d+\.")
 _ACTIVATION = re.compile(r"^act\.layers\.\d+\.")
+_POLICY_KINDS = ("policy", "provenance")
 
 
 def tensor_kind(name: str) -> str:
@@ -59,6 +60,12 @@ class ChainState:
 
     def of_kind(self, kind: str) -> dict[str, Tensor]:
         return {n: t for n, t in self.tensors.items() if tensor_kind(n) == kind}
+
+    def policy_tensors(self) -> dict[str, Tensor]:
+        """The policy's state and provenance: what a pass that re-declares the base's policy
+        (with a prefix of its own) returns; transforms and activation scales are carried by
+        the chain, and returning them again would read as new ones."""
+        return {n: t for n, t in self.tensors.items() if tensor_kind(n) in _POLICY_KINDS}
 
 
 @dataclass

@@ -6,20 +6,18 @@ transformers model, so no modeling file is forked. Each window's tensors are han
 to a consumer and dropped, which keeps memory bounded by one window whatever the
 number of samples.
 
-A prefix (`prefix_ids`, see `kvq.data.prefix`) is forwarded before every window and its
-positions are cut from what consumers see: the statistics describe the rows a cache
-with that prefix in place will quantize.
+Windows served after a declared prefix run after a cache holding its rows
+(`kvq.calibrators.prefix_state.run_served`): the hooks never see a prefix position.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from contextlib import contextmanager
 
 import torch
 from torch import Tensor
 
-from kvq.data.prefix import with_prefix
 from kvq.models.placement import input_device
 
 Consumer = Callable[[int, str, Tensor], None]  # (layer, "key"|"value"|"query", [B, H, T, D])
@@ -33,13 +31,12 @@ def capture(
     parts: Iterable[str] = ("key", "value"),
     key_stage: str = "pre-rope",
     positions: Tensor | None = None,
-    skip_positions: int = 0,
 ):
     """Install hooks feeding `consumer`; removed on exit even after an error.
 
     With key_stage "post-rope" keys and queries are rotated at `positions` ([T], set
-    per window through the yielded state) with the model's own RoPE before delivery.
-    The first `skip_positions` positions (a prefix) are rotated, then cut.
+    per window through the yielded state; default 0 .. T-1) with the model's own RoPE
+    before delivery.
     """
     handles = []
     state = {"positions": positions}
@@ -58,7 +55,7 @@ def capture(
                     pos = torch.arange(x.shape[2], device=x.device)
                 cos, sin = adapter.rope_cos_sin(layer, pos)
                 x = adapter.apply_rope(x.float(), cos.to(x.device), sin.to(x.device))
-            consumer(layer, part, x[:, :, skip_positions:])
+            consumer(layer, part, x)
 
         return hook
 
@@ -74,14 +71,14 @@ def capture(
 
 
 @contextmanager
-def capture_linear_inputs(adapter, consumer: InputConsumer, skip_positions: int = 0):
+def capture_linear_inputs(adapter, consumer: InputConsumer):
     """Hooks feeding `consumer` the input of every decoder linear (`decoder_linears`),
-    [B, T, K] with the first `skip_positions` positions cut; removed on exit."""
+    [B, T, K]; removed on exit."""
     handles = []
 
     def make_hook(name: str):
         def hook(_module, args):
-            consumer(name, args[0].detach()[:, skip_positions:])
+            consumer(name, args[0].detach())
 
         return hook
 
@@ -99,17 +96,13 @@ def run_windows(
     model,
     windows: Tensor,
     on_window: Callable[[int], None] | None = None,
-    prefix_ids: Sequence[int] | None = None,
 ) -> None:
-    """Forward each calibration window ([N, L] token ids) through `model`, one at a time,
-    after `prefix_ids` when given (`kvq.data.prefix.with_prefix`; the hooks must then be
-    installed with skip_positions=len(prefix_ids)).
+    """Forward each calibration window ([N, L] token ids) through `model`, one at a time.
 
     Only the decoder body runs: the hooks see every K/V, and skipping the LM head
     (a 262k-wide projection for Gemma 3) saves most of the time.
     """
     body = model.get_decoder() if hasattr(model, "get_decoder") else model
-    windows = with_prefix(windows, prefix_ids).ids
     for i in range(windows.shape[0]):
         body(input_ids=windows[i : i + 1].to(input_device(model)), use_cache=False)
         if on_window is not None:

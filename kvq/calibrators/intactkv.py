@@ -244,7 +244,7 @@ def fit(ctx: FitContext) -> PassResult:
     prefix = trainer.calibrated(source)
     if not all(math.isfinite(x) for x in (before, after)):
         raise KvqError(f"intactkv: the loss is not finite (before {before}, after {after})")
-    tensors = {n_: t for n_, t in ctx.base.tensors.items() if ".prefix." not in n_}
+    tensors = ctx.base.policy_tensors()
     tokenizer = loaded.tokenizer
     report = {
         "prefix_ids": tuple(str(t) for t in prefix.token_ids),

@@ -5,9 +5,10 @@ RoPE there, so they are observed after RoPE here. Rows the cache keeps exact (th
 prefix a base artifact declares) are left out of the statistics: the scale describes
 exactly the rows it will encode. Layers named by --skip-layers stay in 16 bits.
 
-With --prefix-ids the windows are forwarded after that prefix (PrefixQuant's outlier
-tokens and BOS), whose positions are left out of the statistics and kept exact in the
-cache as its first rows (sink rows, until the prefix is declared state of its own).
+With a prefix in place (the base's declared one, e.g. from `prefixquant` or `intactkv`,
+or `--prefix-ids` declared now with its exact rows) the windows are served after it as
+the runtime serves them (`prefix_state.run_served`): the prefix positions never reach the
+statistics, and the artifact declares the same prefix, so its rows stay exact in the cache.
 
 Methods (`kvq.calibrators.observers`), per (layer, K or V[, head]): absmax, percentile,
 or mse (the clip whose stored scale gives the least error of the format's round trip).
@@ -15,13 +16,14 @@ or mse (the clip whose stored scale gives the least error of the format's round 
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor
 
 from kvq.calibrators.base import FitContext, PassResult
-from kvq.calibrators.capture import capture, run_windows
+from kvq.calibrators.capture import capture
 from kvq.calibrators.observers import AbsObserver, fit_static_scale
 from kvq.calibrators.options import KVScalesOptions
-from kvq.data.prefix import check_prefix_ids, vocab_size
+from kvq.calibrators.prefix_state import calibration_prefix, run_served, served_tokens
 from kvq.errors import KvqError
 from kvq.quant import kv_formats
 from kvq.quant.schemes import FULL_PRECISION, CachePolicy, LayerPolicy
@@ -56,13 +58,13 @@ def fit(ctx: FitContext) -> PassResult:
     adapter = ctx.loaded.adapter
     info = adapter.info
     skip = skipped_layers(options, adapter)
-    prefix = check_prefix_ids(options.prefix, vocab_size(ctx.loaded.model))
-    # rows a base artifact keeps exact (sinks) stay exact, and out of the statistics; a
-    # prefix comes before them (cut by the capture hooks)
+    prefix = calibration_prefix(ctx, options.prefix)
+    # rows a base artifact keeps exact (sinks: each sequence's first real tokens, after
+    # the prefix) stay exact, and out of the statistics
     sinks = [0] * info.num_layers
     if ctx.base is not None:
         sinks = [layer.sink_tokens for layer in ctx.base.policy.layers]
-    windows = ctx.windows.ids
+    windows = served_tokens(ctx.loaded, ctx.windows.ids, prefix)  # [N, L']
     if windows.shape[1] <= max(sinks):
         raise KvqError(f"--seqlen {windows.shape[1]} leaves no rows after {max(sinks)} sink rows")
     keep = options.method != "absmax"
@@ -77,6 +79,7 @@ def fit(ctx: FitContext) -> PassResult:
         if layer not in skip:  # x [B, H_kv, T, D], keys already rotated
             observers[(layer, part)].add(x[:, :, sinks[layer] :])
 
+    start = 0 if prefix is None else prefix.length  # the windows' first position
     progress = ctx.progress
     with (
         progress.stage("capture post-RoPE K/V", total=windows.shape[0]) as bar,
@@ -85,10 +88,10 @@ def fit(ctx: FitContext) -> PassResult:
             consume,
             parts=("key", "value"),
             key_stage="post-rope",
-            skip_positions=len(prefix),
+            positions=torch.arange(start, start + windows.shape[1]),  # as served
         ),
     ):
-        run_windows(ctx.loaded.model, windows, lambda _i: bar.advance(), prefix)
+        run_served(ctx.loaded, windows, prefix, lambda _i: bar.advance())
 
     scheme = kv_formats.scheme_for(options.kv_format, options.granularity)
     tensors: dict[str, Tensor] = {}
@@ -101,8 +104,11 @@ def fit(ctx: FitContext) -> PassResult:
                 for part in ("key", "value"):
                     obs = observers.pop((i, part))
                     tensors[f"layers.{i}.{part}.scale"] = fit_scale(obs, options).contiguous()
-                exact = len(prefix) + sinks[i]  # the prefix rows, then the base's sinks
-                layers.append(LayerPolicy(scheme, scheme, "post-rope", sink_tokens=exact))
+                layers.append(LayerPolicy(scheme, scheme, "post-rope", sink_tokens=sinks[i]))
             bar.advance()
     name = f"kv-scales-{options.kv_format}-{options.granularity}"
-    return PassResult(CachePolicy(name=name, layers=tuple(layers)), tensors)
+    policy = CachePolicy(name=name, layers=tuple(layers))
+    if prefix is not None:  # served as calibrated: the same prefix, its rows exact
+        policy = policy.with_prefix(prefix.spec)
+        tensors |= prefix.tensors()
+    return PassResult(policy, tensors)

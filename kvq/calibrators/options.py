@@ -221,8 +221,9 @@ def parse_prefix_ids(text: str) -> tuple[int, ...]:
 
 
 PREFIX_HELP = (
-    "token ids forwarded before every window (e.g. BOS and outlier tokens: 2,107), "
-    "left out of the statistics and kept exact in the cache"
+    "declare a prefix of these token ids (e.g. BOS and outlier tokens: 2,107): their exact "
+    "K/V rows are served before every window, out of the statistics, and kept in the "
+    "artifact (a --base that declares a prefix brings its own)"
 )
 
 

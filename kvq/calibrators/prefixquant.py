@@ -114,7 +114,7 @@ def fit(ctx: FitContext) -> PassResult:
         tensors = unit_scales(policy)
     else:  # the base's layout and every tensor of its own
         policy = ctx.base.policy
-        tensors = {n: t for n, t in ctx.base.tensors.items() if ".prefix." not in n}
+        tensors = ctx.base.policy_tensors()
     tokenizer = loaded.tokenizer
     report = {
         "eta": options.eta,

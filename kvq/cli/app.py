@@ -143,8 +143,9 @@ def run_eval(
     prefix_ids: str | None = typer.Option(
         None,
         "--prefix-ids",
-        help="token ids forwarded before every window, not scored (default: the artifact's "
-        "calibration prefix; none: no prefix)",
+        help="declare a prefix of these token ids (exact K/V from the model) on a policy or "
+        "artifact without one: served before every window, not scored (default none; an "
+        "artifact's declared prefix is always served)",
     ),
     seed: int = typer.Option(0, "--seed"),
     json_out: Path | None = typer.Option(None, "--json", help="write the report here"),

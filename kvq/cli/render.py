@@ -184,13 +184,15 @@ def print_eval(report: dict) -> None:
     act = report.get("activations") or {"mode": "none"}
     if act["mode"] != "none":
         only += f" · activations {act['mode']} ({act['linears']} linears, {act['path']})"
-    if report.get("prefix_ids"):
-        only += f" · prefix {','.join(map(str, report['prefix_ids']))}"
     table = Table(
         title=_t(
             f"{report['model']} · {report['policy']}{only} · {report['dataset']} · "
             f"{report['windows']}×{report['seqlen']} · {report['protocol']}"
-            + (f" · prefix {report['prefix']}" if report.get("prefix") else "")
+            + (
+                f" · prefix {','.join(map(str, report['prefix']))} ({report.get('prefix_source')})"
+                if report.get("prefix")
+                else ""
+            )
         )
     )
     table.add_column("metric")

@@ -67,29 +67,3 @@ def check_activations(mode: str, artifact_path: Path | None) -> None:
             "--activations a8-static needs --artifact with static input scales "
             "(kvq calibrate act-scales)"
         )
-
-
-def artifact_prefix(manifest) -> tuple[int, ...]:
-    """The prefix the artifact's passes were calibrated with (their `prefix_ids` option),
-    () when none was; passes that disagree are refused."""
-    from kvq.calibrators.options import parse_prefix_ids
-
-    found = {
-        parse_prefix_ids(str(p.options["prefix_ids"]))
-        for p in manifest.passes
-        if p.options.get("prefix_ids") not in (None, "", "none")
-    }
-    if len(found) > 1:
-        raise KvqError(f"the artifact's passes were calibrated with different prefixes: {found}")
-    return found.pop() if found else ()
-
-
-def check_prefix_exact(policy, prefix_len: int) -> None:
-    """A prefix's rows are state kept in full precision: every quantized layer of the cache
-    must keep at least that many first rows exact (its sink rows)."""
-    for i, layer in enumerate(policy.layers):
-        if (layer.key.stored or layer.value.stored) and layer.sink_tokens < prefix_len:
-            raise KvqError(
-                f"the cache keeps {layer.sink_tokens} first rows exact in layer {i}, fewer "
-                f"than the {prefix_len}-token prefix: calibrate it with the same --prefix-ids"
-            )

@@ -17,15 +17,13 @@ with the prefix, and only the window's own tokens are scored.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from kvq.data.prefix import with_prefix
-from kvq.errors import KvqError
 from kvq.manifests.ledger import ByteLedger
 from kvq.models.placement import input_device
 from kvq.progress import Progress
@@ -100,24 +98,19 @@ def evaluate(
     make_cache: Callable[[], object],
     protocol: str,
     progress: Progress,
-    prefix_ids: Sequence[int] | None = None,
     around: Around | None = None,
     prefix: Tensor | None = None,
 ) -> QualityResult:
     """Score `windows` ([N, L] ids) with the quantized cache from `make_cache()`.
 
-    prefix_ids: forwarded before every window (`kvq.data.prefix.with_prefix`), by the
-    baseline and the quantized model alike; only the window's own tokens are scored.
     around: a context (e.g. activation quantization) entered around the quantized forwards.
     prefix: [P] ids the cache is seeded with (its declared prefix), served before each
-    window by the baseline too; None without one.
+    window by the baseline too (only the window's own tokens are scored); None without one.
     """
     if protocol == "decode":
-        if prefix_ids:
-            raise KvqError("a prefix is scored with the prefill protocol only")
         return _evaluate_decode(model, windows, make_cache, progress, around, prefix)
     result = evaluate_many(
-        model, windows, {"": make_cache}, progress, prefix_ids=prefix_ids,
+        model, windows, {"": make_cache}, progress,
         around={"": around} if around else None, title=f"eval ({protocol})", prefix=prefix,
     )  # fmt: skip
     return result[""]
@@ -129,7 +122,6 @@ def evaluate_many(
     make_caches: dict[str, Callable[[], object]],
     progress: Progress,
     on_window: Callable[[int, dict[str, QualityResult]], None] | None = None,
-    prefix_ids: Sequence[int] | None = None,
     around: dict[str, Around] | None = None,
     title: str = "eval (prefill, shared baseline)",
     prefix: Tensor | None = None,
@@ -137,24 +129,20 @@ def evaluate_many(
     """The prefill protocol for several caches at once: each window's baseline forward runs
     once and every cache is scored against it (what `evaluate` computes for each alone,
     at about half the forwards for a comparison of many). on_window(i, results so far).
-    prefix_ids, around (by cache name), prefix: as in `evaluate`."""
-    if prefix_ids and prefix is not None:
-        raise KvqError("--prefix-ids and an artifact's declared prefix cannot be combined")
+    around (by cache name), prefix: as in `evaluate`."""
     totals = {name: QualityTotals() for name in make_caches}
     ledgers: dict[str, ByteLedger | None] = dict.fromkeys(make_caches)
-    seqs = with_prefix(windows, prefix_ids)
-    scored = slice(seqs.window_start, seqs.window_start + windows.shape[1] - 1)
     around = around or {}
     with progress.stage(title, total=windows.shape[0]) as bar:
         for i in range(windows.shape[0]):
-            ids = seqs.ids[i : i + 1].to(input_device(model))  # [1, P + L (- 1)]
-            targets = windows[i, 1:].to(ids.device)  # [L - 1]: the window's own tokens
-            base = _baseline(model, ids, prefix)[0, scored].float()  # [L - 1, V]
+            ids = windows[i : i + 1].to(input_device(model))  # [1, L]
+            targets = windows[i, 1:].to(ids.device)  # [L - 1]
+            base = _baseline(model, ids, prefix)[0, :-1].float()  # [L - 1, V]
             for name, make_cache in make_caches.items():
                 cache = make_cache()
                 with around.get(name, nullcontext)():
                     logits = model(ids, cache=cache, use_cache=True).logits
-                _accumulate(totals[name], base, logits[0, scored].float(), targets)
+                _accumulate(totals[name], base, logits[0, :-1].float(), targets)
                 ledgers[name] = cache.nbytes()
             if on_window is not None:
                 on_window(i, {n: QualityResult(totals[n], ledgers[n]) for n in make_caches})

@@ -9,14 +9,12 @@ from pathlib import Path
 import torch
 
 from kvq.calibrators.options import parse_prefix_ids
-from kvq.data.prefix import check_prefix_ids, vocab_size
+from kvq.calibrators.prefix_state import ids_prefix
 from kvq.data.text import TextSource, read_corpus
 from kvq.errors import KvqError
 from kvq.eval.inputs import (
-    artifact_prefix,
     check_activations,
     check_cache_source,
-    check_prefix_exact,
     check_protocol,
     check_quantize,
     parse_tasks,
@@ -60,8 +58,10 @@ def run_eval_job(
     """corpus: `read_corpus` of the dataset when the caller has read it already.
     quantize: "both", or "keys" / "values" alone (the other side at full precision).
     activations: "none", "a8-dynamic" or "a8-static" (`kvq.runtime.activations`).
-    prefix_ids: "2,107" or "none": token ids forwarded before every window and not scored;
-    None: the prefix the artifact was calibrated with (none without one)."""
+    prefix_ids: "2,107": declare a prefix of these ids (exact K/V rows from the model,
+    `prefix_state.ids_prefix`) on a policy or artifact that declares none; None or
+    "none": only the artifact's own declared prefix, if any. Either way the cache serves
+    the prefix and only the window's own tokens are scored."""
     chosen = parse_tasks(tasks)
     check_protocol(protocol)
     check_quantize(quantize)
@@ -81,38 +81,32 @@ def run_eval_job(
     with progress.stage("sample windows"):
         tw = load_windows(loaded, dataset, windows, seqlen, seed, data_dir, corpus)
     resolve_backend(backend, input_device(loaded.model))  # fail fast: e.g. triton without CUDA
-    # fail fast on an unusable policy
-    probe = cache_for(loaded, artifact=artifact, policy=policy, quantize=quantize)
-    ids, prefix = served_windows(loaded, artifact, tw.ids)  # prefix: the declared one
-    prefix_ids = explicit_prefix
-    if prefix_ids is None:
-        prefix_ids = artifact_prefix(artifact.manifest) if artifact is not None else ()
-    prefix_ids = check_prefix_ids(prefix_ids, vocab_size(loaded.model))
-    check_prefix_exact(probe.policy, len(prefix_ids))
-    if prefix_ids and protocol != "prefill":
-        raise KvqError("--prefix-ids is scored with --protocol prefill only")
-    if prefix_ids and prefix is not None:
-        raise KvqError("--prefix-ids cannot be combined with an artifact's declared prefix")
+    declared = None if artifact is None else artifact.manifest.policy.prefix
+    if explicit_prefix and declared is not None:
+        raise KvqError(
+            f"--prefix-ids: the artifact declares its own prefix {list(declared.token_ids)} "
+            f"({declared.source}), which it serves; drop --prefix-ids"
+        )
+    extra = None
+    if explicit_prefix:
+        with progress.stage("extract prefix K/V"):
+            extra = ids_prefix(loaded, explicit_prefix)
+
+    def make_cache():
+        return cache_for(loaded, artifact=artifact, policy=policy, backend=backend,
+                         quantize=quantize, prefix=extra)  # fmt: skip
+
+    spec = make_cache().policy.prefix  # fail fast on an unusable policy
+    ids, prefix = served_windows(loaded, spec, tw.ids)
     scales = None
     if activations == "a8-static":
         scales = static_scales(artifact.tensors, loaded.adapter)
 
     def around():
-        return quantized_linear_inputs(
-            loaded.adapter, activations, scales, len(prefix_ids), backend
-        )
+        return quantized_linear_inputs(loaded.adapter, activations, scales, backend)
 
     result = evaluate(
-        loaded.model,
-        ids,
-        lambda: cache_for(
-            loaded, artifact=artifact, policy=policy, backend=backend, quantize=quantize
-        ),
-        protocol,
-        progress,
-        prefix_ids=prefix_ids,
-        around=around,
-        prefix=prefix,
+        loaded.model, ids, make_cache, protocol, progress, around=around, prefix=prefix
     )
     cache_policy = artifact.manifest.policy if artifact is not None else None
     linear_path = "reference fake-quant"
@@ -136,20 +130,20 @@ def run_eval_job(
             "linears": 0 if activations == "none" else len(loaded.adapter.decoder_linears()),
             "path": None if activations == "none" else linear_path,
         },
-        "prefix_ids": list(prefix_ids),
         "windows": windows,
         "seqlen": seqlen,
         "seed": seed,
         "prefix": None if prefix is None else prefix.tolist(),
+        "prefix_source": None if spec is None else spec.source,
         "tasks": result.as_json(chosen),
         "seconds": {**progress.seconds, "total": round(time.perf_counter() - start, 3)},
     }
 
 
-def served_windows(loaded, artifact, windows: torch.Tensor):
-    """(the windows' user tokens [N, L'], the artifact's prefix ids [P] or None): a window's
-    BOS goes when the prefix supplies it."""
-    spec = None if artifact is None else artifact.manifest.policy.prefix
+def served_windows(loaded, spec, windows: torch.Tensor):
+    """(the windows' user tokens [N, L'], the prefix ids [P] or None) for a cache whose
+    policy declares `spec` (a `PrefixSpec` or None): a window's BOS goes when the prefix
+    supplies it."""
     if spec is None:
         return windows, None
     bos = getattr(loaded.tokenizer, "bos_token_id", None)
@@ -184,7 +178,7 @@ def generate_text(
     inputs = loaded.tokenizer(prompt, return_tensors="pt")
     if artifact is not None and artifact.manifest.policy.prefix is not None:
         # the cache supplies the prefix (and with it the BOS, when it starts with one)
-        ids, _ = served_windows(loaded, artifact, inputs["input_ids"])
+        ids, _ = served_windows(loaded, artifact.manifest.policy.prefix, inputs["input_ids"])
         inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
     prompt_len = inputs["input_ids"].shape[1]
     hidden = (

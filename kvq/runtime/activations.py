@@ -12,9 +12,10 @@ Two paths, chosen by the attention backend (`resolve_backend`):
              the fused RMSNorm + per-token INT8 producer (`rmsnorm_quant`), whose codes
              and scales go straight to those linears' GEMMs.
 
-Positions before `skip_positions` (a prefix whose K/V a server precomputes once, in full
-precision) are never quantized. Hooks are installed on entry and removed on exit, so the
-baseline forward of an evaluation runs the model untouched.
+A declared prefix (IntactKV, PrefixQuant) is K/V rows in the cache, never a forward through
+the linears: its activations are never computed here, so never quantized. Hooks are
+installed on entry and removed on exit, so the baseline forward of an evaluation runs the
+model untouched.
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-import torch
 from torch import Tensor, nn
 
 from kvq.errors import IncompatibleArtifact, KvqError
@@ -58,7 +58,6 @@ def quantized_linear_inputs(
     adapter,
     mode: str,
     scales: dict[str, Tensor] | None = None,
-    skip_positions: int = 0,
     backend: str | None = None,
 ) -> Iterator[None]:
     """Quantize every decoder linear's input while inside (see the module docstring).
@@ -82,15 +81,15 @@ def quantized_linear_inputs(
             for norm, eps, offset, names in adapter.norm_feeds():
                 if resolve_backend(backend, norm.weight.device) == "triton":
                     stash: dict = {}
-                    undo.append(_fused_norm_hook(norm, eps, offset, skip_positions, stash).remove)
+                    undo.append(_fused_norm_hook(norm, eps, offset, stash).remove)
                     fused.update(dict.fromkeys(names, stash))
         for name, module in linears.items():
             scale = scales[name] if mode == "a8-static" else None
             if resolve_backend(backend, module.weight.device) == "triton":
                 stash = fused.get(name)
-                undo.append(_swap_forward(module, scale, skip_positions, backend, stash))
+                undo.append(_swap_forward(module, scale, backend, stash))
             else:
-                undo.append(_fake_quant_hook(module, scale, skip_positions).remove)
+                undo.append(_fake_quant_hook(module, scale).remove)
         done = True
     finally:
         if not done:  # failed half-way: leave the model as it was
@@ -103,37 +102,29 @@ def quantized_linear_inputs(
             u()
 
 
-def _fake_quant_hook(module: nn.Linear, scale: Tensor | None, skip: int):
+def _fake_quant_hook(module: nn.Linear, scale: Tensor | None):
     scale = None if scale is None else scale.to(module.weight.device)
 
     def hook(_module, args):
-        x = args[0]  # [B, T, K]
-        if skip >= x.shape[1]:
-            return None
-        q = a8.round_trip(x[:, skip:], scale)
-        return (torch.cat([x[:, :skip], q], dim=1) if skip else q, *args[1:])
+        return (a8.round_trip(args[0], scale), *args[1:])  # input [B, T, K]
 
     return module.register_forward_pre_hook(hook)
 
 
-def _fused_norm_hook(norm: nn.Module, eps: float, offset: float, skip: int, stash: dict):
-    """Replace the norm's output past `skip` by the fused RMSNorm + INT8 producer's decoded
-    codes, and leave (output, codes [M, K], scales [M]) in `stash` for the linears it feeds."""
+def _fused_norm_hook(norm: nn.Module, eps: float, offset: float, stash: dict):
+    """Replace the norm's output by the fused RMSNorm + INT8 producer's decoded codes, and
+    leave (output, codes [M, K], scales [M]) in `stash` for the linears it feeds."""
     from kvq.runtime.kernels.a8 import rmsnorm_quant
 
     def hook(_module, args, output):
         stash.clear()
         x = args[0]  # [B, T, K]
-        if skip >= x.shape[1]:
-            return None
-        body = x[:, skip:]
-        rows = body.reshape(-1, body.shape[-1])  # [M, K]
+        rows = x.reshape(-1, x.shape[-1])  # [M, K]
         codes, scale = rmsnorm_quant(
             rows, norm.weight, eps, weight_offset=offset, scale_dtype=a8.SCALE_DTYPE,
             backend="triton",
         )  # fmt: skip
-        decoded = a8.decode(codes, scale[:, None], output.dtype).view(body.shape)
-        out = torch.cat([output[:, :skip], decoded], dim=1) if skip else decoded
+        out = a8.decode(codes, scale[:, None], output.dtype).view(x.shape)
         stash.update(output=out, codes=codes, scale=scale)
         return out
 
@@ -143,7 +134,6 @@ def _fused_norm_hook(norm: nn.Module, eps: float, offset: float, skip: int, stas
 def _swap_forward(
     module: nn.Linear,
     scale: Tensor | None,
-    skip: int,
     backend: str | None,
     stash: dict | None = None,
 ):
@@ -153,13 +143,9 @@ def _swap_forward(
 
     w_codes, w_scale = quantize_weight_per_channel(module.weight.detach())  # [N, K], [N]
     scale = None if scale is None else scale.to(module.weight.device)
-    original = module.forward
 
     def forward(x: Tensor) -> Tensor:  # [B, T, K] -> [B, T, N]
-        if skip >= x.shape[1]:
-            return original(x)
-        body = x[:, skip:]
-        rows = body.reshape(-1, body.shape[-1])  # [M, K]
+        rows = x.reshape(-1, x.shape[-1])  # [M, K]
         if stash and stash.get("output") is x:  # produced by the fused RMSNorm + INT8
             codes, x_scale = stash["codes"], stash["scale"]
         elif scale is None:
@@ -170,8 +156,7 @@ def _swap_forward(
         y = int8_linear(
             codes, x_scale, w_codes, w_scale, module.bias, x.dtype, backend=backend
         )  # [M, N]
-        y = y.view(*body.shape[:-1], y.shape[-1])
-        return torch.cat([original(x[:, :skip]), y], dim=1) if skip else y
+        return y.view(*x.shape[:-1], y.shape[-1])
 
     module.forward = forward
 

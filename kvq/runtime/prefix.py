@@ -209,10 +209,11 @@ def prefix_dynamic_cache(model, adapter, prefix: Prefix, batch: int = 1):
     from transformers import DynamicCache
 
     dtype = next(model.parameters()).dtype
-    device = next(model.parameters()).device
     cache = DynamicCache(config=model.config)
     positions = torch.arange(prefix.length)
+    layers = adapter.decoder_layers()
     for i, kv in enumerate(prefix.layers):
+        device = next(layers[i].parameters()).device  # a model spread over devices too
         cos, sin = adapter.rope_cos_sin(i, positions)
         key = adapter.apply_rope(kv.key.float()[None], cos.to(kv.key.device), sin.to(kv.key.device))
         key = key.expand(batch, -1, -1, -1).to(device=device, dtype=dtype).contiguous()

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from kvq.calibrators.base import tensor_kind
-from kvq.calibrators.capture import capture, capture_linear_inputs, run_windows
+from kvq.calibrators.capture import capture, run_windows
 from kvq.calibrators.options import ActScalesOptions, KVScalesOptions, parse_prefix_ids
-from kvq.data.prefix import with_prefix
+from kvq.calibrators.prefix_state import extract_prefix
 from kvq.errors import IncompatibleArtifact, KvqError
 from kvq.exporters.artifact import read_artifact, write_artifact
 from kvq.models.loading import load_model
@@ -34,17 +34,20 @@ def _calibrate(model_dir, data, out, options, base=None):
     return calibrate_job(request, Progress())
 
 
-def _input_amax(model_dir, data, prefix=()):
-    """Per linear: max |input| over the windows forwarded after `prefix`, prefix cut."""
+def _input_amax(model_dir, data, prefix=(), with_prefix_rows=False):
+    """Per linear: max |input| over the windows served after `prefix` by a plain forward
+    over prefix + window (the window's BOS replaced by a prefix that starts with it), the
+    prefix positions cut unless `with_prefix_rows`."""
     loaded = load_model(str(model_dir))
     windows = load_windows(loaded, data, SAMPLES, SEQLEN, 0, None).ids
-    seqs = with_prefix(windows, prefix).ids
+    seqs = _served(windows, prefix)
+    cut = 0 if with_prefix_rows else len(prefix)
     amax = {}
     hooks = []
     for name, module in loaded.adapter.decoder_linears().items():
 
         def hook(_m, args, name=name):
-            m = args[0][:, len(prefix) :].abs().amax()
+            m = args[0][:, cut:].abs().amax()
             amax[name] = torch.maximum(amax[name], m) if name in amax else m
 
         hooks.append(module.register_forward_pre_hook(hook))
@@ -54,6 +57,111 @@ def _input_amax(model_dir, data, prefix=()):
     for h in hooks:
         h.remove()
     return amax, loaded
+
+
+def _served(windows, prefix):
+    """prefix + windows as one plain sequence each ([N, P + L'])."""
+    if not prefix:
+        return windows
+    body = windows[:, 1:] if prefix[0] == int(windows[0, 0]) else windows
+    return torch.cat([torch.tensor(prefix)[None].expand(len(windows), -1), body], 1)
+
+
+OUTLIER = 7  # the token the outlier model makes extreme
+
+
+@pytest.fixture(scope="module")
+def outlier_model_dir(tmp_path_factory):
+    """Tiny Llama whose token 7 embeds as one huge channel, the one layer 0's input norm
+    weighs most: an outlier token at every layer-0 q/k/v/gate/up input and in its keys
+    and values (what PrefixQuant moves into the prefix)."""
+    from tests.conftest import make_tiny_model, tiny_tokenizer
+
+    model = make_tiny_model("llama")
+    with torch.no_grad():
+        channel = int(model.model.layers[0].input_layernorm.weight.abs().argmax())
+        row = model.model.embed_tokens.weight[OUTLIER]
+        row.zero_()
+        row[channel] = 100.0
+    out = tmp_path_factory.mktemp("outlier-llama")
+    model.save_pretrained(out)
+    tiny_tokenizer().save_pretrained(out)
+    return out
+
+
+@pytest.mark.parametrize("prefix", [(2, OUTLIER), (OUTLIER, 9, 11)])
+def test_prefix_positions_are_left_out(outlier_model_dir, data, tmp_path, prefix):
+    """The scales are those of the windows' own rows served after the prefix (a plain
+    forward over prefix + window, prefix positions cut); with the outlier token's rows
+    included they would be far wider."""
+    ids = ",".join(map(str, prefix))
+    art = _calibrate(outlier_model_dir, data, tmp_path / "a", ActScalesOptions(prefix_ids=ids))
+    assert art.manifest.policy.prefix.token_ids == prefix
+    without, _ = _input_amax(outlier_model_dir, data, prefix)
+    included, _ = _input_amax(outlier_model_dir, data, prefix, with_prefix_rows=True)
+    for name, m in without.items():
+        got = art.tensors[input_scale_name(name)]
+        torch.testing.assert_close(got, kv_formats.scale_for(m[None], "int8"), rtol=1e-5, atol=0)
+        assert bool((kv_formats.scale_for(included[name][None], "int8") >= got).all())
+    for name in ("self_attn.q_proj", "mlp.gate_proj"):  # the outlier token's own row
+        ratio = included[f"layers.0.{name}"] / without[f"layers.0.{name}"]
+        assert ratio > 2, (name, ratio)
+    assert art.manifest.passes[-1].options["prefix_ids"] == ids
+
+
+def test_kv_scales_prefix_rows_exact_and_out_of_statistics(outlier_model_dir, data, tmp_path):
+    prefix = (2, OUTLIER)
+    options = KVScalesOptions("int8", "head", prefix_ids="2,7")
+    art = _calibrate(outlier_model_dir, data, tmp_path / "kv", options)
+    loaded = load_model(str(outlier_model_dir))
+    windows = load_windows(loaded, data, SAMPLES, SEQLEN, 0, None).ids
+    amax = {True: {}, False: {}}  # prefix rows included?
+
+    def consume(layer, part, x):  # x [1, H, P + L', D], post-RoPE at served positions
+        for included, rows in ((True, x), (False, x[:, :, len(prefix) :])):
+            m = rows.abs().amax(dim=(0, 2, 3))
+            old = amax[included].get((layer, part))
+            amax[included][(layer, part)] = m if old is None else torch.maximum(old, m)
+
+    with capture(loaded.adapter, consume, key_stage="post-rope"):
+        run_windows(loaded.model, _served(windows, prefix))
+    for (layer, part), m in amax[False].items():
+        got = art.tensors[f"layers.{layer}.{part}.scale"]
+        torch.testing.assert_close(got, kv_formats.scale_for(m, "int8"), rtol=1e-5, atol=0)
+        assert bool((kv_formats.scale_for(amax[True][(layer, part)], "int8") >= got).all())
+    for part in ("key", "value"):
+        assert bool((amax[True][(0, part)] > 1.2 * amax[False][(0, part)]).any())
+    policy = art.manifest.policy
+    assert policy.prefix.token_ids == prefix and policy.prefix.source == "prefix-ids"
+    assert all(layer.sink_tokens == 0 for layer in policy.layers)  # the prefix is no sink
+    assert art.manifest.ledger.prefix > 0
+    exact = extract_prefix(loaded, prefix, "x").tensors()
+    assert all(torch.equal(art.tensors[n], t) for n, t in exact.items())
+
+
+def test_a_base_prefix_and_prefix_ids_on_a_plain_base_serve_the_same_rows(
+    tiny_model_dir, data, tmp_path
+):
+    """act-scales --prefix-ids on a base without a prefix declares it on the base's layout
+    (its state kept); act-scales on a base that declares it keeps it: same scales."""
+    model_dir = tiny_model_dir("llama")
+    _calibrate(model_dir, data, tmp_path / "kv", KVScalesOptions("int8", "head"))
+    on_plain = _calibrate(
+        model_dir, data, tmp_path / "a", ActScalesOptions(prefix_ids="2,9"), base=tmp_path / "kv"
+    )
+    kv = read_artifact(tmp_path / "kv")
+    assert on_plain.manifest.policy == kv.manifest.policy.with_prefix(
+        on_plain.manifest.policy.prefix
+    )
+    assert all(torch.equal(on_plain.tensors[n], t) for n, t in kv.tensors.items())
+    with_prefix = _calibrate(
+        model_dir, data, tmp_path / "b", KVScalesOptions("int8", "head", prefix_ids="2,9")
+    )
+    on_prefixed = _calibrate(model_dir, data, tmp_path / "c", ActScalesOptions(),
+                             base=tmp_path / "b")  # fmt: skip
+    assert on_prefixed.manifest.policy == with_prefix.manifest.policy
+    acts = [n for n in on_plain.tensors if tensor_kind(n) == "activation"]
+    assert acts and all(torch.equal(on_plain.tensors[n], on_prefixed.tensors[n]) for n in acts)
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
@@ -70,60 +178,6 @@ def test_absmax_scales_are_every_linear_inputs_maximum(family, tiny_model_dir, d
         assert tensor_kind(input_scale_name(name)) == "activation"
     assert art.manifest.passes[-1].method == "act-scales"
     assert art.manifest.policy.name == "fp16"  # no --base: the cache stays unquantized
-
-
-def test_prefix_positions_are_left_out(tiny_model_dir, data, tmp_path):
-    model_dir = tiny_model_dir("llama")
-    prefix = (7, 9, 11)  # prepended before each window (not its BOS)
-    options = ActScalesOptions("absmax", prefix_ids="7,9,11")
-    art = _calibrate(model_dir, data, tmp_path / "a", options)
-    with_p, _ = _input_amax(model_dir, data, prefix)
-    plain, _ = _input_amax(model_dir, data)
-    for name, m in with_p.items():
-        assert torch.equal(
-            art.tensors[input_scale_name(name)], kv_formats.scale_for(m[None], "int8")
-        )
-    assert any(not torch.equal(with_p[n], plain[n]) for n in plain)  # the prefix mattered
-    assert art.manifest.passes[-1].options["prefix_ids"] == "7,9,11"
-
-
-def test_kv_scales_prefix_rows_exact_and_out_of_statistics(tiny_model_dir, data, tmp_path):
-    model_dir = tiny_model_dir("llama")
-    options = KVScalesOptions("int8", "head", prefix_ids="7,9")
-    art = _calibrate(model_dir, data, tmp_path / "kv", options)
-    loaded = load_model(str(model_dir))
-    windows = load_windows(loaded, data, SAMPLES, SEQLEN, 0, None).ids
-    amax = {}
-
-    def consume(layer, part, x):  # x [B, H, T - 2, D]: the prefix already cut
-        m = x.abs().amax(dim=(0, 2, 3))
-        amax[(layer, part)] = torch.maximum(amax[(layer, part)], m) if (layer, part) in amax else m
-
-    with capture(loaded.adapter, consume, key_stage="post-rope", skip_positions=2):
-        run_windows(loaded.model, windows, prefix_ids=(7, 9))
-    for (layer, part), m in amax.items():
-        want = kv_formats.scale_for(m, "int8")
-        assert torch.equal(art.tensors[f"layers.{layer}.{part}.scale"], want)
-    assert all(layer.sink_tokens == 2 for layer in art.manifest.policy.layers)
-
-
-def test_with_prefix_replaces_a_leading_bos():
-    windows = torch.tensor([[1, 5, 6], [1, 7, 8]])
-    same = with_prefix(windows, (1, 4))  # starts with the windows' BOS: takes its place
-    assert same.ids.tolist() == [[1, 4, 5, 6], [1, 4, 7, 8]]
-    assert (same.prefix_len, same.window_start) == (2, 1)
-    other = with_prefix(windows, (4,))
-    assert other.ids.tolist() == [[4, 1, 5, 6], [4, 1, 7, 8]]
-    assert (other.prefix_len, other.window_start) == (1, 1)
-    assert with_prefix(windows, None).ids is windows
-
-
-def test_linear_input_capture_cuts_the_prefix(tiny_model_dir):
-    loaded = load_model(str(tiny_model_dir("llama")))
-    seen = {}
-    with capture_linear_inputs(loaded.adapter, lambda n, x: seen.setdefault(n, x.shape), 3):
-        run_windows(loaded.model, torch.arange(10)[None] + 3, prefix_ids=(4, 5, 6))
-    assert all(shape[:2] == (1, 10) for shape in seen.values())
 
 
 @pytest.mark.parametrize("text", ["x", "1,,2", "-1", "1.5", "1e3"])

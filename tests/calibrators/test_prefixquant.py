@@ -78,3 +78,65 @@ def test_cli_records_the_statistic_and_inspect_shows_the_tokens(
     shown = _run("inspect", out)
     assert shown.exit_code == 0
     assert "prefix" in shown.output and "top_ratio_per_layer" in shown.output
+
+
+def test_a_transformed_base_keeps_its_transform_down_the_prefix_chain(
+    tiny_model_dir, shared_data, tmp_path
+):
+    """smoothattention -> prefixquant --base -> kv-scales --base: the transform is carried
+    (not returned again as a new one), the prefix rows come from the smoothed model, and
+    the last artifact serves both."""
+    from kvq.calibrators.prefix_state import extract_prefix
+    from kvq.exporters.artifact import read_artifact
+    from kvq.pipeline import apply_transforms
+
+    data = shared_data / "calibration" / "groups_merged.txt"
+    model_dir = tiny_model_dir("llama")
+    args = ["--model", model_dir, "--dataset", data, "--samples", 2, "--seqlen", 24]
+    chain = [("smoothattention", ()), ("prefixquant", ("--eta", 2.0)),
+             ("kv-scales", ("--format", "int8"))]  # fmt: skip
+    previous = None
+    for name, extra in chain:
+        out = tmp_path / name
+        base = ("--base", previous) if previous else ()
+        result = _run("calibrate", name, *args, *extra, *base, "--out", out)
+        assert result.exit_code == 0, result.output + result.stderr
+        previous = out
+    art = read_artifact(previous)
+    assert [p.method for p in art.manifest.passes] == [n for n, _ in chain]
+    smooth = read_artifact(tmp_path / "smoothattention").tensors
+    assert all(torch.equal(art.tensors[n], t) for n, t in smooth.items() if ".smooth." in n)
+    loaded = load_model(str(model_dir))
+    apply_transforms(loaded, smooth)
+    exact = extract_prefix(loaded, art.manifest.policy.prefix.token_ids, "x").tensors()
+    assert all(torch.equal(art.tensors[n], t) for n, t in exact.items())
+    run = ["--model", model_dir, "--dataset", data, "--windows", 1, "--seqlen", 16]
+    assert _run("run-eval", *run, "--artifact", previous).exit_code == 0
+
+
+def test_a_recipe_calibrates_static_scales_after_the_prefix_it_finds(
+    tiny_model_dir, shared_data, tmp_path
+):
+    """prefixquant then kv-scales in one command: the second pass takes the first's
+    declared prefix as a --base would, and gives the same artifact as the two commands."""
+    from kvq.exporters.artifact import read_artifact
+
+    data = shared_data / "calibration" / "groups_merged.txt"
+    model_dir = tiny_model_dir("gemma3")
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(
+        f"model: {model_dir}\ndataset: {data}\nsamples: 2\nseqlen: 24\npasses:\n"
+        "  - prefixquant: {eta: 2.0}\n  - kv-scales: {format: int8, granularity: head}\n"
+    )
+    result = _run("calibrate", "recipe", recipe, "--out", tmp_path / "one")
+    assert result.exit_code == 0, result.output + result.stderr
+    args = ["--model", model_dir, "--dataset", data, "--samples", 2, "--seqlen", 24]
+    result = _run("calibrate", "prefixquant", *args, "--eta", 2.0, "--out", tmp_path / "pq")
+    assert result.exit_code == 0, result.output + result.stderr
+    result = _run("calibrate", "kv-scales", *args, "--format", "int8", "--granularity",
+                  "head", "--base", tmp_path / "pq", "--out", tmp_path / "two")  # fmt: skip
+    assert result.exit_code == 0, result.output + result.stderr
+    one, two = read_artifact(tmp_path / "one"), read_artifact(tmp_path / "two")
+    assert one.manifest.policy == two.manifest.policy and one.manifest.policy.prefix
+    assert one.tensors.keys() == two.tensors.keys()
+    assert all(torch.equal(one.tensors[n], two.tensors[n]) for n in one.tensors)

@@ -1,5 +1,5 @@
 """run-time A8: decoder linear inputs quantized per token or with static scales, the
-reference fake-quant and the W8A8 GEMM path, prefix positions untouched."""
+reference fake-quant and the W8A8 GEMM path."""
 
 from __future__ import annotations
 
@@ -40,18 +40,16 @@ def test_round_trip_is_the_shared_symmetric_int8():
 
 
 @pytest.mark.parametrize("mode", ["a8-dynamic", "a8-static"])
-@pytest.mark.parametrize("skip", [0, 2])
-def test_reference_fake_quantizes_every_linear_input(adapter, mode, skip):
+def test_reference_fake_quantizes_every_linear_input(adapter, mode):
     linears = adapter.decoder_linears()
     scales = {n: torch.tensor([0.05]) for n in linears} if mode == "a8-static" else None
     module = linears["layers.1.self_attn.q_proj"]
     x = _input(module)
     scale = None if scales is None else scales["layers.1.self_attn.q_proj"]
-    with quantized_linear_inputs(adapter, mode, scales, skip, backend="reference"):
+    with quantized_linear_inputs(adapter, mode, scales, backend="reference"):
         got = module(x)
-    want = F.linear(a8.round_trip(x[:, skip:], scale), module.weight, module.bias)
-    torch.testing.assert_close(got[:, skip:], want, rtol=0, atol=1e-6)
-    assert torch.equal(got[:, :skip], F.linear(x[:, :skip], module.weight, module.bias))
+    want = F.linear(a8.round_trip(x, scale), module.weight, module.bias)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
     assert torch.equal(module(x), F.linear(x, module.weight, module.bias))  # hooks removed
 
 
@@ -61,9 +59,9 @@ def test_triton_path_is_the_w8a8_gemm(adapter, mode):
     scales = {n: torch.tensor([0.05]) for n in linears} if mode == "a8-static" else None
     module = linears["layers.0.self_attn.k_proj"]
     x = _input(module, t=5)
-    with quantized_linear_inputs(adapter, mode, scales, 1, backend="triton"):
+    with quantized_linear_inputs(adapter, mode, scales, backend="triton"):
         got = module(x)
-    rows = x[:, 1:].reshape(-1, module.in_features)
+    rows = x.reshape(-1, module.in_features)
     if mode == "a8-static":
         codes, xs = (
             a8.encode_static(rows, scales["layers.0.self_attn.k_proj"]),
@@ -73,9 +71,8 @@ def test_triton_path_is_the_w8a8_gemm(adapter, mode):
         codes, xs = a8.encode_dynamic(rows)
         xs = xs[:, 0]
     wq, ws = quantize_weight_per_channel(module.weight)
-    want = int8_linear_reference(codes, xs, wq, ws, module.bias).view(2, 4, -1)
-    assert torch.equal(got[:, 1:], want)
-    assert torch.equal(got[:, :1], F.linear(x[:, :1], module.weight, module.bias))
+    want = int8_linear_reference(codes, xs, wq, ws, module.bias).view(2, 5, -1)
+    assert torch.equal(got, want)
     assert "forward" not in module.__dict__  # the class's forward is back
 
 
