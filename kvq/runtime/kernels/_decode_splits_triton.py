@@ -156,7 +156,7 @@ def _segment_loop(
     GW: tl.constexpr, V_HAS_OFF: tl.constexpr, HAS_SOFTCAP: tl.constexpr, softcap,
     CAUSAL: tl.constexpr, OP: tl.constexpr, PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr,
     rows_seg, ASM: tl.constexpr, K_ROWQ: tl.constexpr, K_NG: tl.constexpr,
-    K_HAS_OFF: tl.constexpr,
+    K_HAS_OFF: tl.constexpr, m_row, HAS_MASK: tl.constexpr,
 ):  # fmt: skip
     """Folds tiles [first, last) of one segment into the online-softmax state (m, l,
     acc_lo, acc_hi: the numerator's planes). FULL: a full-precision segment (keys
@@ -179,7 +179,14 @@ def _segment_loop(
         if HAS_SOFTCAP:  # softcap * tanh(s / softcap), tanh(x) = 2 sigmoid(2x) - 1, base 2
             scores = softcap * (2.0 * tl.sigmoid(2.0 * scores / softcap) - 1.0) * LOG2E
         allowed = r_ok[:, None] & t_ok[None, :]
-        if CAUSAL:
+        if HAS_MASK:  # m_row: each query row's mask row over the segments laid end to end
+            if Q == 1:  # one mask row for every query row: [BT], broadcast
+                seen = tl.load(m_row + seg_col + t, mask=t_ok, other=0)
+                allowed = allowed & (seen != 0)[None, :]
+            else:  # [R, BT]
+                seen = tl.load(m_row[:, None] + (seg_col + t)[None, :], mask=allowed, other=0)
+                allowed = allowed & (seen != 0)
+        elif CAUSAL:
             allowed = allowed & ((seg_col + t)[None, :] <= (total - Q + qi)[:, None])
         scores = tl.where(allowed, scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, axis=1))
@@ -205,21 +212,23 @@ def decode_splits_kernel(
     k1, v1, k1_b, k1_h, k1_t, v1_b, v1_h, v1_t, rows1,
     k2, v2, k2_b, k2_h, k2_t, v2_b, v2_h, v2_t, rows2,
     k_fold, v_scale, v_off, vq_b, vq_h, vq_t, k_off, kq_b, kq_h, kq_t,
-    HKV, total, splits, scaling, softcap,
+    mask, m_b, m_q, HKV, total, splits, scaling, softcap,
     Q: tl.constexpr, G: tl.constexpr, R: tl.constexpr, D: tl.constexpr,
     BLOCK_T: tl.constexpr, KIND0: tl.constexpr, KIND1: tl.constexpr, KIND2: tl.constexpr,
     KP: tl.constexpr, VP: tl.constexpr, NG: tl.constexpr, V_HAS_OFF: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, CAUSAL: tl.constexpr, HALF: tl.constexpr,
     DIRECT: tl.constexpr, NUM_STAGES: tl.constexpr, K_ZERO: tl.constexpr = 0.0,
     V_ZERO: tl.constexpr = 0.0, ASM: tl.constexpr = False, K_ROWQ: tl.constexpr = False,
-    K_NG: tl.constexpr = 1, K_HAS_OFF: tl.constexpr = False,
+    K_NG: tl.constexpr = 1, K_HAS_OFF: tl.constexpr = False, HAS_MASK: tl.constexpr = False,
 ):  # fmt: skip
     """Segments 0, 1, 2 (KIND 0: absent, 1: full precision, 2: packed; one packed at
     most): key and value data with their batch, head and row strides (elements of the
     data: bytes of codes), and row counts. k_fold [2, H_kv, D] float32: the packed keys'
     static scale and bias (offset - zero_point x scale) per channel; with K_ROWQ instead
     their per-row group scales [B, H_kv, T, K_NG] (offsets k_off, strides kq_*); v_scale, v_off
-    [B, H_kv, T, NG] with strides vq_b, vq_h, vq_t (groups contiguous)."""
+    [B, H_kv, T, NG] with strides vq_b, vq_h, vq_t (groups contiguous). HAS_MASK: mask
+    [B, Q, total] bool or bytes (True: attend; strides m_b, m_q, columns contiguous) over
+    the rows of all segments in order; else the last Q rows are causal."""
     bh = tl.program_id(0)
     split = tl.program_id(1)
     b = (bh // HKV).to(tl.int64)  # batch offsets of a long cache pass 2^31 bytes
@@ -266,6 +275,9 @@ def decode_splits_kernel(
             k_bias += tl.sum(q_hi * b_hi[None, :], axis=1)
     fq_lo = q_lo.to(OP)
     fq_hi = q_hi.to(OP)
+    m_row = mask + b * m_b  # the mask row (unused without HAS_MASK)
+    if Q > 1:
+        m_row = m_row + qi * m_q  # [R]: query row r's
 
     m_i = tl.full([R], float("-inf"), tl.float32)
     l_i = tl.zeros([R], tl.float32)
@@ -291,6 +303,7 @@ def decode_splits_kernel(
             tl.maximum(lo, 0), tl.minimum(hi, n0), 0, total, qi, r_ok, K_ZERO, V_ZERO,
             Q, R, BLOCK_T, KIND0 == 1, KP, KW, VP, NG, GW, V_HAS_OFF, HAS_SOFTCAP, softcap,
             CAUSAL, OP, PRECISION, NUM_STAGES, rows0, ASM, K_ROWQ, K_NG, K_HAS_OFF,
+            m_row, HAS_MASK,
         )  # fmt: skip
     if KIND1 != 0:
         kp = k1 + b * k1_b + h * k1_h
@@ -301,6 +314,7 @@ def decode_splits_kernel(
             tl.maximum(lo, n0) - n0, tl.minimum(hi, n0 + n1) - n0, rows0, total, qi, r_ok,
             K_ZERO, V_ZERO, Q, R, BLOCK_T, KIND1 == 1, KP, KW, VP, NG, GW, V_HAS_OFF,
             HAS_SOFTCAP, softcap, CAUSAL, OP, PRECISION, NUM_STAGES, rows1, ASM, K_ROWQ, K_NG, K_HAS_OFF,
+            m_row, HAS_MASK,
         )  # fmt: skip
     if KIND2 != 0:
         kp = k2 + b * k2_b + h * k2_h
@@ -311,6 +325,7 @@ def decode_splits_kernel(
             tl.maximum(lo, n0 + n1) - n0 - n1, tl.minimum(hi, n) - n0 - n1, rows0 + rows1,
             total, qi, r_ok, K_ZERO, V_ZERO, Q, R, BLOCK_T, KIND2 == 1, KP, KW, VP, NG, GW,
             V_HAS_OFF, HAS_SOFTCAP, softcap, CAUSAL, OP, PRECISION, NUM_STAGES, rows2, ASM, K_ROWQ, K_NG, K_HAS_OFF,
+            m_row, HAS_MASK,
         )  # fmt: skip
     m_i, l_i, acc_lo, acc_hi = state
 

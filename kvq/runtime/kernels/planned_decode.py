@@ -4,8 +4,9 @@ reduction, no device syncs (`_decode_splits_triton`, `launch_plan`).
 It takes the layouts a decode step mostly sees — full-precision segments (sink rows,
 the residual window) around at most one packed segment of 4- or 8-bit affine codes
 with static per-channel (or per-head) or per-row grouped key qparams and per-row
-grouped value qparams, post-RoPE keys, no explicit mask — and `decode_attention_triton` sends everything
-else to the general kernel. What the host does per call: checks, a cached plan
+grouped value qparams, post-RoPE keys, with or without a mask over the rows (sliding
+windows, padding: read in place, one byte per row and tile) — and
+`decode_attention.decode_path` sends everything else to the general kernel. What the host does per call: checks, a cached plan
 (splits from the compiled kernel's occupancy, `launch_plan.plan_splits`), two
 allocations (partial states and output; one when a single split writes the output
 itself) and the launches through a launcher cached per specialisation, which binds
@@ -71,7 +72,9 @@ def planned_unsupported(query: Tensor, segments, mask: Tensor | None) -> str | N
     """Why the planned path cannot take this call (None when it can)."""
     b, hq, q_len, d = query.shape
     if mask is not None:
-        return "explicit masks use the general kernel"
+        reason = _mask_unsupported(mask, query, sum(s.rows for s in segments))
+        if reason:
+            return reason
     if query.stride(-1) != 1:
         return "query channels must be contiguous"
     if d & (d - 1) or not 32 <= d <= 256:
@@ -96,6 +99,19 @@ def planned_unsupported(query: Tensor, segments, mask: Tensor | None) -> str | N
         reason = _packed_unsupported(packed[0], d)
         if reason:
             return reason
+    return None
+
+
+def _mask_unsupported(mask: Tensor, query: Tensor, total: int) -> str | None:
+    """The kernel reads a [B | 1, 1, Q, total] bool mask in place (no copy per call):
+    the mask of every head, rows contiguous."""
+    b, _, q_len, _ = query.shape
+    if mask.dim() != 4 or mask.shape[1] != 1 or mask.shape[0] not in (1, b):
+        return "per-head masks use the general kernel"
+    if mask.shape[2] != q_len or mask.shape[3] != total:
+        return "mask shape"
+    if mask.dtype != torch.bool or mask.stride(-1) != 1:
+        return "masks other than bool with contiguous columns"
     return None
 
 
@@ -173,7 +189,7 @@ class PlannedCall:
 
 
 def planned_call(query: Tensor, segments, *, scaling: float, softcap: float | None,
-                 half: bool) -> PlannedCall:  # fmt: skip
+                 half: bool, mask: Tensor | None = None) -> PlannedCall:  # fmt: skip
     """The kernel arguments for this call (`planned_unsupported` returned None)."""
     b, hq, q_len, d = query.shape
     hkv = segments[0].key.data.shape[1]
@@ -223,6 +239,11 @@ def planned_call(query: Tensor, segments, *, scaling: float, softcap: float | No
         args[f"rows{i}"] = seg.rows
         padded += -(-seg.rows // cfg.block_t) * cfg.block_t
     total = sum(s.rows for s in segments)
+    if mask is not None:  # [B | 1, 1, Q, total] bool, read in place
+        args.update(mask=mask, m_b=mask.stride(0) if mask.shape[0] > 1 else 0,
+                    m_q=mask.stride(2) if q_len > 1 else 0)  # fmt: skip
+    else:
+        args.update(mask=dummy, m_b=0, m_q=0)
     args.update(
         k_fold=k_fold, v_scale=v_scale, v_off=v_off, vq_b=vq[0], vq_h=vq[1], vq_t=vq[2],
         k_off=k_off, kq_b=kq[0], kq_h=kq[1], kq_t=kq[2], K_ROWQ=k_rowq, K_NG=k_ng,
@@ -232,17 +253,18 @@ def planned_call(query: Tensor, segments, *, scaling: float, softcap: float | No
         D=d, BLOCK_T=cfg.block_t, KIND0=kinds[0], KIND1=kinds[1], KIND2=kinds[2], KP=kp,
         VP=vp, NG=ng, V_HAS_OFF=packed is not None and packed.value.offset is not None,
         HAS_SOFTCAP=bool(softcap), CAUSAL=q_len > 1, HALF=half, DIRECT=False,
+        HAS_MASK=mask is not None,
         NUM_STAGES=cfg.num_stages, ASM=ASM and not interpreting() and query.device.type == "cuda",
     )  # fmt: skip
     return PlannedCall(args, cfg, b * hkv, padded, (b, hq, q_len, d), group * q_len)
 
 
 def run_planned(query: Tensor, segments, *, scaling: float, softcap: float | None,
-                half: bool) -> Tensor:  # fmt: skip
+                half: bool, mask: Tensor | None = None) -> Tensor:  # fmt: skip
     """[B, H_q, Q, D] float32: one decode launch (and one reduction when it splits)."""
     from kvq.runtime.kernels import _decode_splits_triton as kern
 
-    call = planned_call(query, segments, scaling=scaling, softcap=softcap, half=half)
+    call = planned_call(query, segments, scaling=scaling, softcap=softcap, half=half, mask=mask)
     launcher = _launcher(query.device)
     plan = launcher.plan(call)
     out = torch.empty(call.out_shape, device=query.device)
