@@ -303,14 +303,7 @@ def decode_attention_triton(
     reason = triton_unsupported(query, segments, mask)
     if reason:
         raise KvqError(f"triton decode attention: {reason}")
-    path = triton_path(query, segments, mask)
-    return _triton(query, segments, path, total, scaling=scaling, rope=rope, mask=mask,
-                   softcap=softcap)  # fmt: skip
-
-
-def _triton(query, segments, path: DecodePath, total: int, *, scaling, rope, mask, softcap):
-    """The Triton launches of a checked call down `path` (planned or general)."""
-    if path.kernel == "planned":
+    if triton_path(query, segments, mask).kernel == "planned":
         from kvq.runtime.kernels import planned_decode
 
         half = _dot_mode(query.device) != "ieee"
@@ -701,11 +694,12 @@ def decode_attention(
     With backend auto, calls the kernel cannot take (long query blocks, per-head
     masks) run on the reference; an explicit "triton" refuses them instead.
     """
-    total = _check(query, segments, rope, mask)
-    path = decode_path(query, segments, mask, backend=backend)
-    if path.kernel != "reference":
-        return _triton(query, segments, path, total, scaling=scaling, rope=rope, mask=mask,
-                       softcap=softcap)  # fmt: skip
+    _check(query, segments, rope, mask)
+    if decode_path(query, segments, mask, backend=backend).kernel != "reference":
+        # (which Triton kernel: decided again there, a few microseconds of Python)
+        return decode_attention_triton(
+            query, segments, scaling=scaling, rope=rope, mask=mask, softcap=softcap
+        )
     return decode_attention_reference(
         query, segments, scaling=scaling, rope=rope, mask=mask, softcap=softcap
     )
