@@ -58,14 +58,59 @@ or.b32 $1, t1, 0x64006400;
 }""")
 
 
+# 4 fp8 code bytes -> 4 fp16 whose bits are (c & 0x80) << 8 | (c & 0x7F) << 7: each byte
+# to the high byte of a half (PRMT), then the magnitude one bit down under the sign (e4m3;
+# `fp8.fp16_placement`)
+_E4M3_ASM = tl.constexpr("""{
+.reg .b32 t0, t1, m0, m1;
+prmt.b32 t0, $2, 0, 0x1404;
+prmt.b32 t1, $2, 0, 0x3424;
+and.b32 m0, t0, 0x7F007F00;
+and.b32 m1, t1, 0x7F007F00;
+shr.b32 m0, m0, 1;
+shr.b32 m1, m1, 1;
+lop3.b32 $0, t0, 0x80008000, m0, 0xea;
+lop3.b32 $1, t1, 0x80008000, m1, 0xea;
+}""")
+# e5m2 is the high byte of an fp16: c << 8
+_E5M2_ASM = tl.constexpr("""{
+prmt.b32 $0, $2, 0, 0x1404;
+prmt.b32 $1, $2, 0, 0x3424;
+}""")
+
+
 @triton.jit
-def _planes(raw, ZERO: tl.constexpr, PLANES: tl.constexpr, ASM: tl.constexpr):
+def _fp8_plane(raw, SHIFT: tl.constexpr, ASM: tl.constexpr):
+    """uint8 fp8 codes -> fp16 of value / factor (`kvq.quant.fp8.fp16_placement`: the
+    code's bits moved into an fp16, SHIFT 7 for e4m3, 8 for e5m2), exact."""
+    if ASM:
+        if SHIFT == 8:
+            x = tl.inline_asm_elementwise(
+                _E5M2_ASM, "=r,=r,r", [raw], dtype=tl.float16, is_pure=True, pack=4
+            )
+        else:
+            x = tl.inline_asm_elementwise(
+                _E4M3_ASM, "=r,=r,r", [raw], dtype=tl.float16, is_pure=True, pack=4
+            )
+    else:
+        c = raw.to(tl.int32)
+        bits = ((c & 0x80) << 8) | ((c & 0x7F) << SHIFT)
+        x = bits.to(tl.uint16).to(tl.float16, bitcast=True)
+    return x
+
+
+@triton.jit
+def _planes(raw, ZERO: tl.constexpr, PLANES: tl.constexpr, ASM: tl.constexpr,
+            FP8: tl.constexpr = 0):  # fmt: skip
     """uint8 code bytes -> fp16 planes (code - ZERO, exact): (low nibbles, high nibbles)
     for PLANES 2, (bytes, bytes) for 1. The exponent bias: the bits 0x6400 | c read as fp16
     are 1024 + c, so no integer-to-float conversion runs. ASM: four bytes per instruction
     pair in one register (the compiled path); else the same arithmetic per element (the
-    interpreter)."""
-    if ASM:
+    interpreter). FP8 (a mantissa shift, `_fp8_plane`): fp8 codes, one plane."""
+    if FP8:
+        lo = _fp8_plane(raw, FP8, ASM)
+        hi = lo
+    elif ASM:
         if PLANES == 2:
             lo, hi = tl.inline_asm_elementwise(
                 _NIBBLES_ASM, "=r,=r,=r,=r,r", [raw], dtype=(tl.float16, tl.float16),
@@ -92,7 +137,8 @@ def _planes(raw, ZERO: tl.constexpr, PLANES: tl.constexpr, ASM: tl.constexpr):
 
 @triton.jit
 def _key_planes(ptr, rows, row_ok, stride_t, ZERO: tl.constexpr, KP: tl.constexpr,
-                KW: tl.constexpr, FULL: tl.constexpr, ASM: tl.constexpr):  # fmt: skip
+                KW: tl.constexpr, FULL: tl.constexpr, ASM: tl.constexpr,
+                FP8: tl.constexpr):  # fmt: skip
     """A key tile in plane order: (even channels, odd channels) [BT, KW] for 4-bit codes
     (KP 2) or a full-precision segment loaded the same way; (all channels, unused) for
     8-bit codes (KP 1). Codes come back as fp16 code - zero."""
@@ -106,17 +152,19 @@ def _key_planes(ptr, rows, row_ok, stride_t, ZERO: tl.constexpr, KP: tl.constexp
             hi = tl.load(base + (j * 2 + 1)[None, :], mask=ok, other=0.0)
     else:
         raw = tl.load(base + j[None, :], mask=ok, other=0)  # [BT, KW] bytes
-        lo, hi = _planes(raw, ZERO, KP, ASM)
+        lo, hi = _planes(raw, ZERO, KP, ASM, FP8)
     return lo, hi
 
 
 @triton.jit
 def _value_planes(ptr, rows, row_ok, stride_t, vs_ptr, vo_ptr, vq_t, ZERO: tl.constexpr,
                   VP: tl.constexpr, NG: tl.constexpr, GW: tl.constexpr, FULL: tl.constexpr,
-                  V_HAS_OFF: tl.constexpr, OP: tl.constexpr, ASM: tl.constexpr):  # fmt: skip
+                  V_HAS_OFF: tl.constexpr, OP: tl.constexpr, ASM: tl.constexpr,
+                  FP8: tl.constexpr, FACTOR: tl.constexpr):  # fmt: skip
     """A value tile in plane order, [BT, D / VP] per plane in the dots' dtype OP: plane k,
     column c is channel c * VP + k. Packed rows decode per group of GW columns with their
-    row's group scale and offset (code - zero) * scale + offset, in OP."""
+    row's group scale and offset (code - zero) * scale + offset, in OP; fp8 codes (FP8,
+    decoded to value / FACTOR) with scale x FACTOR."""
     if FULL:
         c = tl.arange(0, NG * GW)
         base = ptr + rows[:, None] * stride_t
@@ -130,9 +178,12 @@ def _value_planes(ptr, rows, row_ok, stride_t, vs_ptr, vo_ptr, vq_t, ZERO: tl.co
         ok = row_ok[:, None, None]
         byte = (g[:, None] * GW + j[None, :])[None, :, :]  # [1, NG, GW]: one byte per code
         raw = tl.load(ptr + rows[:, None, None] * stride_t + byte, mask=ok, other=0)
-        lo, hi = _planes(raw, ZERO, VP, ASM)  # [BT, NG, GW]
+        lo, hi = _planes(raw, ZERO, VP, ASM, FP8)  # [BT, NG, GW]
         q_off = rows[:, None] * vq_t + g[None, :]  # [BT, NG]
-        s = tl.load(vs_ptr + q_off, mask=row_ok[:, None], other=0.0).to(OP)[:, :, None]
+        s = tl.load(vs_ptr + q_off, mask=row_ok[:, None], other=0.0)
+        if FACTOR != 1.0:
+            s = s.to(tl.float32) * FACTOR
+        s = s.to(OP)[:, :, None]
         if V_HAS_OFF:
             o = tl.load(vo_ptr + q_off, mask=row_ok[:, None], other=0.0).to(OP)[:, :, None]
             lo = lo.to(OP) * s + o
@@ -156,7 +207,8 @@ def _segment_loop(
     GW: tl.constexpr, V_HAS_OFF: tl.constexpr, HAS_SOFTCAP: tl.constexpr, softcap,
     CAUSAL: tl.constexpr, OP: tl.constexpr, PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr,
     rows_seg, ASM: tl.constexpr, K_ROWQ: tl.constexpr, K_NG: tl.constexpr,
-    K_HAS_OFF: tl.constexpr, m_row, HAS_MASK: tl.constexpr,
+    K_HAS_OFF: tl.constexpr, m_row, HAS_MASK: tl.constexpr, K_FP8: tl.constexpr,
+    V_FP8: tl.constexpr, K_FACTOR: tl.constexpr, V_FACTOR: tl.constexpr,
 ):  # fmt: skip
     """Folds tiles [first, last) of one segment into the online-softmax state (m, l,
     acc_lo, acc_hi: the numerator's planes). FULL: a full-precision segment (keys
@@ -168,9 +220,10 @@ def _segment_loop(
         t_ok = t < rows_seg
         if K_ROWQ and not FULL:
             k_lo, k_hi = _value_planes(k_ptr, t, t_ok, k_t, ks_ptr, ko_ptr, kq_t, K_ZERO, KP,
-                                       K_NG, KW // K_NG, False, K_HAS_OFF, OP, ASM)  # fmt: skip
+                                       K_NG, KW // K_NG, False, K_HAS_OFF, OP, ASM, K_FP8,
+                                       K_FACTOR)  # fmt: skip
         else:
-            k_lo, k_hi = _key_planes(k_ptr, t, t_ok, k_t, K_ZERO, KP, KW, FULL, ASM)
+            k_lo, k_hi = _key_planes(k_ptr, t, t_ok, k_t, K_ZERO, KP, KW, FULL, ASM, K_FP8)
         scores = tl.dot(q_lo, tl.trans(k_lo.to(OP)), input_precision=PRECISION)
         if KP == 2:
             scores += tl.dot(q_hi, tl.trans(k_hi.to(OP)), input_precision=PRECISION)
@@ -195,7 +248,7 @@ def _segment_loop(
         p = tl.exp2(scores - m_safe[:, None])  # [R, BT]
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v_lo, v_hi = _value_planes(v_ptr, t, t_ok, v_t, vs_ptr, vo_ptr, vq_t, V_ZERO, VP, NG,
-                                   GW, FULL, V_HAS_OFF, OP, ASM)  # fmt: skip
+                                   GW, FULL, V_HAS_OFF, OP, ASM, V_FP8, V_FACTOR)  # fmt: skip
         p16 = p.to(OP)
         acc_lo = acc_lo * alpha[:, None] + tl.dot(p16, v_lo, input_precision=PRECISION)
         if VP == 2:
@@ -220,6 +273,8 @@ def decode_splits_kernel(
     DIRECT: tl.constexpr, NUM_STAGES: tl.constexpr, K_ZERO: tl.constexpr = 0.0,
     V_ZERO: tl.constexpr = 0.0, ASM: tl.constexpr = False, K_ROWQ: tl.constexpr = False,
     K_NG: tl.constexpr = 1, K_HAS_OFF: tl.constexpr = False, HAS_MASK: tl.constexpr = False,
+    K_FP8: tl.constexpr = 0, V_FP8: tl.constexpr = 0, K_FACTOR: tl.constexpr = 1.0,
+    V_FACTOR: tl.constexpr = 1.0,
 ):  # fmt: skip
     """Segments 0, 1, 2 (KIND 0: absent, 1: full precision, 2: packed; one packed at
     most): key and value data with their batch, head and row strides (elements of the
@@ -228,7 +283,10 @@ def decode_splits_kernel(
     their per-row group scales [B, H_kv, T, K_NG] (offsets k_off, strides kq_*); v_scale, v_off
     [B, H_kv, T, NG] with strides vq_b, vq_h, vq_t (groups contiguous). HAS_MASK: mask
     [B, Q, total] bool or bytes (True: attend; strides m_b, m_q, columns contiguous) over
-    the rows of all segments in order; else the last Q rows are causal."""
+    the rows of all segments in order; else the last Q rows are causal. K_FP8, V_FP8:
+    fp8 codes (the mantissa shift of `fp8.fp16_placement`; 0: integer codes), decoded to
+    value / K_FACTOR (V_FACTOR): static key scales come with the factor in k_fold, per-row
+    scales are multiplied by it as they are read."""
     bh = tl.program_id(0)
     split = tl.program_id(1)
     b = (bh // HKV).to(tl.int64)  # batch offsets of a long cache pass 2^31 bytes
@@ -303,7 +361,7 @@ def decode_splits_kernel(
             tl.maximum(lo, 0), tl.minimum(hi, n0), 0, total, qi, r_ok, K_ZERO, V_ZERO,
             Q, R, BLOCK_T, KIND0 == 1, KP, KW, VP, NG, GW, V_HAS_OFF, HAS_SOFTCAP, softcap,
             CAUSAL, OP, PRECISION, NUM_STAGES, rows0, ASM, K_ROWQ, K_NG, K_HAS_OFF,
-            m_row, HAS_MASK,
+            m_row, HAS_MASK, K_FP8, V_FP8, K_FACTOR, V_FACTOR,
         )  # fmt: skip
     if KIND1 != 0:
         kp = k1 + b * k1_b + h * k1_h
@@ -314,7 +372,7 @@ def decode_splits_kernel(
             tl.maximum(lo, n0) - n0, tl.minimum(hi, n0 + n1) - n0, rows0, total, qi, r_ok,
             K_ZERO, V_ZERO, Q, R, BLOCK_T, KIND1 == 1, KP, KW, VP, NG, GW, V_HAS_OFF,
             HAS_SOFTCAP, softcap, CAUSAL, OP, PRECISION, NUM_STAGES, rows1, ASM, K_ROWQ, K_NG, K_HAS_OFF,
-            m_row, HAS_MASK,
+            m_row, HAS_MASK, K_FP8, V_FP8, K_FACTOR, V_FACTOR,
         )  # fmt: skip
     if KIND2 != 0:
         kp = k2 + b * k2_b + h * k2_h
@@ -325,7 +383,7 @@ def decode_splits_kernel(
             tl.maximum(lo, n0 + n1) - n0 - n1, tl.minimum(hi, n) - n0 - n1, rows0 + rows1,
             total, qi, r_ok, K_ZERO, V_ZERO, Q, R, BLOCK_T, KIND2 == 1, KP, KW, VP, NG, GW,
             V_HAS_OFF, HAS_SOFTCAP, softcap, CAUSAL, OP, PRECISION, NUM_STAGES, rows2, ASM, K_ROWQ, K_NG, K_HAS_OFF,
-            m_row, HAS_MASK,
+            m_row, HAS_MASK, K_FP8, V_FP8, K_FACTOR, V_FACTOR,
         )  # fmt: skip
     m_i, l_i, acc_lo, acc_hi = state
 

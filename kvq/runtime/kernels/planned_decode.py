@@ -3,8 +3,9 @@ reduction, no device syncs (`_decode_splits_triton`, `launch_plan`).
 
 It takes the layouts a decode step mostly sees — full-precision segments (sink rows,
 the residual window) around at most one packed segment of 4- or 8-bit affine codes
-with static per-channel (or per-head) or per-row grouped key qparams and per-row
-grouped value qparams, post-RoPE keys, with or without a mask over the rows (sliding
+or fp8 codes (E4M3 / E5M2, decoded from their bits, `fp8.fp16_placement`) with static
+per-channel (or per-head) or per-row grouped key qparams and per-row grouped or
+per-head value qparams, post-RoPE keys, with or without a mask over the rows (sliding
 windows, padding: read in place, one byte per row and tile) — and
 `decode_attention.decode_path` sends everything else to the general kernel. What the host does per call: checks, a cached plan
 (splits from the compiled kernel's occupancy, `launch_plan.plan_splits`), two
@@ -26,6 +27,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from kvq.quant.fp8 import fp16_placement
+from kvq.runtime.fp8_codecs import fp8_format_of
 from kvq.runtime.kernels.backend import interpreting, next_pow2
 from kvq.runtime.kernels.launch_plan import SplitPlan, plan_splits
 from kvq.tensor_memo import Memo, memoised
@@ -118,16 +121,34 @@ def _mask_unsupported(mask: Tensor, query: Tensor, total: int) -> str | None:
 def _packed_unsupported(seg, d: int) -> str | None:
     k, v = seg.key, seg.value
     for p in (k, v):
-        if p.kind != "affine" or p.bits not in (4, 8):
-            return "codes other than 4- or 8-bit affine"
+        fp8 = p.kind == "lookup" and p.bits == 8 and fp8_format_of(p.table) is not None
+        if not fp8 and (p.kind != "affine" or p.bits not in (4, 8)):
+            return "codes other than 4- or 8-bit affine or fp8"
         if p.slot_index is not None or p.sparse_count is not None:
             return "exceptions use the general kernel"
     if k.qaxis not in ("channel", "head"):
         reason = _row_groups_unsupported(k, d)
         if reason:
             return f"keys: {reason}"
+    if v.qaxis == "head":  # a static scale per head: read per row with a zero row stride
+        return "values: per-head zero points" if v.zero_point is not None else None
     reason = _row_groups_unsupported(v, d)
     return f"values: {reason}" if reason else None
+
+
+def _fp8(p) -> tuple[int, float]:
+    """(mantissa shift, factor) of fp8 lookup rows (`fp8.fp16_placement`); (0, 1.0) for
+    integer codes."""
+    fmt = fp8_format_of(p.table) if p.kind == "lookup" else None
+    return fp16_placement(fmt) if fmt else (0, 1.0)
+
+
+def _row_qparams(p) -> tuple[Tensor, Tensor | None, tuple[int, int, int], int]:
+    """(scale, offset, (batch, head, row) strides, groups) of qparams the kernel reads per
+    row: per-row groups as stored, a per-head scale as one group with zero row stride."""
+    if p.qaxis == "head":
+        return p.scale, p.offset, (0, p.scale.stride(0), 0), 1
+    return p.scale, p.offset, tuple(p.scale.stride()[:3]), p.scale.shape[-1]
 
 
 def _row_groups_unsupported(p, d: int) -> str | None:
@@ -145,11 +166,12 @@ def _row_groups_unsupported(p, d: int) -> str | None:
 
 def _key_fold(p) -> Tensor:
     """[2, H_kv, D] float32: per channel, the static key scale and bias (offset -
-    zero_point x scale), the affine map after subtracting `zero`; cached per scale."""
+    zero_point x scale), the affine map after subtracting `zero` (fp8 codes: the scale x
+    the format's factor); cached per scale."""
 
     def build():
         hkv = p.data.shape[1]
-        scale = p.scale.float()
+        scale = p.scale.float() * _fp8(p)[1]
         scale = scale[:, None] if scale.dim() == 1 else scale
         scale = scale.expand(hkv, p.head_dim)
         bias = torch.zeros_like(scale)
@@ -201,25 +223,22 @@ def planned_call(query: Tensor, segments, *, scaling: float, softcap: float | No
         kp = 2 if packed.key.bits == 4 else 1
         vp = 2 if packed.value.bits == 4 else 1
         bits = packed.key.bits
-        ng = packed.value.scale.shape[-1]
+        k_fp8, v_fp8 = _fp8(packed.key), _fp8(packed.value)
         k_rowq = packed.key.qaxis == "row"
         if k_rowq:  # per-row group key qparams, applied to the decoded key tile
-            k_fold, k_ng, kq = (
-                packed.key.scale,
-                packed.key.scale.shape[-1],
-                packed.key.scale.stride()[:3],
-            )
-            k_off = packed.key.offset if packed.key.offset is not None else dummy
+            k_fold, k_off, kq, k_ng = _row_qparams(packed.key)
+            k_off = k_off if k_off is not None else dummy
         else:
             k_fold = _key_fold(packed.key)
-        v_scale = packed.value.scale
-        v_off = packed.value.offset if packed.value.offset is not None else dummy
-        vq = v_scale.stride()[:3]
+        v_scale, v_off, vq, ng = _row_qparams(packed.value)
+        v_has_off = v_off is not None
+        v_off = v_off if v_has_off else dummy
         k_zero, v_zero = float(packed.key.zero), float(packed.value.zero)
     else:
-        kp, vp, bits, ng = 1, 1, 16, 1
+        kp, vp, bits, ng, v_has_off = 1, 1, 16, 1, False
         k_fold = v_scale = v_off = dummy
         vq, k_zero, v_zero = (0, 0, 0), 0.0, 0.0
+        k_fp8 = v_fp8 = (0, 1.0)
     cfg = kernel_config(d, bits, k_rowq)
     args = dict(q=query, sq_b=query.stride(0), sq_h=query.stride(1), sq_q=query.stride(2),
                 part=dummy, out=dummy)  # fmt: skip
@@ -251,7 +270,8 @@ def planned_call(query: Tensor, segments, *, scaling: float, softcap: float | No
         HKV=hkv, total=total, splits=1, K_ZERO=k_zero, V_ZERO=v_zero, scaling=float(scaling),
         softcap=float(softcap or 0.0), Q=q_len, G=group, R=max(16, next_pow2(group * q_len)),
         D=d, BLOCK_T=cfg.block_t, KIND0=kinds[0], KIND1=kinds[1], KIND2=kinds[2], KP=kp,
-        VP=vp, NG=ng, V_HAS_OFF=packed is not None and packed.value.offset is not None,
+        VP=vp, NG=ng, V_HAS_OFF=v_has_off, K_FP8=k_fp8[0], V_FP8=v_fp8[0],
+        K_FACTOR=k_fp8[1] if k_rowq else 1.0, V_FACTOR=v_fp8[1],
         HAS_SOFTCAP=bool(softcap), CAUSAL=q_len > 1, HALF=half, DIRECT=False,
         HAS_MASK=mask is not None,
         NUM_STAGES=cfg.num_stages, ASM=ASM and not interpreting() and query.device.type == "cuda",

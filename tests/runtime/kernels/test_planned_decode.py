@@ -133,6 +133,43 @@ def _window_mask(b, q_len, total, window, pad=0, batched=True):
     return mask
 
 
+def _fp8_segment(fmt, lifetime, k, v, seed=0):
+    """fp8 main rows through the codecs: a static scale per KV head (kv-scales, the
+    engines' layout) or a scale per token (fp8-e4m3-dynamic)."""
+    from kvq.quant import fp8
+
+    axis = "head" if lifetime == "static" else "token"
+    scheme = QuantScheme("fp8", 8, axis=axis, symmetric=True, scale_dtype="float32",
+                         lifetime=lifetime, fp8_format=fmt)  # fmt: skip
+    rows = []
+    for x, part in ((k, "key"), (v, "value")):
+        state = {}
+        if lifetime == "static":
+            state = {"scale": fp8.fp8_scale(x.abs().amax(dim=(0, 2, 3)), fmt)}  # [H]
+        codec = make_codec(scheme, x.shape[-1], torch.float32, state, f"layers.0.{part}")
+        rows.append(codec.packed(*codec.encode(x)))
+    return Segment(*rows)
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+@pytest.mark.parametrize("lifetime", ["static", "dynamic"])
+def test_fp8_codes_decode_from_their_bits(fmt, lifetime, planned_calls):
+    """fp8 main rows (between sink and residual rows, with a sliding window mask) through
+    the planned kernel: the codes' bits moved into fp16 and the format's factor folded into
+    the scales give the reference's attention."""
+    b, hkv, d = 2, 2, 64
+    k, v = _data(b, hkv, 140, d, seed=14)
+    k = k * 40.0  # wide keys: small codes land on fp8 subnormals and fp16 ones
+    main = _fp8_segment(fmt, lifetime, k[:, :, 2:-5], v[:, :, 2:-5])
+    assert main.key.kind == "lookup"
+    segs = [Segment(_full(k[:, :, :2]), _full(v[:, :, :2])), main,
+            Segment(_full(k[:, :, -5:]), _full(v[:, :, -5:]))]  # fmt: skip
+    mask = _window_mask(b, 1, 140, window=100)
+    _check(torch.randn(b, 4, 1, d) * 0.05, segs, mask=mask)
+    _check(torch.randn(b, 4, 1, d) * 0.05, segs)
+    assert len(planned_calls) == 2
+
+
 @pytest.mark.parametrize("q_len, batched", [(1, True), (2, True), (1, False)])
 def test_sliding_window_and_padding_masks_match_reference(q_len, batched, planned_calls):
     """A sliding-window layer's decode call (transformers' mask over the kernel rows): the
@@ -175,6 +212,9 @@ def _route_segments(fmt, d=64):
         main = _per_token_segment(4, 32, k[:, :, 2:-5], v[:, :, 2:-5])
     elif fmt == "kv8-token":
         main = _per_token_segment(8, None, k[:, :, 2:-5], v[:, :, 2:-5])
+    elif fmt.startswith("fp8"):
+        lifetime = "dynamic" if fmt.endswith("token") else "static"
+        main = _fp8_segment("e4m3", lifetime, k[:, :, 2:-5], v[:, :, 2:-5])
     else:
         kind = {"kv4": "int4-channel", "kv4-pre": "int4-channel", "kv8": "int8-channel-sym"}.get(
             fmt, fmt
@@ -187,7 +227,7 @@ def _route_segments(fmt, d=64):
     return [sink, main, residual]
 
 
-PLANNED_FORMATS = ("kv4", "kv4-token", "kv8", "kv8-token")
+PLANNED_FORMATS = ("kv4", "kv4-token", "kv8", "kv8-token", "fp8", "fp8-token")
 GENERAL_FORMATS = ("nuq4", "int2-int3", "int4-g16")
 
 
@@ -351,5 +391,5 @@ def test_generate_through_the_planned_path_matches_the_reference(monkeypatch, pl
     assert not planned_calls and not paths
     assert torch.equal(generate("triton"), want)
     # 4 layers x (1 prefill + 4 decode steps), each through the planned kernel
-    assert len(planned_calls) == len(paths) == 20
+    assert len(planned_calls) == 20
     assert {p.kernel for p in paths} == {"planned"}
