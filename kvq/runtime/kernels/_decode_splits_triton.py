@@ -15,7 +15,10 @@ one plane). The query is loaded in that order and the output stored back in
 channel order, so no interleave runs per tile. A code becomes fp16 by the exponent
 bias: the bits 0x6400 | c read as fp16 are 1024 + c exactly, so one OR and one
 subtraction replace an integer-to-float conversion (compiled, four code bytes per
-register through inline PTX). Static per-channel key qparams are folded into the
+register through inline PTX). 4-bit codes with per-row qparams (values; per-token
+keys) load as 32-bit words: the value dot's operand layout pairs rows, and a byte tile
+carried that layout back to shared memory as one-byte reads plus PRMTs to regroup them
+(about 12 of 42 warp-instructions per row for Llama-like KV4, 20 of 74 for Gemma 3). Static per-channel key qparams are folded into the
 query once per program. Per-row group value qparams apply to the decoded fp16 value
 tile, one fused multiply-add per two channels (HFMA2): applying the scales to the
 probabilities instead, as [groups, R, BT] products over the 16 padded query rows,
@@ -135,6 +138,53 @@ def _planes(raw, ZERO: tl.constexpr, PLANES: tl.constexpr, ASM: tl.constexpr,
     return lo, hi
 
 
+# one 32-bit word of 4-bit codes (bytes b0..b3: channels 8w .. 8w + 7, low nibble first)
+# -> 1024 + c of channels 8w, 8w + 2, 8w + 4, 8w + 6 and 1024 + 16 c of the odd ones, as
+# fp16 in 16-bit registers (the halves of the _NIBBLES_ASM results)
+_WORD_NIBBLES_ASM = tl.constexpr("""{
+.reg .b32 t0, t1, a, b, c, d;
+prmt.b32 t0, $8, 0, 0x4140;
+prmt.b32 t1, $8, 0, 0x4342;
+lop3.b32 a, t0, 0x000F000F, 0x64006400, 0xea;
+lop3.b32 b, t1, 0x000F000F, 0x64006400, 0xea;
+lop3.b32 c, t0, 0x00F000F0, 0x64006400, 0xea;
+lop3.b32 d, t1, 0x00F000F0, 0x64006400, 0xea;
+mov.b32 {$0, $1}, a;
+mov.b32 {$2, $3}, b;
+mov.b32 {$4, $5}, c;
+mov.b32 {$6, $7}, d;
+}""")
+
+
+@triton.jit
+def _word_nibbles(words, ZERO: tl.constexpr, ASM: tl.constexpr):
+    """int32 words [BT, W] of 4-bit codes -> planes (even channels, odd channels) [BT, 4 W]
+    of fp16 code - ZERO: column c is channel 2c (2c + 1). Loading whole words keeps the
+    shared-memory reads of a tile 32 bits wide where the dot's operand layout (rows in
+    pairs) would otherwise read bytes; the 8 codes of a word are put back in column order
+    by joins, in registers."""
+    if ASM:
+        l0, l1, l2, l3, h0, h1, h2, h3 = tl.inline_asm_elementwise(
+            _WORD_NIBBLES_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r", [words],
+            dtype=(tl.float16,) * 8, is_pure=True, pack=1,
+        )  # fmt: skip
+    else:  # the same bits per element: nibble k of the word is channel 8w + k
+        l0 = ((words & 15) | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
+        h0 = ((words & 0xF0) | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
+        l1 = (((words >> 8) & 15) | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
+        h1 = (((words >> 8) & 0xF0) | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
+        l2 = (((words >> 16) & 15) | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
+        h2 = (((words >> 16) & 0xF0) | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
+        l3 = (((words >> 24) & 15) | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
+        h3 = (((words >> 24) & 0xF0) | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
+    BT: tl.constexpr = words.shape[0]
+    W: tl.constexpr = words.shape[1]
+    # join(join(a, c), join(b, d)) flattens to a, b, c, d per word
+    lo = tl.reshape(tl.join(tl.join(l0, l2), tl.join(l1, l3)), (BT, 4 * W))
+    hi = tl.reshape(tl.join(tl.join(h0, h2), tl.join(h1, h3)), (BT, 4 * W))
+    return lo - (1024.0 + ZERO), hi * 0.0625 - (64.0 + ZERO)
+
+
 @triton.jit
 def _key_planes(ptr, rows, row_ok, stride_t, ZERO: tl.constexpr, KP: tl.constexpr,
                 KW: tl.constexpr, FULL: tl.constexpr, ASM: tl.constexpr,
@@ -160,11 +210,13 @@ def _key_planes(ptr, rows, row_ok, stride_t, ZERO: tl.constexpr, KP: tl.constexp
 def _value_planes(ptr, rows, row_ok, stride_t, vs_ptr, vo_ptr, vq_t, ZERO: tl.constexpr,
                   VP: tl.constexpr, NG: tl.constexpr, GW: tl.constexpr, FULL: tl.constexpr,
                   V_HAS_OFF: tl.constexpr, OP: tl.constexpr, ASM: tl.constexpr,
-                  FP8: tl.constexpr, FACTOR: tl.constexpr):  # fmt: skip
+                  FP8: tl.constexpr, FACTOR: tl.constexpr,
+                  WORDS: tl.constexpr = False):  # fmt: skip
     """A value tile in plane order, [BT, D / VP] per plane in the dots' dtype OP: plane k,
     column c is channel c * VP + k. Packed rows decode per group of GW columns with their
     row's group scale and offset (code - zero) * scale + offset, in OP; fp8 codes (FP8,
-    decoded to value / FACTOR) with scale x FACTOR."""
+    decoded to value / FACTOR) with scale x FACTOR. WORDS: 4-bit codes read as 32-bit
+    words (rows on 4-byte boundaries), `_word_nibbles`."""
     if FULL:
         c = tl.arange(0, NG * GW)
         base = ptr + rows[:, None] * stride_t
@@ -177,8 +229,17 @@ def _value_planes(ptr, rows, row_ok, stride_t, vs_ptr, vo_ptr, vq_t, ZERO: tl.co
         j = tl.arange(0, GW)
         ok = row_ok[:, None, None]
         byte = (g[:, None] * GW + j[None, :])[None, :, :]  # [1, NG, GW]: one byte per code
-        raw = tl.load(ptr + rows[:, None, None] * stride_t + byte, mask=ok, other=0)
-        lo, hi = _planes(raw, ZERO, VP, ASM, FP8)  # [BT, NG, GW]
+        BT: tl.constexpr = rows.shape[0]
+        if WORDS:  # [BT, NG x GW / 4] words -> [BT, NG, GW] per plane
+            w = tl.arange(0, NG * GW // 4)
+            wptr = ptr.to(tl.pointer_type(tl.int32)) + rows[:, None] * (stride_t // 4)
+            words = tl.load(wptr + w[None, :], mask=row_ok[:, None], other=0)
+            lo, hi = _word_nibbles(words, ZERO, ASM)
+            lo = tl.reshape(lo, (BT, NG, GW))
+            hi = tl.reshape(hi, (BT, NG, GW))
+        else:
+            raw = tl.load(ptr + rows[:, None, None] * stride_t + byte, mask=ok, other=0)
+            lo, hi = _planes(raw, ZERO, VP, ASM, FP8)  # [BT, NG, GW]
         q_off = rows[:, None] * vq_t + g[None, :]  # [BT, NG]
         s = tl.load(vs_ptr + q_off, mask=row_ok[:, None], other=0.0)
         if FACTOR != 1.0:
@@ -191,7 +252,6 @@ def _value_planes(ptr, rows, row_ok, stride_t, vs_ptr, vo_ptr, vq_t, ZERO: tl.co
         else:
             lo = lo.to(OP) * s
             hi = hi.to(OP) * s
-        BT: tl.constexpr = rows.shape[0]
         lo = tl.reshape(lo, (BT, NG * GW))
         hi = tl.reshape(hi, (BT, NG * GW))
     return lo, hi
@@ -209,6 +269,7 @@ def _segment_loop(
     rows_seg, ASM: tl.constexpr, K_ROWQ: tl.constexpr, K_NG: tl.constexpr,
     K_HAS_OFF: tl.constexpr, m_row, HAS_MASK: tl.constexpr, K_FP8: tl.constexpr,
     V_FP8: tl.constexpr, K_FACTOR: tl.constexpr, V_FACTOR: tl.constexpr,
+    K_WORDS: tl.constexpr, V_WORDS: tl.constexpr,
 ):  # fmt: skip
     """Folds tiles [first, last) of one segment into the online-softmax state (m, l,
     acc_lo, acc_hi: the numerator's planes). FULL: a full-precision segment (keys
@@ -221,7 +282,7 @@ def _segment_loop(
         if K_ROWQ and not FULL:
             k_lo, k_hi = _value_planes(k_ptr, t, t_ok, k_t, ks_ptr, ko_ptr, kq_t, K_ZERO, KP,
                                        K_NG, KW // K_NG, False, K_HAS_OFF, OP, ASM, K_FP8,
-                                       K_FACTOR)  # fmt: skip
+                                       K_FACTOR, K_WORDS)  # fmt: skip
         else:
             k_lo, k_hi = _key_planes(k_ptr, t, t_ok, k_t, K_ZERO, KP, KW, FULL, ASM, K_FP8)
         scores = tl.dot(q_lo, tl.trans(k_lo.to(OP)), input_precision=PRECISION)
@@ -248,7 +309,8 @@ def _segment_loop(
         p = tl.exp2(scores - m_safe[:, None])  # [R, BT]
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v_lo, v_hi = _value_planes(v_ptr, t, t_ok, v_t, vs_ptr, vo_ptr, vq_t, V_ZERO, VP, NG,
-                                   GW, FULL, V_HAS_OFF, OP, ASM, V_FP8, V_FACTOR)  # fmt: skip
+                                   GW, FULL, V_HAS_OFF, OP, ASM, V_FP8, V_FACTOR,
+                                   V_WORDS and not FULL)  # fmt: skip
         p16 = p.to(OP)
         acc_lo = acc_lo * alpha[:, None] + tl.dot(p16, v_lo, input_precision=PRECISION)
         if VP == 2:
@@ -274,7 +336,7 @@ def decode_splits_kernel(
     V_ZERO: tl.constexpr = 0.0, ASM: tl.constexpr = False, K_ROWQ: tl.constexpr = False,
     K_NG: tl.constexpr = 1, K_HAS_OFF: tl.constexpr = False, HAS_MASK: tl.constexpr = False,
     K_FP8: tl.constexpr = 0, V_FP8: tl.constexpr = 0, K_FACTOR: tl.constexpr = 1.0,
-    V_FACTOR: tl.constexpr = 1.0,
+    V_FACTOR: tl.constexpr = 1.0, K_WORDS: tl.constexpr = False, V_WORDS: tl.constexpr = False,
 ):  # fmt: skip
     """Segments 0, 1, 2 (KIND 0: absent, 1: full precision, 2: packed; one packed at
     most): key and value data with their batch, head and row strides (elements of the
@@ -286,7 +348,8 @@ def decode_splits_kernel(
     the rows of all segments in order; else the last Q rows are causal. K_FP8, V_FP8:
     fp8 codes (the mantissa shift of `fp8.fp16_placement`; 0: integer codes), decoded to
     value / K_FACTOR (V_FACTOR): static key scales come with the factor in k_fold, per-row
-    scales are multiplied by it as they are read."""
+    scales are multiplied by it as they are read. K_WORDS, V_WORDS: 4-bit codes with
+    per-row qparams read as 32-bit words (`_word_nibbles`)."""
     bh = tl.program_id(0)
     split = tl.program_id(1)
     b = (bh // HKV).to(tl.int64)  # batch offsets of a long cache pass 2^31 bytes
@@ -361,7 +424,7 @@ def decode_splits_kernel(
             tl.maximum(lo, 0), tl.minimum(hi, n0), 0, total, qi, r_ok, K_ZERO, V_ZERO,
             Q, R, BLOCK_T, KIND0 == 1, KP, KW, VP, NG, GW, V_HAS_OFF, HAS_SOFTCAP, softcap,
             CAUSAL, OP, PRECISION, NUM_STAGES, rows0, ASM, K_ROWQ, K_NG, K_HAS_OFF,
-            m_row, HAS_MASK, K_FP8, V_FP8, K_FACTOR, V_FACTOR,
+            m_row, HAS_MASK, K_FP8, V_FP8, K_FACTOR, V_FACTOR, K_WORDS, V_WORDS,
         )  # fmt: skip
     if KIND1 != 0:
         kp = k1 + b * k1_b + h * k1_h
@@ -372,7 +435,7 @@ def decode_splits_kernel(
             tl.maximum(lo, n0) - n0, tl.minimum(hi, n0 + n1) - n0, rows0, total, qi, r_ok,
             K_ZERO, V_ZERO, Q, R, BLOCK_T, KIND1 == 1, KP, KW, VP, NG, GW, V_HAS_OFF,
             HAS_SOFTCAP, softcap, CAUSAL, OP, PRECISION, NUM_STAGES, rows1, ASM, K_ROWQ, K_NG, K_HAS_OFF,
-            m_row, HAS_MASK, K_FP8, V_FP8, K_FACTOR, V_FACTOR,
+            m_row, HAS_MASK, K_FP8, V_FP8, K_FACTOR, V_FACTOR, K_WORDS, V_WORDS,
         )  # fmt: skip
     if KIND2 != 0:
         kp = k2 + b * k2_b + h * k2_h
@@ -383,7 +446,7 @@ def decode_splits_kernel(
             tl.maximum(lo, n0 + n1) - n0 - n1, tl.minimum(hi, n) - n0 - n1, rows0 + rows1,
             total, qi, r_ok, K_ZERO, V_ZERO, Q, R, BLOCK_T, KIND2 == 1, KP, KW, VP, NG, GW,
             V_HAS_OFF, HAS_SOFTCAP, softcap, CAUSAL, OP, PRECISION, NUM_STAGES, rows2, ASM, K_ROWQ, K_NG, K_HAS_OFF,
-            m_row, HAS_MASK, K_FP8, V_FP8, K_FACTOR, V_FACTOR,
+            m_row, HAS_MASK, K_FP8, V_FP8, K_FACTOR, V_FACTOR, K_WORDS, V_WORDS,
         )  # fmt: skip
     m_i, l_i, acc_lo, acc_hi = state
 

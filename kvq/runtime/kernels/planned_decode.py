@@ -55,19 +55,17 @@ class KernelConfig:
 
 
 def kernel_config(head_dim: int, bits: int, key_rows: bool = False) -> KernelConfig:
-    """Launch configuration per shape bucket (head_dim, code bits, whether key qparams are
-    per row): 64-row tiles, 4 warps, 2 tiles of raw codes in flight, where that compiles
-    without spilling. Picked from the sm_90 compile (bench/kernel_resources.py; no GPU
-    timing, never a small parity problem). KV4 at head_dim 128: 128 registers, 16 warps
-    per SM, 42 warp-instructions per cached row, 72 KB in flight per SM (3 stages: 12
-    warps; 128-row tiles: 37 per row but 8 warps); at head_dim 256: 250 registers, 8
-    warps, 74 per row (32-row tiles: 12 warps, 85). Per-token key groups at head_dim 128
-    spill 8 bytes at 2 stages, none at 3 (133 registers, 12 warps, 45 per row); 8-bit
-    codes at head_dim 256 spill 40 bytes with 64-row tiles, none with 32 (182 registers)."""
+    """Launch configuration per shape bucket (head_dim, code bits; `key_rows`, whether key
+    qparams are per row, no longer changes it): 64-row tiles, 4 warps, 2 tiles of raw codes
+    in flight, where that compiles without spilling. Picked from the sm_90 compile
+    (bench/kernel_resources.py; no GPU timing, never a small parity problem). KV4 at
+    head_dim 128 (values, and per-token keys, read as words): 128 registers, 16 warps per
+    SM, 31 warp-instructions per cached row (3 stages: 32; 128-row tiles: 27 but 12
+    warps); at head_dim 256: 168 registers, 12 warps, 56 per row (32-row tiles: 16 warps
+    but 66; 128-row tiles spill). 8-bit codes at head_dim 256 spill 40 bytes with 64-row
+    tiles, none with 32 (182 registers)."""
     if bits == 8 and head_dim >= 256:
         return KernelConfig(32, 4, 2)
-    if key_rows and head_dim <= 128:
-        return KernelConfig(64, 4, 3)
     return KernelConfig(64, 4, 2)
 
 
@@ -134,6 +132,15 @@ def _packed_unsupported(seg, d: int) -> str | None:
         return "values: per-head zero points" if v.zero_point is not None else None
     reason = _row_groups_unsupported(v, d)
     return f"values: {reason}" if reason else None
+
+
+def _words(p) -> bool:
+    """Whether the kernel reads `p`'s codes as 32-bit words (`_word_nibbles`): 4-bit affine
+    codes with per-row qparams, rows on 4-byte boundaries (8 to 9 fewer instructions per
+    cached row of Llama-like KV4 at sm_90, bench/kernel_resources.py)."""
+    if p.kind != "affine" or p.bits != 4 or p.qaxis != "row":
+        return False
+    return p.data.data_ptr() % 4 == 0 and all(s % 4 == 0 for s in p.data.stride()[:3])
 
 
 def _fp8(p) -> tuple[int, float]:
@@ -272,6 +279,7 @@ def planned_call(query: Tensor, segments, *, scaling: float, softcap: float | No
         D=d, BLOCK_T=cfg.block_t, KIND0=kinds[0], KIND1=kinds[1], KIND2=kinds[2], KP=kp,
         VP=vp, NG=ng, V_HAS_OFF=v_has_off, K_FP8=k_fp8[0], V_FP8=v_fp8[0],
         K_FACTOR=k_fp8[1] if k_rowq else 1.0, V_FACTOR=v_fp8[1],
+        K_WORDS=k_rowq and _words(packed.key), V_WORDS=packed is not None and _words(packed.value),
         HAS_SOFTCAP=bool(softcap), CAUSAL=q_len > 1, HALF=half, DIRECT=False,
         HAS_MASK=mask is not None,
         NUM_STAGES=cfg.num_stages, ASM=ASM and not interpreting() and query.device.type == "cuda",
