@@ -185,6 +185,83 @@ def _word_nibbles(words, ZERO: tl.constexpr, ASM: tl.constexpr):
     return lo - (1024.0 + ZERO), hi * 0.0625 - (64.0 + ZERO)
 
 
+# one 32-bit word of 8-bit codes -> 4 fp16 in 16-bit registers: 1024 + c (integer codes),
+# or the fp8 bits placed as `_E4M3_ASM` / `_E5M2_ASM` place them
+_WORD_BYTES_ASM = tl.constexpr("""{
+.reg .b32 t0, t1;
+prmt.b32 t0, $4, 0, 0x4140;
+prmt.b32 t1, $4, 0, 0x4342;
+or.b32 t0, t0, 0x64006400;
+or.b32 t1, t1, 0x64006400;
+mov.b32 {$0, $1}, t0;
+mov.b32 {$2, $3}, t1;
+}""")
+_WORD_E4M3_ASM = tl.constexpr("""{
+.reg .b32 t0, t1, m0, m1;
+prmt.b32 t0, $4, 0, 0x1404;
+prmt.b32 t1, $4, 0, 0x3424;
+and.b32 m0, t0, 0x7F007F00;
+and.b32 m1, t1, 0x7F007F00;
+shr.b32 m0, m0, 1;
+shr.b32 m1, m1, 1;
+lop3.b32 t0, t0, 0x80008000, m0, 0xea;
+lop3.b32 t1, t1, 0x80008000, m1, 0xea;
+mov.b32 {$0, $1}, t0;
+mov.b32 {$2, $3}, t1;
+}""")
+_WORD_E5M2_ASM = tl.constexpr("""{
+.reg .b32 t0, t1;
+prmt.b32 t0, $4, 0, 0x1404;
+prmt.b32 t1, $4, 0, 0x3424;
+mov.b32 {$0, $1}, t0;
+mov.b32 {$2, $3}, t1;
+}""")
+
+
+@triton.jit
+def _byte_of_word(words, k: tl.constexpr, ZERO: tl.constexpr, FP8: tl.constexpr):
+    """Byte k of each int32 word as the fp16 the PTX blocks make (interpreter path)."""
+    c = (words >> (8 * k)) & 0xFF
+    if FP8:
+        x = (((c & 0x80) << 8) | ((c & 0x7F) << FP8)).to(tl.uint16).to(tl.float16, bitcast=True)
+    else:
+        x = (c | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
+    return x
+
+
+@triton.jit
+def _word_bytes(words, ZERO: tl.constexpr, FP8: tl.constexpr, ASM: tl.constexpr):
+    """int32 words [BT, W] of 8-bit codes -> [BT, 4 W] fp16, column c channel c: code -
+    ZERO, or an fp8 code's value / factor (FP8: the mantissa shift, `_fp8_plane`)."""
+    if ASM:
+        if FP8 == 8:
+            e0, e1, e2, e3 = tl.inline_asm_elementwise(
+                _WORD_E5M2_ASM, "=h,=h,=h,=h,r", [words], dtype=(tl.float16,) * 4,
+                is_pure=True, pack=1,
+            )  # fmt: skip
+        elif FP8:
+            e0, e1, e2, e3 = tl.inline_asm_elementwise(
+                _WORD_E4M3_ASM, "=h,=h,=h,=h,r", [words], dtype=(tl.float16,) * 4,
+                is_pure=True, pack=1,
+            )  # fmt: skip
+        else:
+            e0, e1, e2, e3 = tl.inline_asm_elementwise(
+                _WORD_BYTES_ASM, "=h,=h,=h,=h,r", [words], dtype=(tl.float16,) * 4,
+                is_pure=True, pack=1,
+            )  # fmt: skip
+    else:
+        e0 = _byte_of_word(words, 0, ZERO, FP8)
+        e1 = _byte_of_word(words, 1, ZERO, FP8)
+        e2 = _byte_of_word(words, 2, ZERO, FP8)
+        e3 = _byte_of_word(words, 3, ZERO, FP8)
+    BT: tl.constexpr = words.shape[0]
+    W: tl.constexpr = words.shape[1]
+    x = tl.reshape(tl.join(tl.join(e0, e2), tl.join(e1, e3)), (BT, 4 * W))
+    if not FP8:
+        x = x - (1024.0 + ZERO)
+    return x
+
+
 @triton.jit
 def _key_planes(ptr, rows, row_ok, stride_t, ZERO: tl.constexpr, KP: tl.constexpr,
                 KW: tl.constexpr, FULL: tl.constexpr, ASM: tl.constexpr,
@@ -215,8 +292,8 @@ def _value_planes(ptr, rows, row_ok, stride_t, vs_ptr, vo_ptr, vq_t, ZERO: tl.co
     """A value tile in plane order, [BT, D / VP] per plane in the dots' dtype OP: plane k,
     column c is channel c * VP + k. Packed rows decode per group of GW columns with their
     row's group scale and offset (code - zero) * scale + offset, in OP; fp8 codes (FP8,
-    decoded to value / FACTOR) with scale x FACTOR. WORDS: 4-bit codes read as 32-bit
-    words (rows on 4-byte boundaries), `_word_nibbles`."""
+    decoded to value / FACTOR) with scale x FACTOR. WORDS: codes read as 32-bit words
+    (rows on 4-byte boundaries), `_word_nibbles`, `_word_bytes`."""
     if FULL:
         c = tl.arange(0, NG * GW)
         base = ptr + rows[:, None] * stride_t
@@ -230,11 +307,15 @@ def _value_planes(ptr, rows, row_ok, stride_t, vs_ptr, vo_ptr, vq_t, ZERO: tl.co
         ok = row_ok[:, None, None]
         byte = (g[:, None] * GW + j[None, :])[None, :, :]  # [1, NG, GW]: one byte per code
         BT: tl.constexpr = rows.shape[0]
-        if WORDS:  # [BT, NG x GW / 4] words -> [BT, NG, GW] per plane
+        if WORDS:  # [BT, NG x GW / 4] words (a byte per column of a plane) -> [BT, NG, GW]
             w = tl.arange(0, NG * GW // 4)
             wptr = ptr.to(tl.pointer_type(tl.int32)) + rows[:, None] * (stride_t // 4)
             words = tl.load(wptr + w[None, :], mask=row_ok[:, None], other=0)
-            lo, hi = _word_nibbles(words, ZERO, ASM)
+            if VP == 2:
+                lo, hi = _word_nibbles(words, ZERO, ASM)
+            else:
+                lo = _word_bytes(words, ZERO, FP8, ASM)
+                hi = lo
             lo = tl.reshape(lo, (BT, NG, GW))
             hi = tl.reshape(hi, (BT, NG, GW))
         else:

@@ -62,8 +62,9 @@ def kernel_config(head_dim: int, bits: int, key_rows: bool = False) -> KernelCon
     head_dim 128 (values, and per-token keys, read as words): 128 registers, 16 warps per
     SM, 31 warp-instructions per cached row (3 stages: 32; 128-row tiles: 27 but 12
     warps); at head_dim 256: 168 registers, 12 warps, 56 per row (32-row tiles: 16 warps
-    but 66; 128-row tiles spill). 8-bit codes at head_dim 256 spill 40 bytes with 64-row
-    tiles, none with 32 (182 registers)."""
+    but 66; 128-row tiles spill). 8-bit codes (values as words) at head_dim 128: 119
+    registers, 16 warps, 37 per row; at head_dim 256, 32-row tiles: 137 registers, 12
+    warps, 75 per row (64-row tiles: 66 per row but 174 registers, 8 warps)."""
     if bits == 8 and head_dim >= 256:
         return KernelConfig(32, 4, 2)
     return KernelConfig(64, 4, 2)
@@ -135,10 +136,11 @@ def _packed_unsupported(seg, d: int) -> str | None:
 
 
 def _words(p) -> bool:
-    """Whether the kernel reads `p`'s codes as 32-bit words (`_word_nibbles`): 4-bit affine
-    codes with per-row qparams, rows on 4-byte boundaries (8 to 9 fewer instructions per
-    cached row of Llama-like KV4 at sm_90, bench/kernel_resources.py)."""
-    if p.kind != "affine" or p.bits != 4 or p.qaxis != "row":
+    """Whether the kernel reads `p`'s codes as 32-bit words (`_word_nibbles`,
+    `_word_bytes`): codes with qparams read per row (per-row groups, or one scale per
+    head), rows on 4-byte boundaries (11 fewer instructions per cached row of Llama-like
+    KV4 at sm_90, bench/kernel_resources.py)."""
+    if p.kind == "full" or p.qaxis not in ("row", "head"):
         return False
     return p.data.data_ptr() % 4 == 0 and all(s % 4 == 0 for s in p.data.stride()[:3])
 
