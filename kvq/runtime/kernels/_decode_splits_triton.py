@@ -8,25 +8,26 @@ segments laid end to end (`launch_plan.split_tiles`), each segment through its o
 constexpr-specialised loop. The G query heads of the KV head and the Q query
 positions are the R rows of the dots.
 
-The packed segment's loop reads raw code bytes (the pipeliner stages them through
-shared memory, `num_stages` deep) and decodes them in plane order: the low nibbles
-of a row's bytes are its even channels, the high nibbles its odd ones (8-bit codes:
-one plane). The query is loaded in that order and the output stored back in
-channel order, so no interleave runs per tile. A code becomes fp16 by the exponent
-bias: the bits 0x6400 | c read as fp16 are 1024 + c exactly, so one OR and one
-subtraction replace an integer-to-float conversion (compiled, four code bytes per
-register through inline PTX). 4-bit codes with per-row qparams (values; per-token
-keys) load as 32-bit words: the value dot's operand layout pairs rows, and a byte tile
-carried that layout back to shared memory as one-byte reads plus PRMTs to regroup them
-(about 12 of 42 warp-instructions per row for Llama-like KV4, 20 of 74 for Gemma 3). Static per-channel key qparams are folded into the
-query once per program. Per-row group value qparams apply to the decoded fp16 value
-tile, one fused multiply-add per two channels (HFMA2): applying the scales to the
-probabilities instead, as [groups, R, BT] products over the 16 padded query rows,
-then the offsets through a row sum, compiled to 1.3-1.8x the loop instructions of
-this form for Llama-like KV4 (sm_90 SASS, bench/kernel_resources.py), the products
-and the batched dots' layouts costing more than the 64 channels per row they save.
-Dots take fp16 operands (exact fp32 under the interpreter and in parity mode) with
-fp32 accumulation.
+The packed segment's loop reads raw code bytes (the pipeliner stages them through shared
+memory, `num_stages` deep) and decodes them in plane order: the low nibbles of a row's
+bytes are its even channels, the high nibbles its odd ones (8-bit codes: one plane). The
+query is loaded in that order and the output stored back in channel order, so no
+interleave runs per tile. A code becomes fp16 by the exponent bias: the bits 0x6400 | c
+read as fp16 are 1024 + c exactly, so one OR and one subtraction replace an integer-to-
+float conversion (compiled, four code bytes per register through inline PTX); fp8 codes
+have their bits moved into an fp16 (`_fp8_plane`), a table-free exact decode. Codes with
+per-row or per-head qparams (values; per-token keys) load as 32-bit words: the value
+dot's operand layout pairs rows, and a byte tile carried that layout back to shared
+memory as one-byte reads plus PRMTs to regroup them (about 12 of 42 warp-instructions
+per row for Llama-like KV4, 20 of 74 for Gemma 3). Static per-channel key qparams are
+folded into the query once per program. Per-row group value qparams apply to the decoded
+fp16 value tile, one fused multiply-add per two channels (HFMA2): applying the scales to
+the probabilities instead, as [groups, R, BT] products over the 16 padded query rows,
+then the offsets through a row sum, compiled to 1.3-1.8x the loop instructions of this
+form for Llama-like KV4 (sm_90 SASS, bench/kernel_resources.py), the products and the
+batched dots' layouts costing more than the 64 channels per row they save. Dots take
+fp16 operands (exact fp32 under the interpreter and in parity mode) with fp32
+accumulation.
 
 The partial states go to one fp32 buffer [B x H_kv, S, R, D + 2] (numerator, then
 the running max in log2 units, then the denominator), merged by
@@ -515,8 +516,8 @@ def decode_splits_kernel(
             kp, vp, k1_t, v1_t, vs_ptr, vo_ptr, vq_t, ks_ptr, ko_ptr, kq_t,
             tl.maximum(lo, n0) - n0, tl.minimum(hi, n0 + n1) - n0, rows0, total, qi, r_ok,
             K_ZERO, V_ZERO, Q, R, BLOCK_T, KIND1 == 1, KP, KW, VP, NG, GW, V_HAS_OFF,
-            HAS_SOFTCAP, softcap, CAUSAL, OP, PRECISION, NUM_STAGES, rows1, ASM, K_ROWQ, K_NG, K_HAS_OFF,
-            m_row, HAS_MASK, K_FP8, V_FP8, K_FACTOR, V_FACTOR, K_WORDS, V_WORDS,
+            HAS_SOFTCAP, softcap, CAUSAL, OP, PRECISION, NUM_STAGES, rows1, ASM, K_ROWQ, K_NG,
+            K_HAS_OFF, m_row, HAS_MASK, K_FP8, V_FP8, K_FACTOR, V_FACTOR, K_WORDS, V_WORDS,
         )  # fmt: skip
     if KIND2 != 0:
         kp = k2 + b * k2_b + h * k2_h
@@ -526,8 +527,9 @@ def decode_splits_kernel(
             kp, vp, k2_t, v2_t, vs_ptr, vo_ptr, vq_t, ks_ptr, ko_ptr, kq_t,
             tl.maximum(lo, n0 + n1) - n0 - n1, tl.minimum(hi, n) - n0 - n1, rows0 + rows1,
             total, qi, r_ok, K_ZERO, V_ZERO, Q, R, BLOCK_T, KIND2 == 1, KP, KW, VP, NG, GW,
-            V_HAS_OFF, HAS_SOFTCAP, softcap, CAUSAL, OP, PRECISION, NUM_STAGES, rows2, ASM, K_ROWQ, K_NG, K_HAS_OFF,
-            m_row, HAS_MASK, K_FP8, V_FP8, K_FACTOR, V_FACTOR, K_WORDS, V_WORDS,
+            V_HAS_OFF, HAS_SOFTCAP, softcap, CAUSAL, OP, PRECISION, NUM_STAGES, rows2, ASM,
+            K_ROWQ, K_NG, K_HAS_OFF, m_row, HAS_MASK, K_FP8, V_FP8, K_FACTOR, V_FACTOR,
+            K_WORDS, V_WORDS,
         )  # fmt: skip
     m_i, l_i, acc_lo, acc_hi = state
 

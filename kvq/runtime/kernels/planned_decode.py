@@ -7,7 +7,8 @@ or fp8 codes (E4M3 / E5M2, decoded from their bits, `fp8.fp16_placement`) with s
 per-channel (or per-head) or per-row grouped key qparams and per-row grouped or
 per-head value qparams, post-RoPE keys, with or without a mask over the rows (sliding
 windows, padding: read in place, one byte per row and tile) — and
-`decode_attention.decode_path` sends everything else to the general kernel. What the host does per call: checks, a cached plan
+`decode_attention.decode_path` sends everything else to the general kernel. What the
+host does per call: checks, a cached plan
 (splits from the compiled kernel's occupancy, `launch_plan.plan_splits`), two
 allocations (partial states and output; one when a single split writes the output
 itself) and the launches through a launcher cached per specialisation, which binds
