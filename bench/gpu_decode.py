@@ -25,6 +25,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from kvq.runtime.fp8_codecs import fp8_table
 from kvq.runtime.kernels import decode_attention as da
 from kvq.runtime.kernels.decode_attention import (
     Segment,
@@ -37,9 +38,6 @@ HQ, HKV, D = 32, 8, 128
 SHAPES = {"llama-7b-like": (32, 8, 128), "gemma3-270m": (4, 1, 256)}
 KINDS = ("kv8", "kv4", "kv4-token", "fp8", "nuq4")
 PEAK_GBS = 4800.0  # H200 HBM3e
-FP8_TABLE = torch.nan_to_num(
-    torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float(), nan=0.0
-)
 
 
 def packed(kind: str, b: int, t: int, dev: str, seed: int = 0) -> Segment:
@@ -88,7 +86,7 @@ def packed(kind: str, b: int, t: int, dev: str, seed: int = 0) -> Segment:
 
         return Segment(token_rows(), token_rows(), pos)
     if kind == "fp8":
-        table = FP8_TABLE.to(dev)
+        table = fp8_table("e4m3", dev)  # the codecs' table: the kernels know its format
         key = PackedRows("lookup", D, codes(D) & 0x7E, 8, scale=half(HKV).float(), table=table)
         value = PackedRows("lookup", D, codes(D) & 0x7E, 8, scale=half(HKV).float(), table=table)
         return Segment(key, value, pos)

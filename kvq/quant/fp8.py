@@ -27,6 +27,22 @@ def fp8_max(fmt: str) -> float:
     return float(torch.finfo(_dtype(fmt)).max)
 
 
+# (exponent bits, mantissa bits, exponent bias) of each format
+FP8_FIELDS = {"e4m3": (4, 3, 7), "e5m2": (5, 2, 15)}
+
+
+def fp16_placement(fmt: str) -> tuple[int, float]:
+    """(shift, factor): an fp8 code c's bits rearranged as the fp16 bit pattern
+    (c & 0x80) << 8 | (c & 0x7F) << shift (sign on the sign, exponent and mantissa on the
+    fp16's lowest exponent and highest mantissa bits) read as fp16 are exactly c's value /
+    factor, subnormals included: how a kernel decodes fp8 without a table (the 2^(15 -
+    bias) factor goes into a scale). Not for the NaN / Inf patterns, which encoding never
+    produces."""
+    _dtype(fmt)
+    _, mantissa, bias = FP8_FIELDS[fmt]
+    return 10 - mantissa, float(2 ** (15 - bias))
+
+
 def fp8_scale(amax: Tensor, fmt: str, scale_dtype=torch.float32) -> Tensor:
     """Stored scale amax / fp8_max (rounded up to `scale_dtype`); 1 where amax == 0.
 

@@ -25,12 +25,27 @@ from kvq.runtime.codecs import NO_FLAT, Codec, Flat, Rows, static_scale
 from kvq.runtime.packed import PackedRows
 
 
-@functools.cache
-def fp8_table(fmt: str) -> Tensor:
+def fp8_table(fmt: str, device: torch.device | str = "cpu") -> Tensor:
     """[256] float32: the value of every fp8 bit pattern. NaN and Inf patterns (never
-    produced: encoding saturates) read as 0 so that no table entry is non-finite."""
+    produced: encoding saturates) read as 0 so that no table entry is non-finite. One
+    tensor per format and device, so a kernel can tell the format by the table it gets
+    (`fp8_format_of`) without reading it."""
+    return _table(fmt, torch.device(device))
+
+
+@functools.cache
+def _table(fmt: str, device: torch.device) -> Tensor:
     values = torch.arange(256, dtype=torch.uint8).view(fp8.FP8_DTYPES[fmt]).float()
-    return torch.nan_to_num(values, nan=0.0, posinf=0.0, neginf=0.0)
+    return torch.nan_to_num(values, nan=0.0, posinf=0.0, neginf=0.0).to(device)
+
+
+def fp8_format_of(table: Tensor) -> str | None:
+    """ "e4m3" / "e5m2" when `table` is that format's `fp8_table` (the one the codecs hand
+    out), else None. An identity check: no device read on the decode path."""
+    for fmt in fp8.FP8_DTYPES:
+        if table is fp8_table(fmt, table.device):
+            return fmt
+    return None
 
 
 class Fp8StaticCodec(Codec):
@@ -43,23 +58,27 @@ class Fp8StaticCodec(Codec):
         # that scale x fp8 max overflows float32
         static_scale(scale, scheme.axis, fp8.fp8_max(self.fmt), where)
         self.static = {"scale": scale}
-        self.table = fp8_table(self.fmt)
+        self._per_head: dict = {}
 
-    def _heads(self, h: int) -> Tensor:
-        """The stored scale as [H] (a per-tensor scale repeated), what the kernels index."""
-        return self.static["scale"].float().expand(h).contiguous()
+    def _heads(self, h: int, device: torch.device) -> Tensor:
+        """The stored scale as [H] (a per-tensor scale repeated), what the kernels index;
+        built once per device (the kernels fold it per scale tensor)."""
+        key = (h, torch.device(device))
+        if key not in self._per_head:
+            scale = self.static["scale"].float().expand(h).contiguous()
+            self._per_head[key] = scale.to(device)
+        return self._per_head[key]
 
     def encode(self, x: Tensor) -> tuple[Rows, Flat]:
         check_finite(x, "key/value rows")
-        scale = self._heads(x.shape[1]).to(x.device)[None, :, None, None]  # [1, H, 1, 1]
+        scale = self._heads(x.shape[1], x.device)[None, :, None, None]  # [1, H, 1, 1]
         return {"codes": fp8.fp8_encode(x, scale, self.fmt).view(torch.uint8)}, NO_FLAT
 
     def packed(self, rows: Rows, flat: Flat) -> PackedRows:
         codes = rows["codes"]  # [B, H, T, D] uint8
-        scale = self._heads(codes.shape[1]).to(codes.device)
-        return PackedRows(
-            "lookup", self.head_dim, codes, 8, scale=scale, table=self.table.to(codes.device)
-        )
+        scale = self._heads(codes.shape[1], codes.device)
+        table = fp8_table(self.fmt, codes.device)
+        return PackedRows("lookup", self.head_dim, codes, 8, scale=scale, table=table)
 
     def row_spec(self, x: Tensor):
         return {"codes": ((x.shape[-1],), torch.uint8)}
@@ -67,7 +86,7 @@ class Fp8StaticCodec(Codec):
     def append_into(self, x: Tensor, buffers: dict[str, Tensor], start: int) -> Flat:
         from kvq.runtime.kernels.append import append_fp8
 
-        scale = self._heads(x.shape[1]).to(x.device)
+        scale = self._heads(x.shape[1], x.device)
         append_fp8(x, buffers["codes"], start, scale, self.fmt, backend="triton")
         return NO_FLAT
 
@@ -85,7 +104,6 @@ class Fp8TokenCodec(Codec):
             raise KvqError("per-token fp8 takes one scale per head row (no channel groups)")
         self.fmt = scheme.fp8_format
         self.scale_dtype = storage_dtype(scheme.scale_dtype)
-        self.table = fp8_table(self.fmt)
 
     def encode(self, x: Tensor) -> tuple[Rows, Flat]:
         check_finite(x, "key/value rows")
@@ -102,7 +120,7 @@ class Fp8TokenCodec(Codec):
             codes,
             8,
             scale=rows["scale"],
-            table=self.table.to(codes.device),
+            table=fp8_table(self.fmt, codes.device),
         )
 
     @staticmethod

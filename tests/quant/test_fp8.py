@@ -6,6 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvq.errors import KvqError
+from kvq.quant import fp8
 from kvq.quant.fp8 import FP8_DTYPES, fp8_decode, fp8_encode, fp8_max, fp8_scale
 
 # format -> (mantissa bits, exponent of the smallest subnormal)
@@ -60,3 +61,15 @@ def test_fp8_zero_amax_and_bad_input(fmt):
 def test_fp8_decode_rejects_non_fp8():
     with pytest.raises(KvqError):
         fp8_decode(torch.zeros(2), torch.tensor(1.0))
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_fp16_placement_reads_every_finite_code_exactly(fmt):
+    shift, factor = fp8.fp16_placement(fmt)
+    codes = torch.arange(256, dtype=torch.int32)
+    bits = ((codes & 0x80) << 8) | ((codes & 0x7F) << shift)
+    placed = bits.to(torch.int16).view(torch.float16).float() * factor
+    want = codes.to(torch.uint8).view(fp8.FP8_DTYPES[fmt]).float()
+    finite = want.isfinite()
+    assert finite.sum() >= 248  # e4m3: 2 NaN patterns; e5m2: 6 NaN, 2 Inf
+    assert torch.equal(placed[finite], want[finite])

@@ -58,6 +58,23 @@ def test_static_codec_is_the_shared_quantizer(fmt, axis):
     assert codec.static == {"scale": scale}  # what the ledger counts: the stored tensor
 
 
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_packed_rows_name_their_format_without_a_device_read(fmt):
+    """Every decode step packs the rows again: a static codec hands out the same [H]
+    scale and the format's one table each time, so the kernel's key fold is built once and
+    the planned path tells the format by the table object (`fp8_format_of`)."""
+    from kvq.runtime.fp8_codecs import fp8_format_of, fp8_table
+
+    x = _rows()
+    codec = make_codec(_static(fmt, "tensor"), 32, torch.float32,
+                       {"scale": _scale(x, fmt, "tensor")}, "layers.0.key")  # fmt: skip
+    rows, flat = codec.encode(x)
+    first, again = codec.packed(rows, flat), codec.packed(rows, flat)
+    assert first.scale is again.scale and first.table is again.table
+    assert first.table is fp8_table(fmt, "cpu") and fp8_format_of(first.table) == fmt
+    assert fp8_format_of(first.table.clone()) is None  # another table: the general kernel
+
+
 def test_dynamic_fp8_codec_scales_each_row():
     x = _rows()
     scheme = named_policy("fp8-e4m3-dynamic", 1).layers[0].key

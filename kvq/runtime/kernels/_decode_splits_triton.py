@@ -8,22 +8,26 @@ segments laid end to end (`launch_plan.split_tiles`), each segment through its o
 constexpr-specialised loop. The G query heads of the KV head and the Q query
 positions are the R rows of the dots.
 
-The packed segment's loop reads raw code bytes (the pipeliner stages them through
-shared memory, `num_stages` deep) and decodes them in plane order: the low nibbles
-of a row's bytes are its even channels, the high nibbles its odd ones (8-bit codes:
-one plane). The query is loaded in that order and the output stored back in
-channel order, so no interleave runs per tile. A code becomes fp16 by the exponent
-bias: the bits 0x6400 | c read as fp16 are 1024 + c exactly, so one OR and one
-subtraction replace an integer-to-float conversion (compiled, four code bytes per
-register through inline PTX). Static per-channel key qparams are folded into the
-query once per program. Per-row group value qparams apply to the decoded fp16 value
-tile, one fused multiply-add per two channels (HFMA2): applying the scales to the
-probabilities instead, as [groups, R, BT] products over the 16 padded query rows,
-then the offsets through a row sum, compiled to 1.3-1.8x the loop instructions of
-this form for Llama-like KV4 (sm_90 SASS, bench/kernel_resources.py), the products
-and the batched dots' layouts costing more than the 64 channels per row they save.
-Dots take fp16 operands (exact fp32 under the interpreter and in parity mode) with
-fp32 accumulation.
+The packed segment's loop reads raw code bytes (the pipeliner stages them through shared
+memory, `num_stages` deep) and decodes them in plane order: the low nibbles of a row's
+bytes are its even channels, the high nibbles its odd ones (8-bit codes: one plane). The
+query is loaded in that order and the output stored back in channel order, so no
+interleave runs per tile. A code becomes fp16 by the exponent bias: the bits 0x6400 | c
+read as fp16 are 1024 + c exactly, so one OR and one subtraction replace an integer-to-
+float conversion (compiled, four code bytes per register through inline PTX); fp8 codes
+have their bits moved into an fp16 (`_fp8_plane`), a table-free exact decode. Codes with
+per-row or per-head qparams (values; per-token keys) load as 32-bit words: the value
+dot's operand layout pairs rows, and a byte tile carried that layout back to shared
+memory as one-byte reads plus PRMTs to regroup them (about 12 of 42 warp-instructions
+per row for Llama-like KV4, 20 of 74 for Gemma 3). Static per-channel key qparams are
+folded into the query once per program. Per-row group value qparams apply to the decoded
+fp16 value tile, one fused multiply-add per two channels (HFMA2): applying the scales to
+the probabilities instead, as [groups, R, BT] products over the 16 padded query rows,
+then the offsets through a row sum, compiled to 1.3-1.8x the loop instructions of this
+form for Llama-like KV4 (sm_90 SASS, bench/kernel_resources.py), the products and the
+batched dots' layouts costing more than the 64 channels per row they save. Dots take
+fp16 operands (exact fp32 under the interpreter and in parity mode) with fp32
+accumulation.
 
 The partial states go to one fp32 buffer [B x H_kv, S, R, D + 2] (numerator, then
 the running max in log2 units, then the denominator), merged by
@@ -58,14 +62,59 @@ or.b32 $1, t1, 0x64006400;
 }""")
 
 
+# 4 fp8 code bytes -> 4 fp16 whose bits are (c & 0x80) << 8 | (c & 0x7F) << 7: each byte
+# to the high byte of a half (PRMT), then the magnitude one bit down under the sign (e4m3;
+# `fp8.fp16_placement`)
+_E4M3_ASM = tl.constexpr("""{
+.reg .b32 t0, t1, m0, m1;
+prmt.b32 t0, $2, 0, 0x1404;
+prmt.b32 t1, $2, 0, 0x3424;
+and.b32 m0, t0, 0x7F007F00;
+and.b32 m1, t1, 0x7F007F00;
+shr.b32 m0, m0, 1;
+shr.b32 m1, m1, 1;
+lop3.b32 $0, t0, 0x80008000, m0, 0xea;
+lop3.b32 $1, t1, 0x80008000, m1, 0xea;
+}""")
+# e5m2 is the high byte of an fp16: c << 8
+_E5M2_ASM = tl.constexpr("""{
+prmt.b32 $0, $2, 0, 0x1404;
+prmt.b32 $1, $2, 0, 0x3424;
+}""")
+
+
 @triton.jit
-def _planes(raw, ZERO: tl.constexpr, PLANES: tl.constexpr, ASM: tl.constexpr):
+def _fp8_plane(raw, SHIFT: tl.constexpr, ASM: tl.constexpr):
+    """uint8 fp8 codes -> fp16 of value / factor (`kvq.quant.fp8.fp16_placement`: the
+    code's bits moved into an fp16, SHIFT 7 for e4m3, 8 for e5m2), exact."""
+    if ASM:
+        if SHIFT == 8:
+            x = tl.inline_asm_elementwise(
+                _E5M2_ASM, "=r,=r,r", [raw], dtype=tl.float16, is_pure=True, pack=4
+            )
+        else:
+            x = tl.inline_asm_elementwise(
+                _E4M3_ASM, "=r,=r,r", [raw], dtype=tl.float16, is_pure=True, pack=4
+            )
+    else:
+        c = raw.to(tl.int32)
+        bits = ((c & 0x80) << 8) | ((c & 0x7F) << SHIFT)
+        x = bits.to(tl.uint16).to(tl.float16, bitcast=True)
+    return x
+
+
+@triton.jit
+def _planes(raw, ZERO: tl.constexpr, PLANES: tl.constexpr, ASM: tl.constexpr,
+            FP8: tl.constexpr = 0):  # fmt: skip
     """uint8 code bytes -> fp16 planes (code - ZERO, exact): (low nibbles, high nibbles)
     for PLANES 2, (bytes, bytes) for 1. The exponent bias: the bits 0x6400 | c read as fp16
     are 1024 + c, so no integer-to-float conversion runs. ASM: four bytes per instruction
     pair in one register (the compiled path); else the same arithmetic per element (the
-    interpreter)."""
-    if ASM:
+    interpreter). FP8 (a mantissa shift, `_fp8_plane`): fp8 codes, one plane."""
+    if FP8:
+        lo = _fp8_plane(raw, FP8, ASM)
+        hi = lo
+    elif ASM:
         if PLANES == 2:
             lo, hi = tl.inline_asm_elementwise(
                 _NIBBLES_ASM, "=r,=r,=r,=r,r", [raw], dtype=(tl.float16, tl.float16),
@@ -90,9 +139,134 @@ def _planes(raw, ZERO: tl.constexpr, PLANES: tl.constexpr, ASM: tl.constexpr):
     return lo, hi
 
 
+# one 32-bit word of 4-bit codes (bytes b0..b3: channels 8w .. 8w + 7, low nibble first)
+# -> 1024 + c of channels 8w, 8w + 2, 8w + 4, 8w + 6 and 1024 + 16 c of the odd ones, as
+# fp16 in 16-bit registers (the halves of the _NIBBLES_ASM results)
+_WORD_NIBBLES_ASM = tl.constexpr("""{
+.reg .b32 t0, t1, a, b, c, d;
+prmt.b32 t0, $8, 0, 0x4140;
+prmt.b32 t1, $8, 0, 0x4342;
+lop3.b32 a, t0, 0x000F000F, 0x64006400, 0xea;
+lop3.b32 b, t1, 0x000F000F, 0x64006400, 0xea;
+lop3.b32 c, t0, 0x00F000F0, 0x64006400, 0xea;
+lop3.b32 d, t1, 0x00F000F0, 0x64006400, 0xea;
+mov.b32 {$0, $1}, a;
+mov.b32 {$2, $3}, b;
+mov.b32 {$4, $5}, c;
+mov.b32 {$6, $7}, d;
+}""")
+
+
+@triton.jit
+def _word_nibbles(words, ZERO: tl.constexpr, ASM: tl.constexpr):
+    """int32 words [BT, W] of 4-bit codes -> planes (even channels, odd channels) [BT, 4 W]
+    of fp16 code - ZERO: column c is channel 2c (2c + 1). Loading whole words keeps the
+    shared-memory reads of a tile 32 bits wide where the dot's operand layout (rows in
+    pairs) would otherwise read bytes; the 8 codes of a word are put back in column order
+    by joins, in registers."""
+    if ASM:
+        l0, l1, l2, l3, h0, h1, h2, h3 = tl.inline_asm_elementwise(
+            _WORD_NIBBLES_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r", [words],
+            dtype=(tl.float16,) * 8, is_pure=True, pack=1,
+        )  # fmt: skip
+    else:  # the same bits per element: nibble k of the word is channel 8w + k
+        l0 = ((words & 15) | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
+        h0 = ((words & 0xF0) | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
+        l1 = (((words >> 8) & 15) | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
+        h1 = (((words >> 8) & 0xF0) | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
+        l2 = (((words >> 16) & 15) | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
+        h2 = (((words >> 16) & 0xF0) | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
+        l3 = (((words >> 24) & 15) | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
+        h3 = (((words >> 24) & 0xF0) | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
+    BT: tl.constexpr = words.shape[0]
+    W: tl.constexpr = words.shape[1]
+    # join(join(a, c), join(b, d)) flattens to a, b, c, d per word
+    lo = tl.reshape(tl.join(tl.join(l0, l2), tl.join(l1, l3)), (BT, 4 * W))
+    hi = tl.reshape(tl.join(tl.join(h0, h2), tl.join(h1, h3)), (BT, 4 * W))
+    return lo - (1024.0 + ZERO), hi * 0.0625 - (64.0 + ZERO)
+
+
+# one 32-bit word of 8-bit codes -> 4 fp16 in 16-bit registers: 1024 + c (integer codes),
+# or the fp8 bits placed as `_E4M3_ASM` / `_E5M2_ASM` place them
+_WORD_BYTES_ASM = tl.constexpr("""{
+.reg .b32 t0, t1;
+prmt.b32 t0, $4, 0, 0x4140;
+prmt.b32 t1, $4, 0, 0x4342;
+or.b32 t0, t0, 0x64006400;
+or.b32 t1, t1, 0x64006400;
+mov.b32 {$0, $1}, t0;
+mov.b32 {$2, $3}, t1;
+}""")
+_WORD_E4M3_ASM = tl.constexpr("""{
+.reg .b32 t0, t1, m0, m1;
+prmt.b32 t0, $4, 0, 0x1404;
+prmt.b32 t1, $4, 0, 0x3424;
+and.b32 m0, t0, 0x7F007F00;
+and.b32 m1, t1, 0x7F007F00;
+shr.b32 m0, m0, 1;
+shr.b32 m1, m1, 1;
+lop3.b32 t0, t0, 0x80008000, m0, 0xea;
+lop3.b32 t1, t1, 0x80008000, m1, 0xea;
+mov.b32 {$0, $1}, t0;
+mov.b32 {$2, $3}, t1;
+}""")
+_WORD_E5M2_ASM = tl.constexpr("""{
+.reg .b32 t0, t1;
+prmt.b32 t0, $4, 0, 0x1404;
+prmt.b32 t1, $4, 0, 0x3424;
+mov.b32 {$0, $1}, t0;
+mov.b32 {$2, $3}, t1;
+}""")
+
+
+@triton.jit
+def _byte_of_word(words, k: tl.constexpr, ZERO: tl.constexpr, FP8: tl.constexpr):
+    """Byte k of each int32 word as the fp16 the PTX blocks make (interpreter path)."""
+    c = (words >> (8 * k)) & 0xFF
+    if FP8:
+        x = (((c & 0x80) << 8) | ((c & 0x7F) << FP8)).to(tl.uint16).to(tl.float16, bitcast=True)
+    else:
+        x = (c | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
+    return x
+
+
+@triton.jit
+def _word_bytes(words, ZERO: tl.constexpr, FP8: tl.constexpr, ASM: tl.constexpr):
+    """int32 words [BT, W] of 8-bit codes -> [BT, 4 W] fp16, column c channel c: code -
+    ZERO, or an fp8 code's value / factor (FP8: the mantissa shift, `_fp8_plane`)."""
+    if ASM:
+        if FP8 == 8:
+            e0, e1, e2, e3 = tl.inline_asm_elementwise(
+                _WORD_E5M2_ASM, "=h,=h,=h,=h,r", [words], dtype=(tl.float16,) * 4,
+                is_pure=True, pack=1,
+            )  # fmt: skip
+        elif FP8:
+            e0, e1, e2, e3 = tl.inline_asm_elementwise(
+                _WORD_E4M3_ASM, "=h,=h,=h,=h,r", [words], dtype=(tl.float16,) * 4,
+                is_pure=True, pack=1,
+            )  # fmt: skip
+        else:
+            e0, e1, e2, e3 = tl.inline_asm_elementwise(
+                _WORD_BYTES_ASM, "=h,=h,=h,=h,r", [words], dtype=(tl.float16,) * 4,
+                is_pure=True, pack=1,
+            )  # fmt: skip
+    else:
+        e0 = _byte_of_word(words, 0, ZERO, FP8)
+        e1 = _byte_of_word(words, 1, ZERO, FP8)
+        e2 = _byte_of_word(words, 2, ZERO, FP8)
+        e3 = _byte_of_word(words, 3, ZERO, FP8)
+    BT: tl.constexpr = words.shape[0]
+    W: tl.constexpr = words.shape[1]
+    x = tl.reshape(tl.join(tl.join(e0, e2), tl.join(e1, e3)), (BT, 4 * W))
+    if not FP8:
+        x = x - (1024.0 + ZERO)
+    return x
+
+
 @triton.jit
 def _key_planes(ptr, rows, row_ok, stride_t, ZERO: tl.constexpr, KP: tl.constexpr,
-                KW: tl.constexpr, FULL: tl.constexpr, ASM: tl.constexpr):  # fmt: skip
+                KW: tl.constexpr, FULL: tl.constexpr, ASM: tl.constexpr,
+                FP8: tl.constexpr):  # fmt: skip
     """A key tile in plane order: (even channels, odd channels) [BT, KW] for 4-bit codes
     (KP 2) or a full-precision segment loaded the same way; (all channels, unused) for
     8-bit codes (KP 1). Codes come back as fp16 code - zero."""
@@ -106,17 +280,21 @@ def _key_planes(ptr, rows, row_ok, stride_t, ZERO: tl.constexpr, KP: tl.constexp
             hi = tl.load(base + (j * 2 + 1)[None, :], mask=ok, other=0.0)
     else:
         raw = tl.load(base + j[None, :], mask=ok, other=0)  # [BT, KW] bytes
-        lo, hi = _planes(raw, ZERO, KP, ASM)
+        lo, hi = _planes(raw, ZERO, KP, ASM, FP8)
     return lo, hi
 
 
 @triton.jit
 def _value_planes(ptr, rows, row_ok, stride_t, vs_ptr, vo_ptr, vq_t, ZERO: tl.constexpr,
                   VP: tl.constexpr, NG: tl.constexpr, GW: tl.constexpr, FULL: tl.constexpr,
-                  V_HAS_OFF: tl.constexpr, OP: tl.constexpr, ASM: tl.constexpr):  # fmt: skip
+                  V_HAS_OFF: tl.constexpr, OP: tl.constexpr, ASM: tl.constexpr,
+                  FP8: tl.constexpr, FACTOR: tl.constexpr,
+                  WORDS: tl.constexpr = False):  # fmt: skip
     """A value tile in plane order, [BT, D / VP] per plane in the dots' dtype OP: plane k,
     column c is channel c * VP + k. Packed rows decode per group of GW columns with their
-    row's group scale and offset (code - zero) * scale + offset, in OP."""
+    row's group scale and offset (code - zero) * scale + offset, in OP; fp8 codes (FP8,
+    decoded to value / FACTOR) with scale x FACTOR. WORDS: codes read as 32-bit words
+    (rows on 4-byte boundaries), `_word_nibbles`, `_word_bytes`."""
     if FULL:
         c = tl.arange(0, NG * GW)
         base = ptr + rows[:, None] * stride_t
@@ -129,10 +307,26 @@ def _value_planes(ptr, rows, row_ok, stride_t, vs_ptr, vo_ptr, vq_t, ZERO: tl.co
         j = tl.arange(0, GW)
         ok = row_ok[:, None, None]
         byte = (g[:, None] * GW + j[None, :])[None, :, :]  # [1, NG, GW]: one byte per code
-        raw = tl.load(ptr + rows[:, None, None] * stride_t + byte, mask=ok, other=0)
-        lo, hi = _planes(raw, ZERO, VP, ASM)  # [BT, NG, GW]
+        BT: tl.constexpr = rows.shape[0]
+        if WORDS:  # [BT, NG x GW / 4] words (a byte per column of a plane) -> [BT, NG, GW]
+            w = tl.arange(0, NG * GW // 4)
+            wptr = ptr.to(tl.pointer_type(tl.int32)) + rows[:, None] * (stride_t // 4)
+            words = tl.load(wptr + w[None, :], mask=row_ok[:, None], other=0)
+            if VP == 2:
+                lo, hi = _word_nibbles(words, ZERO, ASM)
+            else:
+                lo = _word_bytes(words, ZERO, FP8, ASM)
+                hi = lo
+            lo = tl.reshape(lo, (BT, NG, GW))
+            hi = tl.reshape(hi, (BT, NG, GW))
+        else:
+            raw = tl.load(ptr + rows[:, None, None] * stride_t + byte, mask=ok, other=0)
+            lo, hi = _planes(raw, ZERO, VP, ASM, FP8)  # [BT, NG, GW]
         q_off = rows[:, None] * vq_t + g[None, :]  # [BT, NG]
-        s = tl.load(vs_ptr + q_off, mask=row_ok[:, None], other=0.0).to(OP)[:, :, None]
+        s = tl.load(vs_ptr + q_off, mask=row_ok[:, None], other=0.0)
+        if FACTOR != 1.0:
+            s = s.to(tl.float32) * FACTOR
+        s = s.to(OP)[:, :, None]
         if V_HAS_OFF:
             o = tl.load(vo_ptr + q_off, mask=row_ok[:, None], other=0.0).to(OP)[:, :, None]
             lo = lo.to(OP) * s + o
@@ -140,7 +334,6 @@ def _value_planes(ptr, rows, row_ok, stride_t, vs_ptr, vo_ptr, vq_t, ZERO: tl.co
         else:
             lo = lo.to(OP) * s
             hi = hi.to(OP) * s
-        BT: tl.constexpr = rows.shape[0]
         lo = tl.reshape(lo, (BT, NG * GW))
         hi = tl.reshape(hi, (BT, NG * GW))
     return lo, hi
@@ -156,7 +349,9 @@ def _segment_loop(
     GW: tl.constexpr, V_HAS_OFF: tl.constexpr, HAS_SOFTCAP: tl.constexpr, softcap,
     CAUSAL: tl.constexpr, OP: tl.constexpr, PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr,
     rows_seg, ASM: tl.constexpr, K_ROWQ: tl.constexpr, K_NG: tl.constexpr,
-    K_HAS_OFF: tl.constexpr,
+    K_HAS_OFF: tl.constexpr, m_row, HAS_MASK: tl.constexpr, K_FP8: tl.constexpr,
+    V_FP8: tl.constexpr, K_FACTOR: tl.constexpr, V_FACTOR: tl.constexpr,
+    K_WORDS: tl.constexpr, V_WORDS: tl.constexpr,
 ):  # fmt: skip
     """Folds tiles [first, last) of one segment into the online-softmax state (m, l,
     acc_lo, acc_hi: the numerator's planes). FULL: a full-precision segment (keys
@@ -168,9 +363,10 @@ def _segment_loop(
         t_ok = t < rows_seg
         if K_ROWQ and not FULL:
             k_lo, k_hi = _value_planes(k_ptr, t, t_ok, k_t, ks_ptr, ko_ptr, kq_t, K_ZERO, KP,
-                                       K_NG, KW // K_NG, False, K_HAS_OFF, OP, ASM)  # fmt: skip
+                                       K_NG, KW // K_NG, False, K_HAS_OFF, OP, ASM, K_FP8,
+                                       K_FACTOR, K_WORDS)  # fmt: skip
         else:
-            k_lo, k_hi = _key_planes(k_ptr, t, t_ok, k_t, K_ZERO, KP, KW, FULL, ASM)
+            k_lo, k_hi = _key_planes(k_ptr, t, t_ok, k_t, K_ZERO, KP, KW, FULL, ASM, K_FP8)
         scores = tl.dot(q_lo, tl.trans(k_lo.to(OP)), input_precision=PRECISION)
         if KP == 2:
             scores += tl.dot(q_hi, tl.trans(k_hi.to(OP)), input_precision=PRECISION)
@@ -179,7 +375,14 @@ def _segment_loop(
         if HAS_SOFTCAP:  # softcap * tanh(s / softcap), tanh(x) = 2 sigmoid(2x) - 1, base 2
             scores = softcap * (2.0 * tl.sigmoid(2.0 * scores / softcap) - 1.0) * LOG2E
         allowed = r_ok[:, None] & t_ok[None, :]
-        if CAUSAL:
+        if HAS_MASK:  # m_row: each query row's mask row over the segments laid end to end
+            if Q == 1:  # one mask row for every query row: [BT], broadcast
+                seen = tl.load(m_row + seg_col + t, mask=t_ok, other=0)
+                allowed = allowed & (seen != 0)[None, :]
+            else:  # [R, BT]
+                seen = tl.load(m_row[:, None] + (seg_col + t)[None, :], mask=allowed, other=0)
+                allowed = allowed & (seen != 0)
+        elif CAUSAL:
             allowed = allowed & ((seg_col + t)[None, :] <= (total - Q + qi)[:, None])
         scores = tl.where(allowed, scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, axis=1))
@@ -188,7 +391,8 @@ def _segment_loop(
         p = tl.exp2(scores - m_safe[:, None])  # [R, BT]
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v_lo, v_hi = _value_planes(v_ptr, t, t_ok, v_t, vs_ptr, vo_ptr, vq_t, V_ZERO, VP, NG,
-                                   GW, FULL, V_HAS_OFF, OP, ASM)  # fmt: skip
+                                   GW, FULL, V_HAS_OFF, OP, ASM, V_FP8, V_FACTOR,
+                                   V_WORDS and not FULL)  # fmt: skip
         p16 = p.to(OP)
         acc_lo = acc_lo * alpha[:, None] + tl.dot(p16, v_lo, input_precision=PRECISION)
         if VP == 2:
@@ -205,21 +409,29 @@ def decode_splits_kernel(
     k1, v1, k1_b, k1_h, k1_t, v1_b, v1_h, v1_t, rows1,
     k2, v2, k2_b, k2_h, k2_t, v2_b, v2_h, v2_t, rows2,
     k_fold, v_scale, v_off, vq_b, vq_h, vq_t, k_off, kq_b, kq_h, kq_t,
-    HKV, total, splits, scaling, softcap,
+    mask, m_b, m_q, HKV, total, splits, scaling, softcap,
     Q: tl.constexpr, G: tl.constexpr, R: tl.constexpr, D: tl.constexpr,
     BLOCK_T: tl.constexpr, KIND0: tl.constexpr, KIND1: tl.constexpr, KIND2: tl.constexpr,
     KP: tl.constexpr, VP: tl.constexpr, NG: tl.constexpr, V_HAS_OFF: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, CAUSAL: tl.constexpr, HALF: tl.constexpr,
     DIRECT: tl.constexpr, NUM_STAGES: tl.constexpr, K_ZERO: tl.constexpr = 0.0,
     V_ZERO: tl.constexpr = 0.0, ASM: tl.constexpr = False, K_ROWQ: tl.constexpr = False,
-    K_NG: tl.constexpr = 1, K_HAS_OFF: tl.constexpr = False,
+    K_NG: tl.constexpr = 1, K_HAS_OFF: tl.constexpr = False, HAS_MASK: tl.constexpr = False,
+    K_FP8: tl.constexpr = 0, V_FP8: tl.constexpr = 0, K_FACTOR: tl.constexpr = 1.0,
+    V_FACTOR: tl.constexpr = 1.0, K_WORDS: tl.constexpr = False, V_WORDS: tl.constexpr = False,
 ):  # fmt: skip
     """Segments 0, 1, 2 (KIND 0: absent, 1: full precision, 2: packed; one packed at
     most): key and value data with their batch, head and row strides (elements of the
     data: bytes of codes), and row counts. k_fold [2, H_kv, D] float32: the packed keys'
     static scale and bias (offset - zero_point x scale) per channel; with K_ROWQ instead
     their per-row group scales [B, H_kv, T, K_NG] (offsets k_off, strides kq_*); v_scale, v_off
-    [B, H_kv, T, NG] with strides vq_b, vq_h, vq_t (groups contiguous)."""
+    [B, H_kv, T, NG] with strides vq_b, vq_h, vq_t (groups contiguous). HAS_MASK: mask
+    [B, Q, total] bool or bytes (True: attend; strides m_b, m_q, columns contiguous) over
+    the rows of all segments in order; else the last Q rows are causal. K_FP8, V_FP8:
+    fp8 codes (the mantissa shift of `fp8.fp16_placement`; 0: integer codes), decoded to
+    value / K_FACTOR (V_FACTOR): static key scales come with the factor in k_fold, per-row
+    scales are multiplied by it as they are read. K_WORDS, V_WORDS: 4-bit codes with
+    per-row qparams read as 32-bit words (`_word_nibbles`)."""
     bh = tl.program_id(0)
     split = tl.program_id(1)
     b = (bh // HKV).to(tl.int64)  # batch offsets of a long cache pass 2^31 bytes
@@ -266,6 +478,9 @@ def decode_splits_kernel(
             k_bias += tl.sum(q_hi * b_hi[None, :], axis=1)
     fq_lo = q_lo.to(OP)
     fq_hi = q_hi.to(OP)
+    m_row = mask + b * m_b  # the mask row (unused without HAS_MASK)
+    if Q > 1:
+        m_row = m_row + qi * m_q  # [R]: query row r's
 
     m_i = tl.full([R], float("-inf"), tl.float32)
     l_i = tl.zeros([R], tl.float32)
@@ -291,6 +506,7 @@ def decode_splits_kernel(
             tl.maximum(lo, 0), tl.minimum(hi, n0), 0, total, qi, r_ok, K_ZERO, V_ZERO,
             Q, R, BLOCK_T, KIND0 == 1, KP, KW, VP, NG, GW, V_HAS_OFF, HAS_SOFTCAP, softcap,
             CAUSAL, OP, PRECISION, NUM_STAGES, rows0, ASM, K_ROWQ, K_NG, K_HAS_OFF,
+            m_row, HAS_MASK, K_FP8, V_FP8, K_FACTOR, V_FACTOR, K_WORDS, V_WORDS,
         )  # fmt: skip
     if KIND1 != 0:
         kp = k1 + b * k1_b + h * k1_h
@@ -300,7 +516,8 @@ def decode_splits_kernel(
             kp, vp, k1_t, v1_t, vs_ptr, vo_ptr, vq_t, ks_ptr, ko_ptr, kq_t,
             tl.maximum(lo, n0) - n0, tl.minimum(hi, n0 + n1) - n0, rows0, total, qi, r_ok,
             K_ZERO, V_ZERO, Q, R, BLOCK_T, KIND1 == 1, KP, KW, VP, NG, GW, V_HAS_OFF,
-            HAS_SOFTCAP, softcap, CAUSAL, OP, PRECISION, NUM_STAGES, rows1, ASM, K_ROWQ, K_NG, K_HAS_OFF,
+            HAS_SOFTCAP, softcap, CAUSAL, OP, PRECISION, NUM_STAGES, rows1, ASM, K_ROWQ, K_NG,
+            K_HAS_OFF, m_row, HAS_MASK, K_FP8, V_FP8, K_FACTOR, V_FACTOR, K_WORDS, V_WORDS,
         )  # fmt: skip
     if KIND2 != 0:
         kp = k2 + b * k2_b + h * k2_h
@@ -310,7 +527,9 @@ def decode_splits_kernel(
             kp, vp, k2_t, v2_t, vs_ptr, vo_ptr, vq_t, ks_ptr, ko_ptr, kq_t,
             tl.maximum(lo, n0 + n1) - n0 - n1, tl.minimum(hi, n) - n0 - n1, rows0 + rows1,
             total, qi, r_ok, K_ZERO, V_ZERO, Q, R, BLOCK_T, KIND2 == 1, KP, KW, VP, NG, GW,
-            V_HAS_OFF, HAS_SOFTCAP, softcap, CAUSAL, OP, PRECISION, NUM_STAGES, rows2, ASM, K_ROWQ, K_NG, K_HAS_OFF,
+            V_HAS_OFF, HAS_SOFTCAP, softcap, CAUSAL, OP, PRECISION, NUM_STAGES, rows2, ASM,
+            K_ROWQ, K_NG, K_HAS_OFF, m_row, HAS_MASK, K_FP8, V_FP8, K_FACTOR, V_FACTOR,
+            K_WORDS, V_WORDS,
         )  # fmt: skip
     m_i, l_i, acc_lo, acc_hi = state
 

@@ -303,12 +303,12 @@ def decode_attention_triton(
     reason = triton_unsupported(query, segments, mask)
     if reason:
         raise KvqError(f"triton decode attention: {reason}")
-    from kvq.runtime.kernels import planned_decode
+    if triton_path(query, segments, mask).kernel == "planned":
+        from kvq.runtime.kernels import planned_decode
 
-    if PLANNED and planned_decode.planned_unsupported(query, segments, mask) is None:
         half = _dot_mode(query.device) != "ieee"
         return planned_decode.run_planned(
-            query, segments, scaling=scaling, softcap=softcap, half=half
+            query, segments, scaling=scaling, softcap=softcap, half=half, mask=mask
         )
     b, hq, q_len, d = query.shape
     hkv = segments[0].key.data.shape[1]
@@ -694,13 +694,55 @@ def decode_attention(
     With backend auto, calls the kernel cannot take (long query blocks, per-head
     masks) run on the reference; an explicit "triton" refuses them instead.
     """
-    chosen = resolve_backend(backend, query.device)
-    if chosen == "triton":
-        explicit = (backend or os.environ.get(ENV) or "auto") == "triton"
-        if explicit or triton_unsupported(query, segments, mask) is None:
-            return decode_attention_triton(
-                query, segments, scaling=scaling, rope=rope, mask=mask, softcap=softcap
-            )
+    _check(query, segments, rope, mask)
+    if decode_path(query, segments, mask, backend=backend).kernel != "reference":
+        # (which Triton kernel: decided again there, a few microseconds of Python)
+        return decode_attention_triton(
+            query, segments, scaling=scaling, rope=rope, mask=mask, softcap=softcap
+        )
     return decode_attention_reference(
         query, segments, scaling=scaling, rope=rope, mask=mask, softcap=softcap
     )
+
+
+@dataclass(frozen=True)
+class DecodePath:
+    """Which implementation takes a decode call, and why not a faster one."""
+
+    kernel: str  # "planned" (one launch, `planned_decode`), "general" (Triton) or "reference"
+    reason: str | None = None  # why not the planned kernel; None when it takes the call
+
+
+def decode_path(
+    query: Tensor,
+    segments: list[Segment],
+    mask: Tensor | None = None,
+    *,
+    backend: str | None = None,
+    device: torch.device | str | None = None,
+) -> DecodePath:
+    """The path `decode_attention` sends this call down: the backend (`resolve_backend`)
+    on `device` (default the query's; a CPU test may ask what CUDA would do), then the
+    planned kernel where it takes the layout, else the general kernel, else (auto backend,
+    calls no kernel takes: long query blocks, per-head masks) the reference. An explicit
+    "triton" refuses what no kernel takes."""
+    device = query.device if device is None else torch.device(device)
+    requested = backend or os.environ.get(ENV) or "auto"
+    if resolve_backend(requested, device) == "reference":
+        return DecodePath("reference", f"backend {requested} on {device.type}")
+    reason = triton_unsupported(query, segments, mask)
+    if reason:
+        if requested == "triton":
+            raise KvqError(f"triton decode attention: {reason}")
+        return DecodePath("reference", reason)
+    return triton_path(query, segments, mask)
+
+
+def triton_path(query: Tensor, segments: list[Segment], mask: Tensor | None) -> DecodePath:
+    """Planned or general kernel, for a call the Triton backend takes."""
+    if not PLANNED:
+        return DecodePath("general", "KVQ_DECODE_PLANNED=0")
+    from kvq.runtime.kernels.planned_decode import planned_unsupported
+
+    reason = planned_unsupported(query, segments, mask)
+    return DecodePath("general", reason) if reason else DecodePath("planned")

@@ -3,9 +3,12 @@ reduction, no device syncs (`_decode_splits_triton`, `launch_plan`).
 
 It takes the layouts a decode step mostly sees — full-precision segments (sink rows,
 the residual window) around at most one packed segment of 4- or 8-bit affine codes
-with static per-channel (or per-head) or per-row grouped key qparams and per-row
-grouped value qparams, post-RoPE keys, no explicit mask — and `decode_attention_triton` sends everything
-else to the general kernel. What the host does per call: checks, a cached plan
+or fp8 codes (E4M3 / E5M2, decoded from their bits, `fp8.fp16_placement`) with static
+per-channel (or per-head) or per-row grouped key qparams and per-row grouped or
+per-head value qparams, post-RoPE keys, with or without a mask over the rows (sliding
+windows, padding: read in place, one byte per row and tile) — and
+`decode_attention.decode_path` sends everything else to the general kernel. What the
+host does per call: checks, a cached plan
 (splits from the compiled kernel's occupancy, `launch_plan.plan_splits`), two
 allocations (partial states and output; one when a single split writes the output
 itself) and the launches through a launcher cached per specialisation, which binds
@@ -25,6 +28,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from kvq.quant.fp8 import fp16_placement
+from kvq.runtime.fp8_codecs import fp8_format_of
 from kvq.runtime.kernels.backend import interpreting, next_pow2
 from kvq.runtime.kernels.launch_plan import SplitPlan, plan_splits
 from kvq.tensor_memo import Memo, memoised
@@ -51,19 +56,18 @@ class KernelConfig:
 
 
 def kernel_config(head_dim: int, bits: int, key_rows: bool = False) -> KernelConfig:
-    """Launch configuration per shape bucket (head_dim, code bits, whether key qparams are
-    per row): 64-row tiles, 4 warps, 2 tiles of raw codes in flight, where that compiles
-    without spilling. Picked from the sm_90 compile (bench/kernel_resources.py; no GPU
-    timing, never a small parity problem). KV4 at head_dim 128: 128 registers, 16 warps
-    per SM, 42 warp-instructions per cached row, 72 KB in flight per SM (3 stages: 12
-    warps; 128-row tiles: 37 per row but 8 warps); at head_dim 256: 250 registers, 8
-    warps, 74 per row (32-row tiles: 12 warps, 85). Per-token key groups at head_dim 128
-    spill 8 bytes at 2 stages, none at 3 (133 registers, 12 warps, 45 per row); 8-bit
-    codes at head_dim 256 spill 40 bytes with 64-row tiles, none with 32 (182 registers)."""
+    """Launch configuration per shape bucket (head_dim, code bits; `key_rows`, whether key
+    qparams are per row, no longer changes it): 64-row tiles, 4 warps, 2 tiles of raw codes
+    in flight, where that compiles without spilling. Picked from the sm_90 compile
+    (bench/kernel_resources.py; no GPU timing, never a small parity problem). KV4 at
+    head_dim 128 (values, and per-token keys, read as words): 128 registers, 16 warps per
+    SM, 31 warp-instructions per cached row (3 stages: 32; 128-row tiles: 27 but 12
+    warps); at head_dim 256: 168 registers, 12 warps, 56 per row (32-row tiles: 16 warps
+    but 66; 128-row tiles spill). 8-bit codes (values as words) at head_dim 128: 119
+    registers, 16 warps, 37 per row; at head_dim 256, 32-row tiles: 137 registers, 12
+    warps, 75 per row (64-row tiles: 66 per row but 174 registers, 8 warps)."""
     if bits == 8 and head_dim >= 256:
         return KernelConfig(32, 4, 2)
-    if key_rows and head_dim <= 128:
-        return KernelConfig(64, 4, 3)
     return KernelConfig(64, 4, 2)
 
 
@@ -71,7 +75,9 @@ def planned_unsupported(query: Tensor, segments, mask: Tensor | None) -> str | N
     """Why the planned path cannot take this call (None when it can)."""
     b, hq, q_len, d = query.shape
     if mask is not None:
-        return "explicit masks use the general kernel"
+        reason = _mask_unsupported(mask, query, sum(s.rows for s in segments))
+        if reason:
+            return reason
     if query.stride(-1) != 1:
         return "query channels must be contiguous"
     if d & (d - 1) or not 32 <= d <= 256:
@@ -99,19 +105,60 @@ def planned_unsupported(query: Tensor, segments, mask: Tensor | None) -> str | N
     return None
 
 
+def _mask_unsupported(mask: Tensor, query: Tensor, total: int) -> str | None:
+    """The kernel reads a [B | 1, 1, Q, total] bool mask in place (no copy per call):
+    the mask of every head, rows contiguous."""
+    b, _, q_len, _ = query.shape
+    if mask.dim() != 4 or mask.shape[1] != 1 or mask.shape[0] not in (1, b):
+        return "per-head masks use the general kernel"
+    if mask.shape[2] != q_len or mask.shape[3] != total:
+        return "mask shape"
+    if mask.dtype != torch.bool or mask.stride(-1) != 1:
+        return "masks other than bool with contiguous columns"
+    return None
+
+
 def _packed_unsupported(seg, d: int) -> str | None:
     k, v = seg.key, seg.value
     for p in (k, v):
-        if p.kind != "affine" or p.bits not in (4, 8):
-            return "codes other than 4- or 8-bit affine"
+        fp8 = p.kind == "lookup" and p.bits == 8 and fp8_format_of(p.table) is not None
+        if not fp8 and (p.kind != "affine" or p.bits not in (4, 8)):
+            return "codes other than 4- or 8-bit affine or fp8"
         if p.slot_index is not None or p.sparse_count is not None:
             return "exceptions use the general kernel"
     if k.qaxis not in ("channel", "head"):
         reason = _row_groups_unsupported(k, d)
         if reason:
             return f"keys: {reason}"
+    if v.qaxis == "head":  # a static scale per head: read per row with a zero row stride
+        return "values: per-head zero points" if v.zero_point is not None else None
     reason = _row_groups_unsupported(v, d)
     return f"values: {reason}" if reason else None
+
+
+def _words(p) -> bool:
+    """Whether the kernel reads `p`'s codes as 32-bit words (`_word_nibbles`,
+    `_word_bytes`): codes with qparams read per row (per-row groups, or one scale per
+    head), rows on 4-byte boundaries (11 fewer instructions per cached row of Llama-like
+    KV4 at sm_90, bench/kernel_resources.py)."""
+    if p.kind == "full" or p.qaxis not in ("row", "head"):
+        return False
+    return p.data.data_ptr() % 4 == 0 and all(s % 4 == 0 for s in p.data.stride()[:3])
+
+
+def _fp8(p) -> tuple[int, float]:
+    """(mantissa shift, factor) of fp8 lookup rows (`fp8.fp16_placement`); (0, 1.0) for
+    integer codes."""
+    fmt = fp8_format_of(p.table) if p.kind == "lookup" else None
+    return fp16_placement(fmt) if fmt else (0, 1.0)
+
+
+def _row_qparams(p) -> tuple[Tensor, Tensor | None, tuple[int, int, int], int]:
+    """(scale, offset, (batch, head, row) strides, groups) of qparams the kernel reads per
+    row: per-row groups as stored, a per-head scale as one group with zero row stride."""
+    if p.qaxis == "head":
+        return p.scale, p.offset, (0, p.scale.stride(0), 0), 1
+    return p.scale, p.offset, tuple(p.scale.stride()[:3]), p.scale.shape[-1]
 
 
 def _row_groups_unsupported(p, d: int) -> str | None:
@@ -129,11 +176,12 @@ def _row_groups_unsupported(p, d: int) -> str | None:
 
 def _key_fold(p) -> Tensor:
     """[2, H_kv, D] float32: per channel, the static key scale and bias (offset -
-    zero_point x scale), the affine map after subtracting `zero`; cached per scale."""
+    zero_point x scale), the affine map after subtracting `zero` (fp8 codes: the scale x
+    the format's factor); cached per scale."""
 
     def build():
         hkv = p.data.shape[1]
-        scale = p.scale.float()
+        scale = p.scale.float() * _fp8(p)[1]
         scale = scale[:, None] if scale.dim() == 1 else scale
         scale = scale.expand(hkv, p.head_dim)
         bias = torch.zeros_like(scale)
@@ -173,7 +221,7 @@ class PlannedCall:
 
 
 def planned_call(query: Tensor, segments, *, scaling: float, softcap: float | None,
-                 half: bool) -> PlannedCall:  # fmt: skip
+                 half: bool, mask: Tensor | None = None) -> PlannedCall:  # fmt: skip
     """The kernel arguments for this call (`planned_unsupported` returned None)."""
     b, hq, q_len, d = query.shape
     hkv = segments[0].key.data.shape[1]
@@ -185,25 +233,22 @@ def planned_call(query: Tensor, segments, *, scaling: float, softcap: float | No
         kp = 2 if packed.key.bits == 4 else 1
         vp = 2 if packed.value.bits == 4 else 1
         bits = packed.key.bits
-        ng = packed.value.scale.shape[-1]
+        k_fp8, v_fp8 = _fp8(packed.key), _fp8(packed.value)
         k_rowq = packed.key.qaxis == "row"
         if k_rowq:  # per-row group key qparams, applied to the decoded key tile
-            k_fold, k_ng, kq = (
-                packed.key.scale,
-                packed.key.scale.shape[-1],
-                packed.key.scale.stride()[:3],
-            )
-            k_off = packed.key.offset if packed.key.offset is not None else dummy
+            k_fold, k_off, kq, k_ng = _row_qparams(packed.key)
+            k_off = k_off if k_off is not None else dummy
         else:
             k_fold = _key_fold(packed.key)
-        v_scale = packed.value.scale
-        v_off = packed.value.offset if packed.value.offset is not None else dummy
-        vq = v_scale.stride()[:3]
+        v_scale, v_off, vq, ng = _row_qparams(packed.value)
+        v_has_off = v_off is not None
+        v_off = v_off if v_has_off else dummy
         k_zero, v_zero = float(packed.key.zero), float(packed.value.zero)
     else:
-        kp, vp, bits, ng = 1, 1, 16, 1
+        kp, vp, bits, ng, v_has_off = 1, 1, 16, 1, False
         k_fold = v_scale = v_off = dummy
         vq, k_zero, v_zero = (0, 0, 0), 0.0, 0.0
+        k_fp8 = v_fp8 = (0, 1.0)
     cfg = kernel_config(d, bits, k_rowq)
     args = dict(q=query, sq_b=query.stride(0), sq_h=query.stride(1), sq_q=query.stride(2),
                 part=dummy, out=dummy)  # fmt: skip
@@ -223,6 +268,11 @@ def planned_call(query: Tensor, segments, *, scaling: float, softcap: float | No
         args[f"rows{i}"] = seg.rows
         padded += -(-seg.rows // cfg.block_t) * cfg.block_t
     total = sum(s.rows for s in segments)
+    if mask is not None:  # [B | 1, 1, Q, total] bool, read in place
+        args.update(mask=mask, m_b=mask.stride(0) if mask.shape[0] > 1 else 0,
+                    m_q=mask.stride(2) if q_len > 1 else 0)  # fmt: skip
+    else:
+        args.update(mask=dummy, m_b=0, m_q=0)
     args.update(
         k_fold=k_fold, v_scale=v_scale, v_off=v_off, vq_b=vq[0], vq_h=vq[1], vq_t=vq[2],
         k_off=k_off, kq_b=kq[0], kq_h=kq[1], kq_t=kq[2], K_ROWQ=k_rowq, K_NG=k_ng,
@@ -230,19 +280,22 @@ def planned_call(query: Tensor, segments, *, scaling: float, softcap: float | No
         HKV=hkv, total=total, splits=1, K_ZERO=k_zero, V_ZERO=v_zero, scaling=float(scaling),
         softcap=float(softcap or 0.0), Q=q_len, G=group, R=max(16, next_pow2(group * q_len)),
         D=d, BLOCK_T=cfg.block_t, KIND0=kinds[0], KIND1=kinds[1], KIND2=kinds[2], KP=kp,
-        VP=vp, NG=ng, V_HAS_OFF=packed is not None and packed.value.offset is not None,
+        VP=vp, NG=ng, V_HAS_OFF=v_has_off, K_FP8=k_fp8[0], V_FP8=v_fp8[0],
+        K_FACTOR=k_fp8[1] if k_rowq else 1.0, V_FACTOR=v_fp8[1],
+        K_WORDS=k_rowq and _words(packed.key), V_WORDS=packed is not None and _words(packed.value),
         HAS_SOFTCAP=bool(softcap), CAUSAL=q_len > 1, HALF=half, DIRECT=False,
+        HAS_MASK=mask is not None,
         NUM_STAGES=cfg.num_stages, ASM=ASM and not interpreting() and query.device.type == "cuda",
     )  # fmt: skip
     return PlannedCall(args, cfg, b * hkv, padded, (b, hq, q_len, d), group * q_len)
 
 
 def run_planned(query: Tensor, segments, *, scaling: float, softcap: float | None,
-                half: bool) -> Tensor:  # fmt: skip
+                half: bool, mask: Tensor | None = None) -> Tensor:  # fmt: skip
     """[B, H_q, Q, D] float32: one decode launch (and one reduction when it splits)."""
     from kvq.runtime.kernels import _decode_splits_triton as kern
 
-    call = planned_call(query, segments, scaling=scaling, softcap=softcap, half=half)
+    call = planned_call(query, segments, scaling=scaling, softcap=softcap, half=half, mask=mask)
     launcher = _launcher(query.device)
     plan = launcher.plan(call)
     out = torch.empty(call.out_shape, device=query.device)

@@ -11,12 +11,21 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from kvq.errors import KvqError
 from kvq.quant.schemes import QuantScheme
 from kvq.runtime.codecs import make_codec
+from kvq.runtime.kernels import decode_attention as attention
 from kvq.runtime.kernels import planned_decode
-from kvq.runtime.kernels.decode_attention import Segment, decode_attention_triton
+from kvq.runtime.kernels.decode_attention import (
+    Segment,
+    decode_attention,
+    decode_attention_reference,
+    decode_attention_triton,
+    decode_path,
+)
 from kvq.runtime.packed import PackedRows
 from tests.runtime.kernels.test_decode_attention import (
+    ATOL,
     DEVICE,
     _check,
     _codec_segment,
@@ -112,12 +121,155 @@ def test_full_precision_segments_alone(planned_calls):
     assert len(planned_calls) == 1
 
 
+def _window_mask(b, q_len, total, window, pad=0, batched=True):
+    """[B | 1, 1, Q, total] bool: the last Q rows causal, each query sees its `window` most
+    recent rows; sequence 1 of a batch left-padded by `pad` rows."""
+    col = torch.arange(total)
+    q_pos = torch.arange(total - q_len, total)[:, None]  # [Q, 1]
+    seen = (col <= q_pos) & (col > q_pos - window)  # [Q, total]
+    mask = seen[None, None].repeat(b if batched else 1, 1, 1, 1)
+    if pad:
+        mask[1, :, :, :pad] = False
+    return mask
+
+
+def _fp8_segment(fmt, lifetime, k, v, seed=0):
+    """fp8 main rows through the codecs: a static scale per KV head (kv-scales, the
+    engines' layout) or a scale per token (fp8-e4m3-dynamic)."""
+    from kvq.quant import fp8
+
+    axis = "head" if lifetime == "static" else "token"
+    scheme = QuantScheme("fp8", 8, axis=axis, symmetric=True, scale_dtype="float32",
+                         lifetime=lifetime, fp8_format=fmt)  # fmt: skip
+    rows = []
+    for x, part in ((k, "key"), (v, "value")):
+        state = {}
+        if lifetime == "static":
+            state = {"scale": fp8.fp8_scale(x.abs().amax(dim=(0, 2, 3)), fmt)}  # [H]
+        codec = make_codec(scheme, x.shape[-1], torch.float32, state, f"layers.0.{part}")
+        rows.append(codec.packed(*codec.encode(x)))
+    return Segment(*rows)
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+@pytest.mark.parametrize("lifetime", ["static", "dynamic"])
+def test_fp8_codes_decode_from_their_bits(fmt, lifetime, planned_calls):
+    """fp8 main rows (between sink and residual rows, with a sliding window mask) through
+    the planned kernel: the codes' bits moved into fp16 and the format's factor folded into
+    the scales give the reference's attention."""
+    b, hkv, d = 2, 2, 64
+    k, v = _data(b, hkv, 140, d, seed=14)
+    k = k * 40.0  # wide keys: small codes land on fp8 subnormals and fp16 ones
+    main = _fp8_segment(fmt, lifetime, k[:, :, 2:-5], v[:, :, 2:-5])
+    assert main.key.kind == "lookup"
+    segs = [Segment(_full(k[:, :, :2]), _full(v[:, :, :2])), main,
+            Segment(_full(k[:, :, -5:]), _full(v[:, :, -5:]))]  # fmt: skip
+    mask = _window_mask(b, 1, 140, window=100)
+    _check(torch.randn(b, 4, 1, d) * 0.05, segs, mask=mask)
+    _check(torch.randn(b, 4, 1, d) * 0.05, segs)
+    assert len(planned_calls) == 2
+
+
+@pytest.mark.parametrize("q_len, batched", [(1, True), (2, True), (1, False)])
+def test_sliding_window_and_padding_masks_match_reference(q_len, batched, planned_calls):
+    """A sliding-window layer's decode call (transformers' mask over the kernel rows): the
+    planned kernel reads the mask in place, across tile and split boundaries, and a padded
+    sequence's hidden rows weigh nothing."""
+    b, hkv, d = 2, 2, 64
+    segs = _layer_segments("int4-channel", b, hkv, d, rows=200, seed=11)
+    total = sum(s.rows for s in segs)
+    mask = _window_mask(b if batched else 1, q_len, total, window=150, pad=9 if batched else 0)
+    _check(torch.randn(b, 4, q_len, d), segs, mask=mask)
+    assert len(planned_calls) == 1
+
+
+def test_a_fully_masked_query_row_gives_zeros_like_the_reference(planned_calls):
+    """A padding position's query in a prefill sees no row: zero output, no NaN."""
+    segs = _layer_segments("int8-channel-sym", 2, 1, 64, rows=70, seed=12)
+    total = sum(s.rows for s in segs)
+    mask = _window_mask(2, 2, total, window=total)
+    mask[1, :, 0] = False
+    q, segs, mask = _to((torch.randn(2, 2, 2, 64), segs, mask), DEVICE)
+    ref = decode_attention_reference(q, segs, scaling=0.125, mask=mask)
+    out = decode_attention_triton(q, segs, scaling=0.125, mask=mask)
+    assert len(planned_calls) == 1
+    assert (out - ref).abs().max().item() < ATOL
+    assert not out[1, :, 0].any() and out[0].abs().amin() > 0
+
+
 @pytest.mark.parametrize("kind", ["int4-g16", "nuq4", "int2-int3"])  # 8 codes/group plane
 def test_other_layouts_keep_the_general_kernel(kind, planned_calls):
     k, v = _data(1, 2, 40, 64, seed=7)
     kp, vp = _codec_segment(kind, k, v)
     _check(torch.randn(1, 4, 1, 64), [Segment(kp, vp)])
     assert not planned_calls
+
+
+def _route_segments(fmt, d=64):
+    """A layer's segments (sink, main, residual) with main rows in format `fmt`."""
+    k, v = _data(2, 2, 80, d, seed=13)
+    if fmt == "kv4-token":
+        main = _per_token_segment(4, 32, k[:, :, 2:-5], v[:, :, 2:-5])
+    elif fmt == "kv8-token":
+        main = _per_token_segment(8, None, k[:, :, 2:-5], v[:, :, 2:-5])
+    elif fmt.startswith("fp8"):
+        lifetime = "dynamic" if fmt.endswith("token") else "static"
+        main = _fp8_segment("e4m3", lifetime, k[:, :, 2:-5], v[:, :, 2:-5])
+    else:
+        kind = {"kv4": "int4-channel", "kv4-pre": "int4-channel", "kv8": "int8-channel-sym"}.get(
+            fmt, fmt
+        )
+        main = Segment(
+            *_codec_segment(kind, k[:, :, 2:-5], v[:, :, 2:-5], pre_rope=fmt == "kv4-pre")
+        )
+    sink = Segment(_full(k[:, :, :2]), _full(v[:, :, :2]))
+    residual = Segment(_full(k[:, :, -5:]), _full(v[:, :, -5:]))
+    return [sink, main, residual]
+
+
+PLANNED_FORMATS = ("kv4", "kv4-token", "kv8", "kv8-token", "fp8", "fp8-token")
+GENERAL_FORMATS = ("nuq4", "int2-int3", "int4-g16")
+
+
+@pytest.mark.parametrize("fmt", PLANNED_FORMATS + GENERAL_FORMATS)
+@pytest.mark.parametrize("masked", [False, True])
+def test_which_kernel_a_layer_call_takes_on_cuda(fmt, masked):
+    """What a CUDA decode call of a layer in `fmt` runs (asked on this CPU machine): the
+    planned kernel for 4- and 8-bit affine codes, masked (sliding window, padding) or not;
+    the general kernel for the layouts the planned one does not decode; the reference on
+    CPU tensors with the auto backend; the general kernel everywhere with
+    KVQ_DECODE_PLANNED=0."""
+    segs = _route_segments(fmt)
+    q = torch.randn(2, 4, 1, 64)
+    mask = _window_mask(2, 1, sum(s.rows for s in segs), window=40) if masked else None
+    path = decode_path(q, segs, mask, backend="auto", device="cuda")
+    if fmt in PLANNED_FORMATS:
+        assert path.kernel == "planned" and path.reason is None
+    else:
+        assert path.kernel == "general" and path.reason
+    assert decode_path(q, segs, mask, backend="auto").kernel == "reference"
+    assert decode_path(q, segs, mask, backend="reference", device="cuda").kernel == "reference"
+
+
+def test_the_planned_kernel_can_be_switched_off(monkeypatch):
+    segs = _route_segments("kv4")
+    q = torch.randn(2, 4, 1, 64)
+    monkeypatch.setattr(attention, "PLANNED", False)
+    path = decode_path(q, segs, backend="triton", device="cuda")
+    assert path == attention.DecodePath("general", "KVQ_DECODE_PLANNED=0")
+
+
+def test_pre_rope_keys_and_prefill_blocks_are_not_planned():
+    """Pre-RoPE keys rotate in the general kernel; a query block of more than 64 rows per
+    KV head runs on the reference with the auto backend and is refused by an explicit
+    "triton"."""
+    segs = _route_segments("kv4-pre")
+    q = torch.randn(2, 4, 1, 64)
+    assert decode_path(q, segs, device="cuda", backend="auto").reason.startswith("pre-RoPE")
+    long_q = torch.randn(2, 4, 40, 64)  # 2 x 40 query rows per KV head
+    assert decode_path(long_q, segs, device="cuda", backend="auto").kernel == "reference"
+    with pytest.raises(KvqError, match="query rows"):
+        decode_path(long_q, segs, device="cuda", backend="triton")
 
 
 def test_one_split_writes_the_output_itself(monkeypatch):
@@ -156,21 +308,26 @@ class _Ops(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def test_one_call_costs_two_launches_no_sync_and_three_allocations(monkeypatch):
-    """A decode call of a layer (sink, packed main rows, residual) at batch 4: the host
-    launches the decode kernel and the reduction and nothing else, allocates the partial
-    states and the output, and never waits on the device. The kernels themselves are
-    stubbed during the count (the interpreter copies arguments with torch ops of its own,
-    which a CUDA launch does not)."""
+@pytest.mark.parametrize("masked", [False, True])
+def test_one_call_costs_two_launches_no_sync_and_three_allocations(monkeypatch, masked):
+    """A layer's decode call (sink, packed main rows, residual) at batch 4 through the
+    runtime's dispatch (`decode_attention`, which picks the path), plain or with a sliding
+    window mask: the host launches the decode kernel and the reduction and nothing else,
+    allocates the partial states and the output, and never waits on the device. The kernels
+    themselves are stubbed during the count (the interpreter copies arguments with torch
+    ops of its own, which a CUDA launch does not)."""
     segs = _to(_layer_segments("int4-channel", 4, 2, 64, rows=300, seed=9), DEVICE)
     q = torch.randn(4, 8, 1, 64, device=DEVICE)
-    decode_attention_triton(q, segs, scaling=0.125)  # warm: compile, fold the key qparams
+    total = sum(s.rows for s in segs)
+    mask = _window_mask(4, 1, total, window=200).to(DEVICE) if masked else None
+    call = dict(scaling=0.125, mask=mask, backend="triton")
+    decode_attention(q, segs, **call)  # warm: compile, fold the key qparams
     names = []
     monkeypatch.setattr(
         planned_decode._Launcher, "launch", lambda self, fn, *a: names.append(fn.__name__)
     )
     with _Ops() as mode:
-        decode_attention_triton(q, segs, scaling=0.125)
+        decode_attention(q, segs, **call)
     ops = mode.ops
     allocations = sum(ops[n] for n in ALLOCATING)
     syncs = sum(ops[n] for n in SYNCING)
@@ -202,9 +359,10 @@ def test_a_decode_call_captures_in_a_cuda_graph():
 
 @torch.no_grad()
 def test_generate_through_the_planned_path_matches_the_reference(monkeypatch, planned_calls):
-    """Public path: greedy generate of a tiny Gemma 3 (head_dim 32, MQA) with the int4
-    policy on the Triton backend gives the reference backend's tokens, and its decode
-    steps take the planned path (the sliding-window layers, masked, the general kernel)."""
+    """Public path: greedy generate of a tiny Gemma 3 (head_dim 32, MQA; window 8, so the
+    sliding-window layers' calls carry masks) with the int4 policy on the Triton backend
+    gives the reference backend's tokens, and every attention call, prefill and decode,
+    sliding-window layers included, takes the planned path."""
     from kvq.models.adapters import get_adapter
     from kvq.quant.schemes import named_policy
     from kvq.runtime.cache import build_cache
@@ -221,7 +379,17 @@ def test_generate_through_the_planned_path_matches_the_reference(monkeypatch, pl
         return model.generate(ids, cache=cache, max_new_tokens=5, do_sample=False,
                               pad_token_id=0)  # fmt: skip
 
+    paths = []
+    route = attention.triton_path
+
+    def spy(*args):
+        paths.append(route(*args))
+        return paths[-1]
+
+    monkeypatch.setattr(attention, "triton_path", spy)
     want = generate("reference")
-    assert not planned_calls
+    assert not planned_calls and not paths
     assert torch.equal(generate("triton"), want)
-    assert planned_calls
+    # 4 layers x (1 prefill + 4 decode steps), each through the planned kernel
+    assert len(planned_calls) == 20
+    assert {p.kernel for p in paths} == {"planned"}
