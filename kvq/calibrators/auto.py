@@ -1,17 +1,23 @@
 """`kvq calibrate auto --bits B`: the method kvq's measurements favour at that width.
 
-The choice is `AutoOptions.chosen` (`kvq.calibrators.options.AUTO_CHOICES`): vector
-codebooks over channel groups (`kvq calibrate vq`) with KVQuant's normalisers, exact
-outliers and sink, and per-layer, per-side bits from the Fisher sensitivity. Its stored
-bits per element are KVQuant's at the same width (same code bits, same overheads). The
-pass names its choice in a progress stage, in the policy name and in the manifest (the
-pass's recorded options carry `method`).
+The choice is `AutoOptions.chosen` (`kvq.calibrators.options.AUTO_CHOICES`), per width:
+scalar KVQuant NUQ (`kvq calibrate kvquant`), or vector codebooks over channel groups
+(`kvq calibrate vq`) with KVQuant's normalisers, exact outliers and sink, and per-layer,
+per-side bits from the Fisher sensitivity. The streamed bits per element are KVQuant's at
+the same width (same code bits, same row overheads; vq's static codebooks are larger).
+The pass names its choice in a progress stage, in the policy name and in the manifest
+(the pass's recorded options carry `method`).
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
+
+from kvq.calibrators import kvquant
 from kvq.calibrators.base import FitContext, PassResult
+from kvq.calibrators.options import KVQuantOptions
 from kvq.calibrators.vq import calibrate_vq, fisher_sums
+from kvq.quant.schemes import CachePolicy
 
 
 def fit(ctx: FitContext) -> PassResult:
@@ -19,6 +25,11 @@ def fit(ctx: FitContext) -> PassResult:
     chosen = opts.chosen()
     with ctx.progress.stage(f"auto {opts.bits} bits: {opts.method()}"):
         pass  # the stage is the announcement: it shows in the output and the stage timings
+    if isinstance(chosen, KVQuantOptions):
+        result = kvquant.fit(replace(ctx, options=chosen))
+        name = f"auto{opts.bits}: {result.policy.name}"
+        policy = CachePolicy(name, result.policy.layers, result.policy.version)
+        return PassResult(policy, result.tensors)
     info = fisher_sums(ctx, chosen.sink)
     policy, tensors = calibrate_vq(
         ctx.loaded.model, ctx.loaded.adapter, ctx.windows.ids, chosen, ctx.progress,

@@ -77,3 +77,28 @@ def test_bad_options_are_one_line_before_loading(args, needle, llama_dir, tmp_pa
     )  # fmt: skip
     assert result.exit_code == 2, result.output
     assert needle in result.stderr and "Traceback" not in result.output
+
+
+def test_auto_runs_scalar_kvquant_where_the_table_says(
+    llama_dir, shared_data, tmp_path, monkeypatch
+):
+    from kvq.calibrators import options
+
+    monkeypatch.setitem(options.AUTO_CHOICES, 2, ("kvquant", 0, False))
+    out = tmp_path / "a2"
+    calib = shared_data / "calibration" / "groups_merged.txt"
+    result = _run(
+        "calibrate", "auto", "--model", llama_dir, "--dataset", calib,
+        "--samples", 4, "--seqlen", 32, "--bits", 2, "--out", out,
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output + result.stderr
+    assert "auto2: kvquant-nuq2" in result.output
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["passes"][-1]["options"]["method"].startswith("kvquant:")
+    layers = manifest["policy"]["_data"]["layers"]
+    assert {(layer["key"]["format"], layer["key"]["bits"]) for layer in layers} == {("nuq", 2)}
+    result = _run(
+        "run-eval", "--model", llama_dir, "--artifact", out, "--dataset", calib,
+        "--windows", 2, "--seqlen", 32, "--tasks", "ppl,bytes",
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output + result.stderr
