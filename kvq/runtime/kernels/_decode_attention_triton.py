@@ -27,7 +27,7 @@ def _codes(ptr, rows, chans, ok, stride_t, BITS: tl.constexpr):
     word = tl.load(addr, mask=ok, other=0).to(tl.int32)
     if BITS != 8:
         shift = (bit % 8)[None, :]
-        if 8 % BITS != 0:  # a 3- or 6-bit code may straddle two bytes
+        if 8 % BITS != 0:  # a code of 3, 6 or 12 bits may straddle two bytes
             spill = ok & (shift > 8 - BITS)
             word = word | (tl.load(addr + 1, mask=spill, other=0).to(tl.int32) << 8)
         word = (word >> shift) & ((1 << BITS) - 1)
@@ -38,18 +38,16 @@ def _codes(ptr, rows, chans, ok, stride_t, BITS: tl.constexpr):
 def _vector_levels(ptr, lanes, table, rows, chans, chan_ok, ok, stride_t, BITS: tl.constexpr,
                    VDIM: tl.constexpr):  # fmt: skip
     """Codebook coordinates float32 [BT, BC] of `chans` in vector-coded rows: channel c is
-    coordinate lanes[c] % VDIM of its group, whose index is the VDIM digits at positions
-    lanes[c] - lanes[c] % VDIM ... (digit i holds index bits i * BITS ...); the table holds
-    the centroids row after row ([2^(BITS VDIM), VDIM]). A channel reads its group's digits
-    itself (VDIM byte gathers, L1 hits after the first): channels of one group may sit in
-    different tiles (a pre-RoPE key's halves), so no tile owns a group."""
+    coordinate lanes[c] % VDIM of group lanes[c] // VDIM. A group's VDIM digits of BITS
+    bits sit side by side, lowest first, so its codebook index is simply the group's
+    (BITS * VDIM)-bit field of the row: one gather per channel (two where a field may
+    straddle bytes), then one of the centroids, stored row after row ([2^(BITS VDIM),
+    VDIM]). Channels of one group may sit in different tiles (a pre-RoPE key's halves),
+    so each channel reads its group's field itself (L1 hits after the first)."""
+    FIELD: tl.constexpr = BITS * VDIM
     lane = tl.load(lanes + chans, mask=chan_ok, other=0)  # [BC] int32
-    coord = lane % VDIM
-    first = lane - coord
-    index = _codes(ptr, rows, first, ok, stride_t, BITS)
-    for i in tl.static_range(1, VDIM):
-        index = index | (_codes(ptr, rows, first + i, ok, stride_t, BITS) << (BITS * i))
-    return tl.load(table + index * VDIM + coord[None, :], mask=ok, other=0.0)
+    index = _codes(ptr, rows, lane // VDIM, ok, stride_t, FIELD)
+    return tl.load(table + index * VDIM + (lane % VDIM)[None, :], mask=ok, other=0.0)
 
 
 @triton.jit
