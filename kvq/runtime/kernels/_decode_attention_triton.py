@@ -36,17 +36,19 @@ def _codes(ptr, rows, chans, ok, stride_t, BITS: tl.constexpr):
 
 @triton.jit
 def _vector_levels(ptr, lanes, table, rows, chans, chan_ok, ok, stride_t, BITS: tl.constexpr,
-                   VDIM: tl.constexpr):  # fmt: skip
+                   VDIM: tl.constexpr, index=None, HAS_INDEX: tl.constexpr = False):  # fmt: skip
     """Codebook coordinates float32 [BT, BC] of `chans` in vector-coded rows: channel c is
     coordinate lanes[c] % VDIM of group lanes[c] // VDIM. A group's VDIM digits of BITS
     bits sit side by side, lowest first, so its codebook index is simply the group's
     (BITS * VDIM)-bit field of the row: one gather per channel (two where a field may
     straddle bytes), then one of the centroids, stored row after row ([2^(BITS VDIM),
     VDIM]). Channels of one group may sit in different tiles (a pre-RoPE key's halves),
-    so each channel reads its group's field itself (L1 hits after the first)."""
+    so each channel reads its group's field itself (L1 hits after the first), unless the
+    caller read the fields already (HAS_INDEX: `index`, [BT, BC])."""
     FIELD: tl.constexpr = BITS * VDIM
     lane = tl.load(lanes + chans, mask=chan_ok, other=0)  # [BC] int32
-    index = _codes(ptr, rows, lane // VDIM, ok, stride_t, FIELD)
+    if not HAS_INDEX:
+        index = _codes(ptr, rows, lane // VDIM, ok, stride_t, FIELD)
     return tl.load(table + index * VDIM + (lane % VDIM)[None, :], mask=ok, other=0.0)
 
 
@@ -248,13 +250,15 @@ def _decode_tile(
     levels (lookup), for a caller that applies zero, scale and offset elsewhere. PRELOADED:
     `raw` holds the tile's code words (`_code_words`), loaded by the caller; PRE_Q: so do
     pre_s, pre_o, pre_z its per-row group qparams (`_group_qparams`). KIND 3 (vector
-    codebooks): `lanes` and VDIM locate each channel's group (`_vector_levels`)."""
+    codebooks): `lanes` and VDIM locate each channel's group (`_vector_levels`); PRELOADED:
+    `raw` holds the tile's group indices."""
     ok = row_ok[:, None] & chan_ok[None, :]
     if KIND == 0:
         x = tl.load(data + rows[:, None] * d_t + chans[None, :], mask=ok, other=0.0)
         x = x.to(tl.float32)
     elif KIND == 3:
-        x = _vector_levels(data, lanes, table, rows, chans, chan_ok, ok, d_t, BITS, VDIM)
+        x = _vector_levels(data, lanes, table, rows, chans, chan_ok, ok, d_t, BITS, VDIM, raw,
+                           PRELOADED)  # fmt: skip
         if not RAW:
             x = _dequantize(x, scale, offset, zp, zero, rows, row_ok, chans, ok, chan_ok, q_t,
                             KIND, QAXIS, GROUP, HAS_OFF, HAS_ZP, C0, NVALID, pre_s, pre_o,
@@ -438,6 +442,7 @@ def decode_attention_kernel(
     PREFETCH: tl.constexpr = False,
     K_VDIM: tl.constexpr = 1,
     V_VDIM: tl.constexpr = 1,
+    K_SHARED: tl.constexpr = False,
 ):
     bh = tl.program_id(0)
     split = tl.program_id(1)
@@ -525,6 +530,11 @@ def decode_attention_kernel(
         t_ok = t < stop
         raw_k1, raw_k2, raw_v = next_k1, next_k2, next_v
         raw_vs, raw_vo, raw_vz = next_vs, next_vo, next_vz
+        if K_SHARED:  # vector keys: channels j and HALF + j share a group (RoPE pairs)
+            k_group = tl.load(k_lanes + j, mask=j_ok, other=0) // K_VDIM
+            k_ok = t_ok[:, None] & j_ok[None, :]
+            raw_k1 = _codes(kd, t, k_group, k_ok, kd_t, K_BITS * K_VDIM)  # read once for both
+            raw_k2 = raw_k1
         ahead = t + BLOCK_T
         next_k1, next_k2, next_v, next_vs, next_vo, next_vz = _tile_ahead(
             ahead, ahead < stop, kd, kd_t, vd, vd_t, vsc, vof, vzp, vq_t, HALF, BLOCK_HALF,
@@ -534,13 +544,13 @@ def decode_attention_kernel(
             kd, ksc, kof, kzp, k_table, ksi, ksv, kcn, kep, k_eidx, k_eval,
             kd_t, kq_t, ks_t, kc_t, kp_t, k_zero, t, t_ok, j, j_ok,
             K_KIND, K_BITS, K_QAXIS, K_GROUP, K_HAS_OFF, K_HAS_ZP, K_SLOTS, K_FLAT, 0, HALF, FOLD_K,
-            raw_k1, PF_K, lanes=k_lanes, VDIM=K_VDIM,
+            raw_k1, PF_K or K_SHARED, lanes=k_lanes, VDIM=K_VDIM,
         )  # fmt: skip
         k2 = _decode_tile(
             kd, ksc, kof, kzp, k_table, ksi, ksv, kcn, kep, k_eidx, k_eval,
             kd_t, kq_t, ks_t, kc_t, kp_t, k_zero, t, t_ok, HALF + j, j_ok,
             K_KIND, K_BITS, K_QAXIS, K_GROUP, K_HAS_OFF, K_HAS_ZP, K_SLOTS, K_FLAT, HALF, HALF,
-            FOLD_K, raw_k2, PF_K, lanes=k_lanes, VDIM=K_VDIM,
+            FOLD_K, raw_k2, PF_K or K_SHARED, lanes=k_lanes, VDIM=K_VDIM,
         )  # fmt: skip
         if PRE_ROPE:
             p_t = tl.load(pos + b * pos_b + t, mask=t_ok, other=0)

@@ -471,7 +471,7 @@ def autotune_configs():
 # fold into the query (axis, offset) or stay in the loop, which moves registers by ~40
 AUTOTUNE_KEY = ["D", "R", "PRE_ROPE", "K_KIND", "K_BITS", "K_FLAT", "K_QAXIS", "K_HAS_OFF"]
 AUTOTUNE_KEY += ["V_KIND", "V_BITS", "V_SLOTS", "V_QAXIS", "HALF_DOTS", "K_WORDS", "V_WORDS"]
-AUTOTUNE_KEY += ["K_VDIM", "V_VDIM"]
+AUTOTUNE_KEY += ["K_VDIM", "V_VDIM", "K_SHARED"]
 # and the shape bucket of the launch (`tune_bucket`): the best row tile and warps for a
 # few programs over long rows differ from those of many short ones, so a configuration
 # timed on a small problem (a parity check, batch 1) is not reused at batch 16 x 32K
@@ -571,7 +571,7 @@ def _family_args(p: PackedRows, dummy: Tensor, chunk: int):
         p.offset if p.offset is not None else dummy,
         p.zero_point if p.zero_point is not None else dummy,
         p.table.float().contiguous() if p.table is not None else dummy,
-        _lanes(p.groups) if p.groups is not None else dummy,
+        vector_layout(p.groups)[0] if p.groups is not None else dummy,
         slots if slots is not None else dummy,
         p.slot_value if slots is not None else dummy,
         count,
@@ -601,14 +601,24 @@ def _family_args(p: PackedRows, dummy: Tensor, chunk: int):
     return tensors, strides, consts
 
 
-# vector groups -> their lanes, kept while the groups tensor lives (a codec's static state)
-_LANES: Memo = {}
+# vector groups -> (lanes, shared halves), kept while the groups tensor lives (a codec's
+# static state)
+_VECTOR_LAYOUTS: Memo = {}
 
 
-def _lanes(groups: Tensor) -> Tensor:
-    """[D] int32 digit position of each channel's own coordinate: channel groups[g, i] ->
-    g * m + i (the inverse of the flattened groups), for `_vector_levels`."""
-    return memoised(_LANES, groups, lambda: torch.argsort(groups.reshape(-1)).to(torch.int32))
+def vector_layout(groups: Tensor) -> tuple[Tensor, bool]:
+    """groups [D / m, m] -> ([D] int32 lanes: channel groups[g, i] -> g * m + i, the inverse
+    of the flattened groups, for `_vector_levels`; whether channels c and c + D/2 always
+    share a group, as RoPE-pair groups do: then a key tile reads each group index once
+    for both of its halves)."""
+
+    def build():
+        lanes = torch.argsort(groups.reshape(-1)).to(torch.int32)
+        half, m = lanes.numel() // 2, groups.shape[1]
+        shared = lanes.numel() % 2 == 0 and bool(torch.equal(lanes[:half] // m, lanes[half:] // m))
+        return lanes, shared
+
+    return memoised(_VECTOR_LAYOUTS, groups, build)
 
 
 def _word_loadable(p: PackedRows, chunk: int) -> bool:
@@ -686,6 +696,7 @@ def _segment_call(q, seg, rope, mask_u8, col, total, scaling, softcap, partials,
         HALF_DOTS=dots == "fp16",
         **{f"K_{k}": v for k, v in k_c.items()},
         **{f"V_{k}": v for k, v in v_c.items()},
+        K_SHARED=seg.key.kind == "vector" and vector_layout(seg.key.groups)[1],
     )
     return (b * hkv, splits), args, consts
 

@@ -18,7 +18,7 @@ from kvq.quant.schemes import QuantScheme
 from kvq.runtime.codecs import make_codec
 from kvq.runtime.kernels.decode_attention import Segment, kernel_calls
 from kvq.runtime.packed import PackedRows, decode_packed
-from tests.runtime.kernels.test_decode_attention import _check, _data, _rope
+from tests.runtime.kernels.test_decode_attention import DEVICE, _check, _data, _rope
 
 
 @pytest.fixture(autouse=True)
@@ -43,7 +43,7 @@ def _groups(d: int, dim: int, pairs: bool, shuffle: int | None) -> torch.Tensor:
     return groups.to(torch.int16)
 
 
-def _key_codec(k, bits, dim, fraction, shuffle=None):
+def _key_codec(k, bits, dim, fraction, shuffle=None, pairs=True):
     """A vq key codec calibrated on k itself (per-channel normaliser, thresholds)."""
     h, d = k.shape[1], k.shape[3]
     samples = k.permute(0, 2, 1, 3).reshape(-1, h, d)  # [N, H, D]
@@ -57,7 +57,7 @@ def _key_codec(k, bits, dim, fraction, shuffle=None):
         state |= {"lower": lower, "upper": upper}
     state |= {
         "vq_codebook": _codebook(bits, dim, seed=bits * 10 + dim),
-        "vq_groups": _groups(d, dim, True, shuffle),
+        "vq_groups": _groups(d, dim, pairs, shuffle),
         "vq_weight": torch.rand(h, d, generator=torch.Generator().manual_seed(1)) + 0.5,
     }
     scheme = QuantScheme(
@@ -80,8 +80,8 @@ def _value_codec(h, d, bits, dim, fraction, shuffle=None):
 
 
 def _segment(k, v, kbits, kdim, vbits, vdim, fraction=0.0, pre_rope=False, shuffle=None,
-             positions=None):  # fmt: skip
-    kc = _key_codec(k, kbits, kdim, fraction, shuffle)
+             positions=None, key_pairs=True):  # fmt: skip
+    kc = _key_codec(k, kbits, kdim, fraction, shuffle, key_pairs)
     vc = _value_codec(v.shape[1], v.shape[3], vbits, vdim, fraction, shuffle)
     kp, vp = kc.packed(*kc.encode(k)), vc.packed(*vc.encode(v))
     if pre_rope:
@@ -152,6 +152,7 @@ def test_kernel_matches_reference_post_rope(kbits, kdim, vbits, vdim):
         3, kdim, 3, vdim,
     )  # fmt: skip
     assert not consts["K_WORDS"] and not consts["V_WORDS"]  # digits are gathered per group
+    assert consts["K_SHARED"]  # RoPE-pair groups: one index read for both key halves
     _check(q, [seg])
 
 
@@ -187,6 +188,20 @@ def test_kernel_reads_any_group_layout_beside_a_full_precision_sink():
                     positions=positions[:, 1:])  # fmt: skip
     q = torch.randn(1, 4, 2, d) * 3
     _check(q, [sink, main], rope=_rope(d))
+
+
+@pytest.mark.parametrize("pre_rope", [False, True])
+def test_key_groups_that_do_not_pair_the_halves_read_their_own_indices(pre_rope):
+    """Key groups of neighbouring channels (what a model without RoPE pairs gets): the two
+    halves of a key tile hold different groups, so each reads its own group indices."""
+    k, v = _data(2, 2, 37, 64, seed=6)
+    positions = torch.arange(37)[None].expand(2, -1)
+    seg = _segment(k, v, 2, 4, 3, 2, 0.05, pre_rope=pre_rope, positions=positions,
+                   key_pairs=False)  # fmt: skip
+    q = torch.randn(2, 4, 1, 64)
+    ((_, _, consts),) = kernel_calls(q, [seg], scaling=0.125, rope=_rope(64), dots="ieee")[0]
+    assert not consts["K_SHARED"]
+    _check(q, [seg], rope=_rope(64))
 
 
 # --- the public path: a calibrated vq cache under model.generate ----------------------------
@@ -228,7 +243,9 @@ def test_generate_with_a_mixed_vq_cache_matches_the_reference(monkeypatch):
         return kernel(query, segments, **kw)
 
     monkeypatch.setattr(da, "decode_attention_triton", spy)
-    ids = torch.randint(3, 200, (2, 12), generator=g)
+    ids = torch.randint(3, 200, (2, 12), generator=g).to(DEVICE)
+    model = model.to(DEVICE)
+    tensors = {n: t.to(DEVICE) for n, t in tensors.items()}
 
     def generate(backend):
         monkeypatch.setenv("KVQ_BACKEND", backend)
