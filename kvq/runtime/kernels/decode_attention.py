@@ -509,12 +509,16 @@ def _fits(configs, named_args, **kwargs):
     # where codes load as words, PREFETCH takes the place of num_stages 2 (both aim at the
     # same load latency; the tuner's time, a compile per configuration, stays the same)
     words = bool(kwargs.get("K_WORDS") or kwargs.get("V_WORDS"))
+    # vector codebooks on both sides: every code is a gather, which the pipeliner leaves
+    # alone, so num_stages 2 compiles to the same binary as 1 (bench/kernel_resources.py)
+    gathers = kwargs.get("K_KIND") == kwargs.get("V_KIND") == _KIND["vector"]
     kept = [
         c
         for c in configs
         if c.kwargs["BLOCK_T"] * d <= 64 * 128
         and (c.num_warps < 16 or d >= 256)
-        and (c.num_stages == 1 if words else not c.kwargs["PREFETCH"])
+        and (c.num_stages == 1 if words or gathers else not c.kwargs["PREFETCH"])
+        and not (gathers and c.kwargs["PREFETCH"])
     ]
     return kept or configs[:1]
 

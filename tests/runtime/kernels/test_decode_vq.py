@@ -204,6 +204,20 @@ def test_key_groups_that_do_not_pair_the_halves_read_their_own_indices(pre_rope)
     _check(q, [seg], rope=_rope(64))
 
 
+def test_the_tuner_times_one_pipeline_depth_for_vector_layouts():
+    """Vector codes are gathers, which Triton's pipeliner leaves alone: num_stages 2 would
+    compile to the num_stages 1 binary, so the tuner does not time it twice."""
+    from kvq.runtime.kernels import decode_attention as da
+
+    k, v = _data(1, 1, 20, 256, seed=7)
+    seg = _segment(k, v, 3, 2, 2, 4, pre_rope=True, positions=torch.arange(20)[None])
+    q = torch.randn(1, 4, 1, 256)
+    ((_, _, consts),) = kernel_calls(q, [seg], scaling=0.0625, rope=_rope(256), dots="tf32")[0]
+    kept = da._fits(da.autotune_configs(), {}, **consts)
+    assert {c.num_stages for c in kept} == {1} and not any(c.kwargs["PREFETCH"] for c in kept)
+    assert len(kept) == 6  # BLOCK_T 16, 32 x 4, 8, 16 warps at head_dim 256
+
+
 # --- the public path: a calibrated vq cache under model.generate ----------------------------
 
 
