@@ -28,6 +28,8 @@ def _seeded():
 
 def _codebook(bits: int, dim: int, seed: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
+    if 2 ** (bits * dim) > 256:  # too many centroids to fit quickly: random ones
+        return (torch.rand(2 ** (bits * dim), dim, generator=g) * 2 - 1).half()
     vectors = torch.rand(3000, dim, generator=g) * 2 - 1
     return vq.fit_codebook(vectors, torch.ones_like(vectors), bits, iters=4).half()
 
@@ -154,6 +156,16 @@ def test_kernel_matches_reference_post_rope(kbits, kdim, vbits, vdim):
     assert not consts["K_WORDS"] and not consts["V_WORDS"]  # digits are gathered per group
     assert consts["K_SHARED"]  # RoPE-pair groups: one index read for both key halves
     _check(q, [seg])
+
+
+@pytest.mark.parametrize("kbits, kdim, vbits, vdim", [(3, 4, 1, 2), (1, 2, 3, 4)])
+def test_the_narrowest_and_widest_index_fields(kbits, kdim, vbits, vdim):
+    """Group indices of 2 bits (1-bit digits, 2-D) and 12 bits (3-bit digits, 4-D: 4096
+    centroids, the most a scheme allows), which straddle bytes; pre-RoPE keys."""
+    k, v = _data(1, 2, 30, 64, seed=9)
+    positions = torch.arange(30)[None]
+    seg = _segment(k, v, kbits, kdim, vbits, vdim, 0.05, pre_rope=True, positions=positions)
+    _check(torch.randn(1, 4, 1, 64) * 2, [seg], rope=_rope(64))
 
 
 @pytest.mark.parametrize("kbits, kdim, vbits, vdim", [(2, 4, 3, 2), (3, 2, 2, 4)])
