@@ -1,11 +1,12 @@
-"""GPU benchmark: decode attention over packed KV4 / KV8 / FP8 / NUQ4 vs fp16 SDPA.
+"""GPU benchmark: decode attention over packed KV4 / KV8 / FP8 / NUQ4 / VQ vs fp16 SDPA.
 
 One query token per sequence attends to a cache of `context` tokens at batch 1 and
 16, for each head shape (`--shapes`: Llama-like 32 query / 8 KV heads x 128, Gemma 3
 270M's 4 / 1 x 256). For
 each representation, parity with the pure-torch reference is checked first on
 a small real encode (raises on mismatch); timings then use random codes of the
-right layout (time does not depend on code values; NUQ4 has 1% key exceptions).
+right layout (time does not depend on code values; NUQ4 and the vector-codebook layouts
+VQ3 (2-D codebooks) and VQ2 (4-D) have 1% key exceptions and pre-RoPE keys).
 
 Prints microseconds, the host time per call (launcher Python and launches, which is
 the step time when it exceeds the kernel's), achieved GB/s (bytes of codes + qparams +
@@ -25,6 +26,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from kvq.quant import packing, vq
 from kvq.runtime.fp8_codecs import fp8_table
 from kvq.runtime.kernels import decode_attention as da
 from kvq.runtime.kernels.decode_attention import (
@@ -36,7 +38,7 @@ from kvq.runtime.packed import PackedRows
 
 HQ, HKV, D = 32, 8, 128
 SHAPES = {"llama-7b-like": (32, 8, 128), "gemma3-270m": (4, 1, 256)}
-KINDS = ("kv8", "kv4", "kv4-token", "fp8", "nuq4")
+KINDS = ("kv8", "kv4", "kv4-token", "fp8", "nuq4", "vq3", "vq2")
 PEAK_GBS = 4800.0  # H200 HBM3e
 
 
@@ -90,8 +92,16 @@ def packed(kind: str, b: int, t: int, dev: str, seed: int = 0) -> Segment:
         key = PackedRows("lookup", D, codes(D) & 0x7E, 8, scale=half(HKV).float(), table=table)
         value = PackedRows("lookup", D, codes(D) & 0x7E, 8, scale=half(HKV).float(), table=table)
         return Segment(key, value, pos)
-    if kind == "nuq4":
-        levels = torch.linspace(-1, 1, 16, device=dev)
+    if kind in ("nuq4", "vq3", "vq2"):  # KVQuant's layout: scalar or vector codebooks
+        if kind == "nuq4":
+            bits, fmt = 4, dict(kind="lookup", table=torch.linspace(-1, 1, 16, device=dev))
+        else:  # what `kvq calibrate auto` stores at 3 and 2 bits
+            bits = int(kind[-1])
+            m = 4 if bits == 2 else 2
+            centroids = torch.rand(2 ** (bits * m), m, generator=g, device=dev) * 2 - 1
+            groups = vq.channel_groups(D, m, pairs=True).to(dev)  # RoPE pairs
+            fmt = dict(kind="vector", table=centroids, groups=groups)
+        row_bytes = packing.packed_len(D, bits)
         per_row = math.ceil(0.01 * D)  # ~1% of a row's channels as exact exceptions
         count = torch.full((b, HKV, t), per_row, dtype=torch.uint8, device=dev)
         n = b * HKV * t * per_row
@@ -100,13 +110,12 @@ def packed(kind: str, b: int, t: int, dev: str, seed: int = 0) -> Segment:
         index = torch.randint(0, width, (n // per_row, per_row), generator=g, device=dev)
         index = (index + torch.arange(per_row, device=dev) * width).flatten().to(torch.uint8)
         key = PackedRows(
-            "lookup",
-            D,
-            codes(D // 2),
-            4,
+            head_dim=D,
+            data=codes(row_bytes),
+            bits=bits,
             scale=half(HKV, D),
             offset=half(HKV, D),
-            table=levels,
+            **fmt,
             sparse_count=count,
             sparse_index=index,
             sparse_value=half(n),
@@ -115,13 +124,12 @@ def packed(kind: str, b: int, t: int, dev: str, seed: int = 0) -> Segment:
         slots = torch.randint(0, D // 2, (b, HKV, t, 2), generator=g, device=dev)
         slots = (slots + torch.tensor([0, D // 2], device=dev)).to(torch.uint8)  # distinct
         value = PackedRows(
-            "lookup",
-            D,
-            codes(D // 2),
-            4,
+            head_dim=D,
+            data=codes(row_bytes),
+            bits=bits,
             scale=half(b, HKV, t, 1),
             offset=half(b, HKV, t, 1),
-            table=levels,
+            **fmt,
             slot_index=slots,
             slot_value=half(b, HKV, t, 2),
         )

@@ -1,8 +1,9 @@
 """What each decode-attention launch costs on an H100/H200 SM, without a GPU.
 
 For two head shapes (Llama-like 32 query / 8 KV heads x 128, and Gemma 3 270M's
-4 / 1 x 256) and each cache format of `bench/gpu_decode.py` (KV4, KV8, FP8, NUQ4,
-plus Gemma's own layout, KV4 with pre-RoPE keys), the launch the runtime makes at
+4 / 1 x 256) and each cache format of `bench/gpu_decode.py` (KV4, KV8, FP8, NUQ4, the
+vector-codebook layouts VQ3 and VQ2 of `kvq calibrate auto`, plus Gemma's own layout,
+KV4 with pre-RoPE keys), the launch the runtime makes at
 batch 16 x 32K is compiled for sm_90 here (`kvq.runtime.kernels.offline`): the planned
 path's fixed configuration where it takes the layout (`planned_decode`), else every
 configuration the general kernel's autotuner may time, keeping the best predicted.
@@ -42,7 +43,7 @@ except ImportError:
     planned = None
 
 SHAPES = {"llama-7b-like": (32, 8, 128), "gemma3-270m": (4, 1, 256)}
-FORMATS = ("kv4", "kv4-token", "kv4-pre", "kv8", "fp8", "nuq4")
+FORMATS = ("kv4", "kv4-token", "kv4-pre", "kv8", "fp8", "nuq4", "vq3", "vq2")
 ROWS = 256  # cached rows of the traced call (a multiple of 16, as long contexts are)
 BATCH = 16
 

@@ -50,6 +50,18 @@ def _policy_rows(artifact: Artifact) -> Table:
     return table
 
 
+def _code_bits_line(policy) -> str:
+    """Each layer's key and value code widths (16: full precision) and their mean: what a
+    mixed-precision policy (`vq --mixed`, `auto`) chose, layer by layer."""
+    keys = [lp.key.bits for lp in policy.layers]
+    values = [lp.value.bits for lp in policy.layers]
+    mean = (sum(keys) + sum(values)) / (2 * len(keys))
+    return (
+        f"code bits per layer: K {' '.join(map(str, keys))} | V {' '.join(map(str, values))} "
+        f"(mean {mean:.2f})"
+    )
+
+
 def _ranges(idx: list[int]) -> str:
     """[0, 1, 2, 4, 6, 7] -> "0-2,4,6-7"."""
     runs: list[list[int]] = []
@@ -153,6 +165,7 @@ def print_inspect(artifact: Artifact, path: Path) -> None:
         )
     OUT.print(head)
     OUT.print(_policy_rows(artifact))
+    OUT.print(_code_bits_line(m.policy))
     if m.ledger is not None:
         led = m.ledger
         OUT.print(ledger_table(led, f"byte ledger measured on {led.tokens} tokens"))

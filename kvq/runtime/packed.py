@@ -1,12 +1,14 @@
 """`PackedRows`: stored K or V rows described in the terms every decoder shares.
 
 A codec stores rows as named tensors; `Codec.packed` describes them as one of
-three kinds whose decode is a single formula, so the pure-torch reference and
+four kinds whose decode is a single formula, so the pure-torch reference and
 the Triton kernels read the same structure:
 
     full:    x = data                                  (sink rows, unquantized layers)
     affine:  x = (code - zero - zero_point) * scale + offset
     lookup:  x = table[code] * scale + offset           (NUQ codebook, or the 256 fp8 values)
+    vector:  x[c] = table[index of c's group, c's coordinate] * scale + offset
+             (vector codebooks, `kvq.quant.vq`: a group's index is m digits of `bits` bits)
 
 followed by exact exceptions that REPLACE decoded coordinates (article 0x07C):
 fixed per-row slots (values) or variable-length flat entries (keys).
@@ -28,9 +30,10 @@ import torch
 from torch import Tensor
 
 from kvq.errors import KvqError
-from kvq.quant import packing, sparse
+from kvq.quant import packing, sparse, vq
 
-Kind = Literal["full", "affine", "lookup"]
+Kind = Literal["full", "affine", "lookup", "vector"]
+KINDS = ("full", "affine", "lookup", "vector")
 
 
 @dataclass(frozen=True)
@@ -43,7 +46,8 @@ class PackedRows:
     scale: Tensor | None = None  # [B, H, T, G] | [H, D] | [H]
     offset: Tensor | None = None  # same layout as scale; added after scaling
     zero_point: Tensor | None = None  # affine: floating zero-point (QServe), scale layout
-    table: Tensor | None = None  # lookup: [2^bits] float32 reconstruction levels
+    table: Tensor | None = None  # lookup: [2^bits] levels; vector: [2^(bits m), m] centroids
+    groups: Tensor | None = None  # vector: [D / m, m] int64 channels of each group
     slot_index: Tensor | None = None  # [B, H, T, S] channel of each exception; D = unused slot
     slot_value: Tensor | None = None  # [B, H, T, S]
     sparse_count: Tensor | None = None  # [B, H, T] flat entries per (batch, head, row)
@@ -52,12 +56,23 @@ class PackedRows:
     pre_rope: bool = False  # keys stored before rotation: rotate at each row's position
 
     def __post_init__(self) -> None:
-        if self.kind not in ("full", "affine", "lookup"):
+        if self.kind not in KINDS:
             raise KvqError(f"unknown packed kind {self.kind!r}")
         if self.kind != "full" and self.scale is None:
             raise KvqError(f"{self.kind} rows need a scale")
         if self.kind == "lookup" and (self.table is None or self.table.numel() != 2**self.bits):
             raise KvqError(f"lookup rows need a table of {2**self.bits} levels")
+        if self.kind == "vector":
+            m = 0 if self.groups is None or self.groups.dim() != 2 else self.groups.shape[1]
+            if not m or self.groups.numel() != self.head_dim:
+                raise KvqError(f"vector rows need groups [D / m, m] covering {self.head_dim}")
+            if self.table is None or tuple(self.table.shape) != (2 ** (self.bits * m), m):
+                raise KvqError(f"vector rows need a table of {2 ** (self.bits * m)} x {m}")
+
+    @property
+    def vector_dim(self) -> int:
+        """Channels coded jointly by one codebook index (1 unless kind is vector)."""
+        return 1 if self.groups is None else self.groups.shape[1]
 
     @property
     def rows(self) -> int:
@@ -137,6 +152,9 @@ def decode_packed(p: PackedRows) -> Tensor:
             x.sub_(p.zero)
         if p.zero_point is not None:
             _apply(x, p.zero_point, "sub_")
+    elif p.kind == "vector":  # m digits per group index, one gather of m coordinates
+        digits = packing.unpack_bits(p.data, p.bits, p.head_dim)
+        x = vq.decode(digits, p.table, p.groups, p.bits)
     else:  # one gather per packed byte
         x = packing.unpack_lookup(p.data, p.table.float(), p.bits, p.head_dim)
     _apply(x, p.scale, "mul_")

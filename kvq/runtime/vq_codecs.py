@@ -13,8 +13,10 @@ Static state (artifact tensors under layers.{i}.{key|value}.):
     vq_weight   [H, D]          float32   channel weights of the nearest-centroid search
 plus the NUQ key normaliser (scale, center, lower, upper) for keys.
 
-Decode is pure torch (`packed` hands the attention decoders the decoded rows); there is
-no Triton append or lookup kernel for this layout yet.
+`packed` describes the stored rows as "vector" `PackedRows` (codes, codebook, groups,
+normaliser, exceptions): the attention decoders read the codes where they lie, the
+reference through `kvq.quant.vq.decode`, the Triton decode kernel by a codebook gather in
+registers. Appends encode in torch (`vq.encode`): there is no Triton append kernel.
 """
 
 from __future__ import annotations
@@ -23,12 +25,12 @@ import torch
 from torch import Tensor
 
 from kvq.errors import KvqError
-from kvq.quant import nuq, packing, sparse, vq
+from kvq.quant import packing, vq
 from kvq.quant.qparams import check_finite, storage_dtype
 from kvq.quant.schemes import QuantScheme
 from kvq.runtime.codecs import Codec, Flat, Rows
 from kvq.runtime.nuq_codecs import NuqKeyCodec, NuqValueCodec, _index_dtype
-from kvq.runtime.packed import PackedRows, _merge_flat
+from kvq.runtime.packed import PackedRows
 
 VQ_STATE = ("vq_codebook", "vq_groups", "vq_weight")
 
@@ -70,10 +72,13 @@ class _VqMixin:
         digits = vq.encode(x_norm, self.codebook, self.weight, self.groups, self.bits)
         return packing.pack_bits(digits, self.bits)
 
-    def _dense(self, codes: Tensor) -> Tensor:
-        """Packed codes [B, H, T, bytes] -> normalised rows [B, H, T, D] float32."""
-        digits = packing.unpack_bits(codes, self.bits, self.head_dim)
-        return vq.decode(digits, self.codebook, self.groups, self.bits)
+    def _rows(self, codes: Tensor, scale: Tensor, center: Tensor, exceptions) -> PackedRows:
+        """codes [B, H, T, bytes]: x = codebook coordinate * scale + center, then the exact
+        exceptions (what `nuq.denormalize` computes, in the same order)."""
+        return PackedRows(
+            "vector", self.head_dim, codes, self.bits, scale=scale, offset=center,
+            table=self.codebook, groups=self.groups, **exceptions,
+        )  # fmt: skip
 
     def row_spec(self, x: Tensor):
         return None  # no Triton append kernel: rows are encoded in torch
@@ -98,10 +103,15 @@ class VqKeyCodec(_VqMixin, NuqKeyCodec):
         self._upper = state["upper"][None, :, None, :] if self.fraction else None
 
     def packed(self, rows: Rows, flat: Flat) -> PackedRows:
-        x = nuq.denormalize(self._dense(rows["codes"]), self._scale, self._center)
-        if self.fraction and flat.get("sparse_index") is not None and flat["sparse_index"].numel():
-            x = _merge_flat(x, rows["sparse_count"], flat["sparse_index"], flat["sparse_value"])
-        return PackedRows("full", self.head_dim, x)
+        exceptions = {}
+        if self.fraction:
+            count = rows["sparse_count"]
+            exceptions = dict(
+                sparse_count=count,
+                sparse_index=flat.get("sparse_index", count.new_zeros(0)),
+                sparse_value=flat.get("sparse_value", count.new_zeros(0, dtype=torch.float16)),
+            )
+        return self._rows(rows["codes"], self.static["scale"], self.static["center"], exceptions)
 
 
 class VqValueCodec(_VqMixin, NuqValueCodec):
@@ -112,14 +122,11 @@ class VqValueCodec(_VqMixin, NuqValueCodec):
         self.scale_dtype = storage_dtype(scheme.scale_dtype)
 
     def packed(self, rows: Rows, flat: Flat) -> PackedRows:
-        x = nuq.denormalize(
-            self._dense(rows["codes"]), rows["scale"][..., None], rows["center"][..., None]
-        )
+        slots = {}
         if self.fraction:
-            x = sparse.merge_exceptions(
-                x, rows["sparse_index"].long(), rows["sparse_value"].float(), inplace=True
-            )
-        return PackedRows("full", self.head_dim, x)
+            slots = dict(slot_index=rows["sparse_index"], slot_value=rows["sparse_value"])
+        scale, center = rows["scale"][..., None], rows["center"][..., None]  # [B, H, T, 1]
+        return self._rows(rows["codes"], scale, center, slots)
 
 
 def make_vq_codec(scheme: QuantScheme, head_dim: int, state: dict[str, Tensor], where: str):

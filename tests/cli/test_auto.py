@@ -6,6 +6,7 @@ import pytest
 from typer.testing import CliRunner
 
 from kvq.cli.app import app
+from tests.cli.test_cli import _one_line_error
 
 runner = CliRunner()
 
@@ -62,10 +63,57 @@ def test_auto_artifact_evaluates_and_generates(auto_artifact, llama_dir, shared_
     assert "4 new tokens in" in result.stderr
 
 
+def test_inspect_shows_the_chosen_method_and_each_layer_side_width(auto_artifact):
+    manifest = json.loads((auto_artifact / "manifest.json").read_text())
+    layers = manifest["policy"]["_data"]["layers"]
+    result = _run("inspect", auto_artifact)
+    assert result.exit_code == 0, result.output + result.stderr
+    out = " ".join(result.output.split())  # the table wraps long cells
+    assert "auto (bits=3, method=vq:" in out
+    keys = " ".join(str(layer["key"]["bits"]) for layer in layers)
+    values = " ".join(str(layer["value"]["bits"]) for layer in layers)
+    assert f"code bits per layer: K {keys} | V {values} (mean 3.00)" in out
+    for layer in layers:  # each width with its codebook dimension, in the policy table
+        for side in ("key", "value"):
+            assert f"vq{layer[side]['bits']} {layer[side]['vector_dim']}-D codebook" in out
+
+
+def test_decode_protocol_is_the_same_on_the_triton_kernel_and_the_reference(
+    auto_artifact, llama_dir, shared_data, tmp_path
+):
+    """`run-eval --protocol decode` (one token at a time through the vq cache) with the
+    Triton decode kernel (interpreted on CPU) and with the pure-torch reference."""
+    tasks = {}
+    for backend in ("reference", "triton"):
+        report = tmp_path / f"{backend}.json"
+        result = _run(
+            "run-eval", "--model", llama_dir, "--artifact", auto_artifact, "--data-dir",
+            shared_data, "--windows", 1, "--seqlen", 20, "--protocol", "decode", "--tasks",
+            "ppl,kld", "--backend", backend, "--json", report,
+        )  # fmt: skip
+        assert result.exit_code == 0, result.output + result.stderr
+        assert json.loads(report.read_text())["protocol"] == "decode"
+        tasks[backend] = json.loads(report.read_text())["tasks"]
+    ref, tri = tasks["reference"], tasks["triton"]
+    assert ref["ppl"]["quantized"] != ref["ppl"]["baseline"]  # the cache is really quantized
+    assert tri["ppl"]["quantized"] == pytest.approx(ref["ppl"]["quantized"], rel=1e-5)
+    assert tri["kld"]["mean"] == pytest.approx(ref["kld"]["mean"], rel=1e-3, abs=1e-7)
+
+
+def test_a_base_artifact_of_another_model_is_one_line(auto_artifact, tiny_model_dir, tmp_path):
+    result = _run(
+        "calibrate", "auto", "--model", tiny_model_dir("gemma3"), "--dataset", "wikitext2",
+        "--base", auto_artifact, "--out", tmp_path / "x",
+    )  # fmt: skip
+    _one_line_error(result, "incompatible artifact", "identity.model_type", "llama")
+    assert not (tmp_path / "x").exists()  # nothing half-written
+
+
 @pytest.mark.parametrize(
     "args,needle",
     [
         (["auto", "--bits", "5"], "--bits must be one of 2, 3, 4"),
+        (["vq", "--bits", "5"], "--bits must be 1, 2, 3 or 4"),
         (["vq", "--bits", "4", "--dim", "4"], "4096 centroids"),
         (["vq", "--dim", "3"], "--dim must be"),
     ],

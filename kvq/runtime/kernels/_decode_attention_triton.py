@@ -7,8 +7,8 @@ its partner channel in registers) and V, and keeps the online-softmax state for
 its R padded query rows (the G query heads of the KV head times the Q query
 positions). Scores are in base 2 (the launcher folds
 log2(e) into the softmax scale). Post-RoPE keys with static per-channel qparams
-(asymmetric codes, codebook levels) fold them into the query once per program, so
-the loop dots bare codes. Partial (max, denominator, numerator) go to memory,
+(asymmetric codes, codebook levels, vector-codebook coordinates) fold them into the
+query once per program, so the loop dots bare codes. Partial (max, denominator, numerator) go to memory,
 every segment's splits into one set of buffers, for the reduction pass
 (`combine_partials_kernel`, one launch for the whole call).
 """
@@ -27,11 +27,29 @@ def _codes(ptr, rows, chans, ok, stride_t, BITS: tl.constexpr):
     word = tl.load(addr, mask=ok, other=0).to(tl.int32)
     if BITS != 8:
         shift = (bit % 8)[None, :]
-        if BITS == 3:  # a 3-bit code may straddle two bytes
-            spill = ok & (shift > 5)
+        if 8 % BITS != 0:  # a code of 3, 6 or 12 bits may straddle two bytes
+            spill = ok & (shift > 8 - BITS)
             word = word | (tl.load(addr + 1, mask=spill, other=0).to(tl.int32) << 8)
         word = (word >> shift) & ((1 << BITS) - 1)
     return word
+
+
+@triton.jit
+def _vector_levels(ptr, lanes, table, rows, chans, chan_ok, ok, stride_t, BITS: tl.constexpr,
+                   VDIM: tl.constexpr, index=None, HAS_INDEX: tl.constexpr = False):  # fmt: skip
+    """Codebook coordinates float32 [BT, BC] of `chans` in vector-coded rows: channel c is
+    coordinate lanes[c] % VDIM of group lanes[c] // VDIM. A group's VDIM digits of BITS
+    bits sit side by side, lowest first, so its codebook index is simply the group's
+    (BITS * VDIM)-bit field of the row: one gather per channel (two where a field may
+    straddle bytes), then one of the centroids, stored row after row ([2^(BITS VDIM),
+    VDIM]). Channels of one group may sit in different tiles (a pre-RoPE key's halves),
+    so each channel reads its group's field itself (L1 hits after the first), unless the
+    caller read the fields already (HAS_INDEX: `index`, [BT, BC])."""
+    FIELD: tl.constexpr = BITS * VDIM
+    lane = tl.load(lanes + chans, mask=chan_ok, other=0)  # [BC] int32
+    if not HAS_INDEX:
+        index = _codes(ptr, rows, lane // VDIM, ok, stride_t, FIELD)
+    return tl.load(table + index * VDIM + (lane % VDIM)[None, :], mask=ok, other=0.0)
 
 
 @triton.jit
@@ -224,16 +242,27 @@ def _decode_tile(
     pre_o=None,
     pre_z=None,
     PRE_Q: tl.constexpr = False,
+    lanes=None,
+    VDIM: tl.constexpr = 1,
 ):
     """Decoded float32 [BT, BC] for rows x chans (chans = C0 + arange(BC), the first NVALID
     of them real); pointers already point at (batch, head). RAW: the bare codes (affine) or
     levels (lookup), for a caller that applies zero, scale and offset elsewhere. PRELOADED:
     `raw` holds the tile's code words (`_code_words`), loaded by the caller; PRE_Q: so do
-    pre_s, pre_o, pre_z its per-row group qparams (`_group_qparams`)."""
+    pre_s, pre_o, pre_z its per-row group qparams (`_group_qparams`). KIND 3 (vector
+    codebooks): `lanes` and VDIM locate each channel's group (`_vector_levels`); PRELOADED:
+    `raw` holds the tile's group indices."""
     ok = row_ok[:, None] & chan_ok[None, :]
     if KIND == 0:
         x = tl.load(data + rows[:, None] * d_t + chans[None, :], mask=ok, other=0.0)
         x = x.to(tl.float32)
+    elif KIND == 3:
+        x = _vector_levels(data, lanes, table, rows, chans, chan_ok, ok, d_t, BITS, VDIM, raw,
+                           PRELOADED)  # fmt: skip
+        if not RAW:
+            x = _dequantize(x, scale, offset, zp, zero, rows, row_ok, chans, ok, chan_ok, q_t,
+                            KIND, QAXIS, GROUP, HAS_OFF, HAS_ZP, C0, NVALID, pre_s, pre_o,
+                            pre_z, PRE_Q)  # fmt: skip
     else:
         if BITS == 3:  # codes straddle bytes: per-element gather
             c = _codes(data, rows, chans, ok, d_t, BITS)
@@ -308,6 +337,7 @@ def decode_attention_kernel(
     k_off,
     k_zp,
     k_table,
+    k_lanes,
     k_slot_i,
     k_slot_v,
     k_count,
@@ -335,6 +365,7 @@ def decode_attention_kernel(
     v_off,
     v_zp,
     v_table,
+    v_lanes,
     v_slot_i,
     v_slot_v,
     v_count,
@@ -409,6 +440,9 @@ def decode_attention_kernel(
     K_WORDS: tl.constexpr = False,
     V_WORDS: tl.constexpr = False,
     PREFETCH: tl.constexpr = False,
+    K_VDIM: tl.constexpr = 1,
+    V_VDIM: tl.constexpr = 1,
+    K_SHARED: tl.constexpr = False,
 ):
     bh = tl.program_id(0)
     split = tl.program_id(1)
@@ -459,7 +493,7 @@ def decode_attention_kernel(
     # symmetric codes (no offset): bare, they sit around their zero (128 for INT8), and a
     # tf32 or fp16 dot would round the query against operands several times the key
     FOLD_K: tl.constexpr = (
-        (K_KIND == 2 or K_HAS_OFF) and K_QAXIS == 2 and not PRE_ROPE and K_SLOTS == 0 and not K_FLAT
+        (K_KIND >= 2 or K_HAS_OFF) and K_QAXIS == 2 and not PRE_ROPE and K_SLOTS == 0 and not K_FLAT
     )
     k_bias = tl.zeros([R], tl.float32)
     if FOLD_K:
@@ -496,6 +530,11 @@ def decode_attention_kernel(
         t_ok = t < stop
         raw_k1, raw_k2, raw_v = next_k1, next_k2, next_v
         raw_vs, raw_vo, raw_vz = next_vs, next_vo, next_vz
+        if K_SHARED:  # vector keys: channels j and HALF + j share a group (RoPE pairs)
+            k_group = tl.load(k_lanes + j, mask=j_ok, other=0) // K_VDIM
+            k_ok = t_ok[:, None] & j_ok[None, :]
+            raw_k1 = _codes(kd, t, k_group, k_ok, kd_t, K_BITS * K_VDIM)  # read once for both
+            raw_k2 = raw_k1
         ahead = t + BLOCK_T
         next_k1, next_k2, next_v, next_vs, next_vo, next_vz = _tile_ahead(
             ahead, ahead < stop, kd, kd_t, vd, vd_t, vsc, vof, vzp, vq_t, HALF, BLOCK_HALF,
@@ -505,13 +544,13 @@ def decode_attention_kernel(
             kd, ksc, kof, kzp, k_table, ksi, ksv, kcn, kep, k_eidx, k_eval,
             kd_t, kq_t, ks_t, kc_t, kp_t, k_zero, t, t_ok, j, j_ok,
             K_KIND, K_BITS, K_QAXIS, K_GROUP, K_HAS_OFF, K_HAS_ZP, K_SLOTS, K_FLAT, 0, HALF, FOLD_K,
-            raw_k1, PF_K,
+            raw_k1, PF_K or K_SHARED, lanes=k_lanes, VDIM=K_VDIM,
         )  # fmt: skip
         k2 = _decode_tile(
             kd, ksc, kof, kzp, k_table, ksi, ksv, kcn, kep, k_eidx, k_eval,
             kd_t, kq_t, ks_t, kc_t, kp_t, k_zero, t, t_ok, HALF + j, j_ok,
             K_KIND, K_BITS, K_QAXIS, K_GROUP, K_HAS_OFF, K_HAS_ZP, K_SLOTS, K_FLAT, HALF, HALF,
-            FOLD_K, raw_k2, PF_K,
+            FOLD_K, raw_k2, PF_K or K_SHARED, lanes=k_lanes, VDIM=K_VDIM,
         )  # fmt: skip
         if PRE_ROPE:
             p_t = tl.load(pos + b * pos_b + t, mask=t_ok, other=0)
@@ -549,7 +588,7 @@ def decode_attention_kernel(
             vd, vsc, vof, vzp, v_table, vsi, vsv, vcn, vep, v_eidx, v_eval,
             vd_t, vq_t, vs_t, vc_t, vp_t, v_zero, t, t_ok, dcol, d_ok,
             V_KIND, V_BITS, V_QAXIS, V_GROUP, V_HAS_OFF, V_HAS_ZP, V_SLOTS, V_FLAT, 0, D,
-            False, raw_v, PF_V, raw_vs, raw_vo, raw_vz, PF_VQ,
+            False, raw_v, PF_V, raw_vs, raw_vo, raw_vz, PF_VQ, lanes=v_lanes, VDIM=V_VDIM,
         )  # fmt: skip
         if HALF_DOTS:
             pv = tl.dot(p.to(tl.float16), v.to(tl.float16))

@@ -12,7 +12,8 @@ backends have the same signature:
   fp32.
 * `decode_attention_triton`: flash-decoding. Programs split each segment's rows
   (grid: batch x KV head x split); each program unpacks codes in registers
-  (any of 2/3/4/8 bits), looks up codebooks, applies scale / zero-point /
+  (any of 2/3/4/8 bits), looks up codebooks (scalar levels, or the coordinates of
+  vector codebooks over channel groups), applies scale / zero-point /
   offset, replaces exceptions (value slots, variable-length key entries),
   rotates pre-RoPE keys at their own positions, and keeps a running max,
   denominator and accumulator. A reduction then merges the partial states of
@@ -254,7 +255,7 @@ def _causal(q_len: int, total: int, device) -> Tensor:
 
 # --- triton -------------------------------------------------------------------------------
 
-_KIND = {"full": 0, "affine": 1, "lookup": 2}
+_KIND = {"full": 0, "affine": 1, "lookup": 2, "vector": 3}
 _QAXIS = {"none": 0, "row": 1, "channel": 2, "head": 3}
 # tensor cores: tf32 products (10-bit mantissa, like fp16) with fp32 accumulation; exact
 # fp32 ("ieee") would make a decode kernel compute-bound on CUDA cores. Parity tests on
@@ -470,6 +471,7 @@ def autotune_configs():
 # fold into the query (axis, offset) or stay in the loop, which moves registers by ~40
 AUTOTUNE_KEY = ["D", "R", "PRE_ROPE", "K_KIND", "K_BITS", "K_FLAT", "K_QAXIS", "K_HAS_OFF"]
 AUTOTUNE_KEY += ["V_KIND", "V_BITS", "V_SLOTS", "V_QAXIS", "HALF_DOTS", "K_WORDS", "V_WORDS"]
+AUTOTUNE_KEY += ["K_VDIM", "V_VDIM", "K_SHARED"]
 # and the shape bucket of the launch (`tune_bucket`): the best row tile and warps for a
 # few programs over long rows differ from those of many short ones, so a configuration
 # timed on a small problem (a parity check, batch 1) is not reused at batch 16 x 32K
@@ -507,12 +509,16 @@ def _fits(configs, named_args, **kwargs):
     # where codes load as words, PREFETCH takes the place of num_stages 2 (both aim at the
     # same load latency; the tuner's time, a compile per configuration, stays the same)
     words = bool(kwargs.get("K_WORDS") or kwargs.get("V_WORDS"))
+    # vector codebooks on both sides: every code is a gather, which the pipeliner leaves
+    # alone, so num_stages 2 compiles to the same binary as 1 (bench/kernel_resources.py)
+    gathers = kwargs.get("K_KIND") == kwargs.get("V_KIND") == _KIND["vector"]
     kept = [
         c
         for c in configs
         if c.kwargs["BLOCK_T"] * d <= 64 * 128
         and (c.num_warps < 16 or d >= 256)
-        and (c.num_stages == 1 if words else not c.kwargs["PREFETCH"])
+        and (c.num_stages == 1 if words or gathers else not c.kwargs["PREFETCH"])
+        and not (gathers and c.kwargs["PREFETCH"])
     ]
     return kept or configs[:1]
 
@@ -569,6 +575,7 @@ def _family_args(p: PackedRows, dummy: Tensor, chunk: int):
         p.offset if p.offset is not None else dummy,
         p.zero_point if p.zero_point is not None else dummy,
         p.table.float().contiguous() if p.table is not None else dummy,
+        vector_layout(p.groups)[0] if p.groups is not None else dummy,
         slots if slots is not None else dummy,
         p.slot_value if slots is not None else dummy,
         count,
@@ -593,14 +600,35 @@ def _family_args(p: PackedRows, dummy: Tensor, chunk: int):
         SLOTS=0 if slots is None else slots.shape[-1],
         FLAT=p.sparse_count is not None and p.sparse_index.numel() > 0,
         WORDS=_word_loadable(p, chunk),
+        VDIM=p.vector_dim,
     )
     return tensors, strides, consts
+
+
+# vector groups -> (lanes, shared halves), kept while the groups tensor lives (a codec's
+# static state)
+_VECTOR_LAYOUTS: Memo = {}
+
+
+def vector_layout(groups: Tensor) -> tuple[Tensor, bool]:
+    """groups [D / m, m] -> ([D] int32 lanes: channel groups[g, i] -> g * m + i, the inverse
+    of the flattened groups, for `_vector_levels`; whether channels c and c + D/2 always
+    share a group, as RoPE-pair groups do: then a key tile reads each group index once
+    for both of its halves)."""
+
+    def build():
+        lanes = torch.argsort(groups.reshape(-1)).to(torch.int32)
+        half, m = lanes.numel() // 2, groups.shape[1]
+        shared = lanes.numel() % 2 == 0 and bool(torch.equal(lanes[:half] // m, lanes[half:] // m))
+        return lanes, shared
+
+    return memoised(_VECTOR_LAYOUTS, groups, build)
 
 
 def _word_loadable(p: PackedRows, chunk: int) -> bool:
     """Whether the kernel can load `p`'s codes as 32-bit words (`_code_words`): 4- or
     8-bit codes, whole words per chunk of channels, rows on 4-byte boundaries."""
-    if p.kind == "full" or p.bits not in (4, 8) or chunk % (32 // p.bits):
+    if p.kind in ("full", "vector") or p.bits not in (4, 8) or chunk % (32 // p.bits):
         return False
     data = p.data
     return (
@@ -672,6 +700,7 @@ def _segment_call(q, seg, rope, mask_u8, col, total, scaling, softcap, partials,
         HALF_DOTS=dots == "fp16",
         **{f"K_{k}": v for k, v in k_c.items()},
         **{f"V_{k}": v for k, v in v_c.items()},
+        K_SHARED=seg.key.kind == "vector" and vector_layout(seg.key.groups)[1],
     )
     return (b * hkv, splits), args, consts
 
