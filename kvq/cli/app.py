@@ -255,3 +255,7 @@ def main() -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, on_interrupt)
     app()
+
+
+if __name__ == "__main__":  # `python -m kvq.cli.app ...` as well as the `kvq` script
+    main()
