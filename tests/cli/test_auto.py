@@ -100,10 +100,13 @@ def test_decode_protocol_is_the_same_on_the_triton_kernel_and_the_reference(
     assert tri["kld"]["mean"] == pytest.approx(ref["kld"]["mean"], rel=1e-3, abs=1e-7)
 
 
-def test_a_base_artifact_of_another_model_is_one_line(auto_artifact, tiny_model_dir, tmp_path):
+def test_a_base_artifact_of_another_model_is_one_line(
+    auto_artifact, tiny_model_dir, shared_data, tmp_path
+):
+    calib = shared_data / "calibration" / "groups_merged.txt"
     result = _run(
-        "calibrate", "auto", "--model", tiny_model_dir("gemma3"), "--dataset", "wikitext2",
-        "--base", auto_artifact, "--out", tmp_path / "x",
+        "calibrate", "auto", "--model", tiny_model_dir("gemma3"), "--dataset", calib,
+        "--samples", 2, "--seqlen", 32, "--base", auto_artifact, "--out", tmp_path / "x",
     )  # fmt: skip
     _one_line_error(result, "incompatible artifact", "identity.model_type", "llama")
     assert not (tmp_path / "x").exists()  # nothing half-written
