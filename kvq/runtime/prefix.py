@@ -9,6 +9,10 @@ position terms*: when that token arrives at position p, the prefix rows take pos
 p - P .. p - 1 (negative for an unpadded batch starting at 0: RoPE only sees differences,
 so attention is that of a plain forward over prefix + prompt). A left-padded sequence's
 prefix therefore sits after its padding, exactly where it sits for the sequence alone.
+Only exact rows are blind to the offset: a post-RoPE codec quantizes each key at its own
+absolute angle, so x's codes match those of a plain run over prefix + x (where x starts at
+P) only when x is given `position_ids` from P on. Either placement is as good: rounding
+error does not prefer an angle.
 
 The artifact stores pre-RoPE keys ([H_kv, P, D], position-free); a layer rotates them at
 the sequence's prefix positions when the sequence is placed and keeps them post-RoPE.

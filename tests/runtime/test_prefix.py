@@ -258,3 +258,117 @@ def test_a_dynamic_cache_holding_the_prefix_serves_prefix_and_prompt(loaded_for,
     cache = prefix_dynamic_cache(loaded.model, loaded.adapter, rows, batch=2)
     got = loaded.model(ids, cache=cache).logits
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+# --- a declared prefix next to sink rows ---------------------------------------------------
+# A cache with prefix P and `s` sink rows keeps exactly the rows that a cache without a prefix
+# and P + s sink rows keeps when fed P + x, and quantizes the others the same way. Two things
+# legitimately tell the two apart, so the comparison holds them equal: (1) the prefix rows must
+# be the very rows the other cache stored (an extracted prefix is a separate fp32 forward of
+# P alone, the other cache's P rows come out of a forward through its fp16 rows: they differ by
+# fp16 rounding, which a quantized cache amplifies whenever a code sits on a rounding edge);
+# (2) x must sit at the same RoPE positions (the prefix cache puts x's first token at its own
+# position, 0 unpadded, the other at P; post-RoPE keys quantize differently at other angles).
+
+
+def _with_sink(loaded, layout, stage, sink):
+    from dataclasses import replace
+
+    info = loaded.adapter.info
+    policy = named_policy(layout, info.num_layers, info.head_dim)
+    layers = tuple(replace(lp, key_stage=stage, sink_tokens=sink) for lp in policy.layers)
+    return CachePolicy(policy.name, layers, policy.version)
+
+
+def _stored_prefix(cache, spec):
+    """The prefix rows `cache` (no prefix, the prefix tokens first at positions 0..P-1) stored
+    as its first sink rows, as a `Prefix` (pre-RoPE keys: unrotated at 0..P-1)."""
+    from kvq.runtime.prefix import Prefix, PrefixKV
+
+    p = spec.length
+    rows = []
+    for layer in cache.layers:
+        sink = layer.state.sink
+        assert torch.equal(sink.positions[0, :p], torch.arange(p))
+        key, value = sink.rows["k"][:1, :, :p].float(), sink.rows["v"][0, :, :p].float()
+        if layer.policy.key_stage == "post-rope":
+            key = layer.unrotate(key, torch.arange(p)[None])
+        rows.append(PrefixKV(key[0], value))
+    return Prefix(spec, tuple(rows))
+
+
+def _rows_seen(cache, layer, b, first):
+    """[H, C, D] K and V that layer `layer` of `cache` attends to for sequence b: its prefix
+    rows (if any), then its columns from `first` on (its padding skipped), in column order."""
+    lay = cache.layers[layer]
+    k, v = lay.visible_rows(lay.state)
+    k, v = k[b, :, first:], v[b, :, first:]
+    rows = lay.prefix_rows(lay.state)
+    if rows is not None:
+        k, v = torch.cat([rows[0][b], k], 1), torch.cat([rows[1][b], v], 1)
+    return k, v
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+@pytest.mark.parametrize("layout", ["int8", "int4"])
+@pytest.mark.parametrize("stage", ["post-rope", "pre-rope"])
+@torch.no_grad()
+def test_a_prefix_with_sink_rows_equals_those_rows_kept_as_sink_rows(
+    loaded_for, family, layout, stage
+):
+    """The rows attention sees are the same (every layer's for the first layer, whose input
+    no rounding touches; the logits too on Llama). Past the first layer the two caches differ
+    by fp32 rounding (the kernel reads the rows in other segments, a padded batch computes
+    in other shapes), and a quantized cache turns a rounding that lands a value on the other
+    side of a code boundary into a whole code step: on Gemma 3 (tiny here, 270M for real)
+    that grows into logit differences as large as the quantization error itself, prefix or
+    not (the same no-prefix cache fed the same tokens in chunks differs as much)."""
+    loaded = loaded_for(family)
+    model, adapter = loaded.model, loaded.adapter
+    # a pre-RoPE layout keeps its sink keys pre-RoPE but its prefix keys rotated (both fp16):
+    # the rows round the same only where RoPE is the identity, at position 0 (a BOS prefix)
+    tokens = PREFIX if stage == "post-rope" else PREFIX[:1]
+    p, s = len(tokens), 2
+    # (P + 12 columns: within twice Gemma's window of 8, so that no row is evicted yet)
+    long, short = _ids(12, seed=20)[0], _ids(6, seed=21)[0]
+    alone, plain = {}, {}
+    for i, row in enumerate((long, short)):
+        plain[i] = build_cache(model, _with_sink(loaded, layout, stage, p + s), {}, adapter)
+        served = torch.cat([torch.tensor(tokens), row])[None]
+        alone[i] = model(served, cache=plain[i]).logits[0, p:]
+    spec = extract_prefix(loaded, tokens, "test").spec
+    rows = _stored_prefix(plain[0], spec)
+
+    def prefixed():
+        policy = _with_sink(loaded, layout, stage, s).with_prefix(spec)
+        return build_cache(model, policy, {}, adapter, prefix=rows)
+
+    def same_rows(cache, b, first, i):
+        for layer in range(len(cache.layers) if family == "llama" else 1):
+            got, want = _rows_seen(cache, layer, b, first), _rows_seen(plain[i], layer, 0, 0)
+            for x, y in zip(got, want, strict=True):
+                torch.testing.assert_close(x, y, atol=1e-6, rtol=1e-6)
+
+    # each sequence alone, x at the positions it has after P
+    for i, row in enumerate((long, short)):
+        pos = torch.arange(p, p + row.numel())[None]
+        cache = prefixed()
+        got = model(row[None], cache=cache, position_ids=pos).logits[0]
+        same_rows(cache, 0, 0, i)
+        if family == "llama":
+            torch.testing.assert_close(got, alone[i], atol=2e-5, rtol=1e-5)
+    # a left-padded batch: each sequence's prefix and sinks sit after its own padding
+    ids, mask = _left_pad([long, short])
+    pad = ids.shape[1] - short.numel()
+    pos = (mask.cumsum(1) - 1).clamp(min=0) + p
+    cache = prefixed()
+    got = model(ids, attention_mask=mask, position_ids=pos, cache=cache).logits
+    same_rows(cache, 0, 0, 0)
+    same_rows(cache, 1, pad, 1)
+    if family == "llama":
+        torch.testing.assert_close(got[0], alone[0], atol=2e-5, rtol=1e-5)
+        torch.testing.assert_close(got[1, pad:], alone[1], atol=2e-5, rtol=1e-5)
+    sink = cache.layers[0].state.sink
+    assert sink.positions.tolist() == [[p, p + 1], [p, p + 1]]  # x's first s tokens
+    assert sink.cols.tolist() == [[0, 1], [pad, pad + 1]]
+    assert cache.layers[0].state.prefix.positions.tolist() == [list(range(p))] * 2
