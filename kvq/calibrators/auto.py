@@ -17,7 +17,6 @@ from kvq.calibrators import kvquant
 from kvq.calibrators.base import FitContext, PassResult
 from kvq.calibrators.options import KVQuantOptions
 from kvq.calibrators.vq import calibrate_vq, fisher_sums
-from kvq.quant.schemes import CachePolicy
 
 
 def fit(ctx: FitContext) -> PassResult:
@@ -27,8 +26,7 @@ def fit(ctx: FitContext) -> PassResult:
         pass  # the stage is the announcement: it shows in the output and the stage timings
     if isinstance(chosen, KVQuantOptions):
         result = kvquant.fit(replace(ctx, options=chosen))
-        name = f"auto{opts.bits}: {result.policy.name}"
-        policy = CachePolicy(name, result.policy.layers, result.policy.version)
+        policy = replace(result.policy, name=f"auto{opts.bits}: {result.policy.name}")
         return PassResult(policy, result.tensors)
     info = fisher_sums(ctx, chosen.sink)
     policy, tensors = calibrate_vq(

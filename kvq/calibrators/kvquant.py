@@ -147,18 +147,24 @@ def fit_key_layer(
     return out
 
 
-def fit_value_layer(
-    samples: Tensor, fisher: Tensor | None, opts: KVQuantOptions
-) -> dict[str, Tensor]:
-    """samples [N, H, D] values, fisher [H, D] or None -> the layer's codebook (rows are online)."""
-    if opts.outliers:
-        idx, _, lo, hi = sparse.row_outliers(samples, opts.outliers, VALUE_SPLIT)
+def value_rows(samples: Tensor, outliers: float) -> tuple[Tensor, Tensor, Tensor]:
+    """samples [N, H, D] values -> inlier mask [N, H, D] and the per-row normaliser
+    (scale, center) [N, H]: the same one the runtime computes at append time."""
+    if outliers:
+        idx, _, lo, hi = sparse.row_outliers(samples, outliers, VALUE_SPLIT)
         inlier = torch.ones_like(samples, dtype=torch.bool).scatter(-1, idx.long(), False)
     else:
         lo, hi = samples.amin(-1), samples.amax(-1)
         inlier = torch.ones_like(samples, dtype=torch.bool)
-    # the same per-row normaliser the runtime computes at append time
     scale, center = nuq.normalizer(lo, hi)
+    return inlier, scale, center
+
+
+def fit_value_layer(
+    samples: Tensor, fisher: Tensor | None, opts: KVQuantOptions
+) -> dict[str, Tensor]:
+    """samples [N, H, D] values, fisher [H, D] or None -> the layer's codebook (rows are online)."""
+    inlier, scale, center = value_rows(samples, opts.outliers)
     return _levels(
         nuq.normalize(samples, scale[..., None], center[..., None]), inlier, fisher, opts
     )

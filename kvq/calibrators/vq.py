@@ -26,14 +26,13 @@ from torch import Tensor
 
 from kvq.calibrators.base import FitContext, PassResult
 from kvq.calibrators.fisher import fisher_cached
-from kvq.calibrators.kvquant import _key_thresholds, capture_kv, key_fraction
+from kvq.calibrators.kvquant import _key_thresholds, capture_kv, key_fraction, value_rows
 from kvq.calibrators.options import KVQuantOptions, VQOptions
 from kvq.errors import KvqError
 from kvq.models.adapters import rope_partners
 from kvq.progress import Progress
 from kvq.quant import nuq, sparse, vq
 from kvq.quant.schemes import CachePolicy, LayerPolicy, QuantScheme
-from kvq.runtime.nuq_codecs import VALUE_SPLIT
 
 MIN_BITS, MAX_BITS = 1, 4
 
@@ -92,13 +91,7 @@ def _key_side(samples: Tensor, fisher: Tensor | None, kv: KVQuantOptions) -> _Si
 
 
 def _value_side(samples: Tensor, fisher: Tensor | None, kv: KVQuantOptions) -> _Side:
-    if kv.outliers:
-        idx, _, lo, hi = sparse.row_outliers(samples, kv.outliers, VALUE_SPLIT)
-        inlier = torch.ones_like(samples, dtype=torch.bool).scatter(-1, idx.long(), False)
-    else:
-        lo, hi = samples.amin(-1), samples.amax(-1)
-        inlier = torch.ones_like(samples, dtype=torch.bool)
-    scale, center = nuq.normalizer(lo, hi)  # the runtime's per-row normaliser
+    inlier, scale, center = value_rows(samples, kv.outliers)  # the runtime's normaliser
     f = torch.ones(samples.shape[1:]) if fisher is None else fisher.float()
     xn = nuq.normalize(samples, scale[..., None], center[..., None])
     fit_weight = f * scale.float()[..., None] ** 2 * inlier
