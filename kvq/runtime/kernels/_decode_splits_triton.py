@@ -29,6 +29,19 @@ batched dots' layouts costing more than the 64 channels per row they save. Dots 
 fp16 operands (exact fp32 under the interpreter and in parity mode) with fp32
 accumulation.
 
+Keys stored before RoPE (ROPE0..2, per segment) are rotated in the loop (`_rope_scores`):
+the channels of each plane split into halves whose columns are RoPE partners (c, c +
+D/2), decoded (static qparams now applied to the tile, one HFMA2 per two channels:
+rotation does not commute with a per-channel scale), rotated, and dotted with the query
+in the same halves. A tile whose rows sit at one run of positions p0 + i (a sequence's
+rows: nearly every tile) takes R(p0 + i) = R(p0) R(i): R(i) from rows 0 .. BT - 1 of a
+unit table, the same every tile (L1 hits, no per-row gather from L2), R(p0) onto the query
+(rotated back, once per tile); other tiles gather each row's own table row. The table's
+amplitude (attention scaling) goes onto the query once. Angle addition matches tables
+whose angles are exact; tables computed with fp32 angles (p x theta rounded, as
+transformers computes them) differ from it by their own rounding, |p theta| x 2^-24 rad
+(2e-3 rad on the fastest pair at position 32K).
+
 The partial states go to one fp32 buffer [B x H_kv, S, R, D + 2] (numerator, then
 the running max in log2 units, then the denominator), merged by
 `combine_splits_kernel`; with one split per work item the kernel normalises and
@@ -555,6 +568,22 @@ def _rope_scores(rq, rk, k_ptr, k_t, ks_ptr, ko_ptr, kq_t, t, t_ok, tile, pos_pt
 
 
 @triton.jit
+def _rope_prepare(rope_q, STATIC: tl.constexpr, D: tl.constexpr, KP: tl.constexpr,
+                  OP: tl.constexpr, NC: tl.constexpr):  # fmt: skip
+    """(query, static key qparams) of `_rope_setup` per chunk of NC, as tuples of NC."""
+    q_row, r_ok, q_scale, amp, fk, HKV = rope_q
+    CW: tl.constexpr = D // KP // 2 // NC
+    rq0, rk0 = _rope_setup(q_row, r_ok, q_scale, amp, fk, HKV, 0, CW, D, KP, OP, STATIC)
+    rq = (rq0, rq0)
+    rk = (rk0, rk0)
+    if NC == 2:
+        rq1, rk1 = _rope_setup(q_row, r_ok, q_scale, amp, fk, HKV, CW, CW, D, KP, OP, STATIC)
+        rq = (rq0, rq1)
+        rk = (rk0, rk1)
+    return rq, rk
+
+
+@triton.jit
 def _segment_loop(
     state, q_lo, q_hi, k_bias,
     k_ptr, v_ptr, k_t, v_t, vs_ptr, vo_ptr, vq_t, ks_ptr, ko_ptr, kq_t,
@@ -567,7 +596,7 @@ def _segment_loop(
     K_HAS_OFF: tl.constexpr, m_row, HAS_MASK: tl.constexpr, K_FP8: tl.constexpr,
     V_FP8: tl.constexpr, K_FACTOR: tl.constexpr, V_FACTOR: tl.constexpr,
     K_WORDS: tl.constexpr, V_WORDS: tl.constexpr,
-    ROPE: tl.constexpr = False, rq=None, rk=None, pos_ptr=None, pos_t=0, tab=None,
+    ROPE: tl.constexpr = False, rope_q=None, pos_ptr=None, pos_t=0, tab=None,
     tab_rows=0, D: tl.constexpr = 0, NC: tl.constexpr = 1,
 ):  # fmt: skip
     """Folds tiles [first, last) of one segment into the online-softmax state (m, l,
@@ -576,6 +605,8 @@ def _segment_loop(
     ROPE: keys stored before RoPE, rotated at positions pos_ptr (`_rope_scores`)."""
     m_i, l_i, acc_lo, acc_hi = state
     LOG2E: tl.constexpr = 1.4426950408889634
+    if ROPE:
+        rq, rk = _rope_prepare(rope_q, not FULL and not K_ROWQ, D, KP, OP, NC)
     for tile in tl.range(first, last, num_stages=NUM_STAGES):
         t = tile * BLOCK_T + tl.arange(0, BLOCK_T)
         t_ok = t < rows_seg
@@ -714,25 +745,13 @@ def decode_splits_kernel(
     if Q > 1:
         m_row = m_row + qi * m_q  # [R]: query row r's
 
-    # pre-RoPE segments: the query halves in plane order, times the table's amplitude
-    # (rotated per tile, `_rope_scores`), and the static key qparams per half and plane
+    # pre-RoPE segments: the query and static key qparams per half and plane, prepared per
+    # segment (`_rope_prepare`): held across the segments' loops, they took the registers
+    # of 8 warps more
     # (in NC chunks of columns: a chunk's keys are decoded, rotated and dotted before the
-    # next one's, which keeps head_dim 256 within the registers of 12 resident warps)
+    # next one's, which keeps head_dim 256 within the registers of 8 resident warps)
     NC: tl.constexpr = 2 if D // KP // 2 > 32 and not K_ROWQ else 1
-    rq = ((0.0, 0.0, 0.0, 0.0), (0.0, 0.0, 0.0, 0.0))
-    rk = ((0.0,) * 8, (0.0,) * 8)
-    if ROPE0 or ROPE1 or ROPE2:
-        STATIC: tl.constexpr = not K_ROWQ and (KIND0 == 2 or KIND1 == 2 or KIND2 == 2)
-        CW: tl.constexpr = D // KP // 2 // NC
-        rq0, rk0 = _rope_setup(q_row, r_ok, q_scale, rope_amp, fk, HKV, 0, CW, D, KP, OP,
-                               STATIC)  # fmt: skip
-        rq = (rq0, rq0)
-        rk = (rk0, rk0)
-        if NC == 2:
-            rq1, rk1 = _rope_setup(q_row, r_ok, q_scale, rope_amp, fk, HKV, CW, CW, D, KP, OP,
-                                   STATIC)  # fmt: skip
-            rq = (rq0, rq1)
-            rk = (rk0, rk1)
+    rope_q = (q_row, r_ok, q_scale, rope_amp, fk, HKV)  # what `_rope_prepare` reads
 
     m_i = tl.full([R], float("-inf"), tl.float32)
     l_i = tl.zeros([R], tl.float32)
@@ -759,7 +778,7 @@ def decode_splits_kernel(
             Q, R, BLOCK_T, KIND0 == 1, KP, KW, VP, NG, GW, V_HAS_OFF, HAS_SOFTCAP, softcap,
             CAUSAL, OP, PRECISION, NUM_STAGES, rows0, ASM, K_ROWQ, K_NG, K_HAS_OFF,
             m_row, HAS_MASK, K_FP8, V_FP8, K_FACTOR, V_FACTOR, K_WORDS, V_WORDS,
-            ROPE0, rq, rk, pos0 + b * pos0_b, pos0_t, rope_tab, rope_rows, D, NC,
+            ROPE0, rope_q, pos0 + b * pos0_b, pos0_t, rope_tab, rope_rows, D, NC,
         )  # fmt: skip
     if KIND1 != 0:
         kp = k1 + b * k1_b + h * k1_h
@@ -771,7 +790,7 @@ def decode_splits_kernel(
             K_ZERO, V_ZERO, Q, R, BLOCK_T, KIND1 == 1, KP, KW, VP, NG, GW, V_HAS_OFF,
             HAS_SOFTCAP, softcap, CAUSAL, OP, PRECISION, NUM_STAGES, rows1, ASM, K_ROWQ, K_NG,
             K_HAS_OFF, m_row, HAS_MASK, K_FP8, V_FP8, K_FACTOR, V_FACTOR, K_WORDS, V_WORDS,
-            ROPE1, rq, rk, pos1 + b * pos1_b, pos1_t, rope_tab, rope_rows, D, NC,
+            ROPE1, rope_q, pos1 + b * pos1_b, pos1_t, rope_tab, rope_rows, D, NC,
         )  # fmt: skip
     if KIND2 != 0:
         kp = k2 + b * k2_b + h * k2_h
@@ -784,7 +803,7 @@ def decode_splits_kernel(
             V_HAS_OFF, HAS_SOFTCAP, softcap, CAUSAL, OP, PRECISION, NUM_STAGES, rows2, ASM,
             K_ROWQ, K_NG, K_HAS_OFF, m_row, HAS_MASK, K_FP8, V_FP8, K_FACTOR, V_FACTOR,
             K_WORDS, V_WORDS,
-            ROPE2, rq, rk, pos2 + b * pos2_b, pos2_t, rope_tab, rope_rows, D, NC,
+            ROPE2, rope_q, pos2 + b * pos2_b, pos2_t, rope_tab, rope_rows, D, NC,
         )  # fmt: skip
     m_i, l_i, acc_lo, acc_hi = state
 

@@ -5,8 +5,10 @@ It takes the layouts a decode step mostly sees — full-precision segments (sink
 the residual window) around at most one packed segment of 4- or 8-bit affine codes
 or fp8 codes (E4M3 / E5M2, decoded from their bits, `fp8.fp16_placement`) with static
 per-channel (or per-head) or per-row grouped key qparams and per-row grouped or
-per-head value qparams, post-RoPE keys, with or without a mask over the rows (sliding
-windows, padding: read in place, one byte per row and tile) — and
+per-head value qparams, keys stored after RoPE or before it (rotated in the tile loop at
+each row's position, `_decode_splits_triton._rope_scores`, from a unit table in plane
+order cached per RoPE table, `rope_planes`), with or without a mask over the rows
+(sliding windows, padding: read in place, one byte per row and tile) — and
 `decode_attention.decode_path` sends everything else to the general kernel. What the
 host does per call: checks, a cached plan
 (splits from the compiled kernel's occupancy, `launch_plan.plan_splits`), two
@@ -65,7 +67,11 @@ def kernel_config(head_dim: int, bits: int, key_rows: bool = False) -> KernelCon
     warps); at head_dim 256: 168 registers, 12 warps, 56 per row (32-row tiles: 16 warps
     but 66; 128-row tiles spill). 8-bit codes (values as words) at head_dim 128: 119
     registers, 16 warps, 37 per row; at head_dim 256, 32-row tiles: 137 registers, 12
-    warps, 75 per row (64-row tiles: 66 per row but 174 registers, 8 warps)."""
+    warps, 75 per row (64-row tiles: 66 per row but 174 registers, 8 warps). KV4 with
+    pre-RoPE keys, same configuration: 184 registers, 8 warps, 47 per row at head_dim 128
+    (32-row tiles: 136 registers, 12 warps, but 63 per row); 255 registers, 8 warps, 85
+    per row at head_dim 256 (the columns rotate in two chunks; 8 warps per program: 100
+    per row)."""
     if bits == 8 and head_dim >= 256:
         return KernelConfig(32, 4, 2)
     return KernelConfig(64, 4, 2)
@@ -102,6 +108,9 @@ def planned_unsupported(query: Tensor, segments, mask: Tensor | None) -> str | N
         reason = _packed_unsupported(packed[0], d)
         if reason:
             return reason
+    planes = 2 if packed and packed[0].key.bits == 4 else 1
+    if any(s.key.pre_rope for s in segments) and d // planes // 2 < 16:
+        return "pre-RoPE keys: fewer than 16 channels per plane and half (a dot's K)"
     return None
 
 
@@ -311,7 +320,9 @@ def _rope_args(segments, rope, planes: int, half: bool, dummy: Tensor) -> dict:
     return args
 
 
-def rope_planes(rope: tuple[Tensor, Tensor], planes: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+def rope_planes(
+    rope: tuple[Tensor, Tensor], planes: int, dtype: torch.dtype
+) -> tuple[Tensor, Tensor]:
     """(unit table [P, 2, D/2] of `dtype`: cos, then sin, per position; amplitude [D/2]
     float32) of RoPE tables whose rows are a_f (cos, sin)(p theta_f): the columns in the
     kernel's plane order (4-bit planes: the even channels' frequencies 0, 2, 4, ..., then
