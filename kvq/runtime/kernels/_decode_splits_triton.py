@@ -475,16 +475,21 @@ def _rope_chunk(scores, rq, rk, k_ptr, k_t, t, t_ok, tab, trow, p0, run, C0: tl.
     j = C0 + tl.arange(0, CW)
     ok = t_ok[:, None]
     row = k_ptr + t[:, None] * k_t
-    if FULL:  # channels j KP (+ 1) of each half
-        at = row + (j * KP)[None, :]
-        k1 = tl.load(at, mask=ok, other=0.0).to(OP)
-        k2 = tl.load(at + D // 2, mask=ok, other=0.0).to(OP)
+    if FULL:  # channels [C0 KP, (C0 + CW) KP) of each half, loaded whole, then split
+        c = C0 * KP + tl.arange(0, CW * KP)  # into planes in registers: strided loads of
+        at = row + c[None, :]  # every other channel were 4x the loop's instructions
+        x1 = tl.load(at, mask=ok, other=0.0).to(OP)
+        x2 = tl.load(at + D // 2, mask=ok, other=0.0).to(OP)
+        if KP == 2:
+            BT: tl.constexpr = t.shape[0]
+            k1, o1 = tl.split(tl.reshape(x1, (BT, CW, 2)))
+            k2, o2 = tl.split(tl.reshape(x2, (BT, CW, 2)))
+        else:
+            k1, k2 = x1, x2
         scores = _rope_dot(scores, qa_lo1, qa_lo2, k1, k2, tab, trow, p0, run, C0, D, OP,
                            PRECISION)  # fmt: skip
         if KP == 2:
-            k1 = tl.load(at + 1, mask=ok, other=0.0).to(OP)
-            k2 = tl.load(at + D // 2 + 1, mask=ok, other=0.0).to(OP)
-            scores = _rope_dot(scores, qa_hi1, qa_hi2, k1, k2, tab, trow, p0, run, HW + C0, D,
+            scores = _rope_dot(scores, qa_hi1, qa_hi2, o1, o2, tab, trow, p0, run, HW + C0, D,
                                OP, PRECISION)  # fmt: skip
     else:  # bytes j of each half: (code - zero) x scale + bias
         raw1 = tl.load(row + j[None, :], mask=ok, other=0)
