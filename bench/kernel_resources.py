@@ -187,7 +187,9 @@ def planned_row(query, seg, hkv: int, row_bytes: float) -> tuple[dict, dict]:
     from kvq.runtime.kernels import _decode_splits_triton as splits_kern
 
     d = query.shape[-1]
-    call = planned.planned_call(query, [seg], scaling=d**-0.5, softcap=None, half=True)
+    rope = gpu_decode.rope_tables(ROWS, "cpu") if seg.key.pre_rope else None
+    call = planned.planned_call(query, [seg], scaling=d**-0.5, softcap=None, half=True,
+                                rope=rope)  # fmt: skip
     fn = splits_kern.decode_splits_kernel
     args = {**call.args, "part": torch.empty(1), "out": torch.empty(1), "splits": 8, "ASM": ASM}
     consts = {p.name: args.pop(p.name) for p in fn.params if p.is_constexpr}

@@ -29,6 +29,19 @@ batched dots' layouts costing more than the 64 channels per row they save. Dots 
 fp16 operands (exact fp32 under the interpreter and in parity mode) with fp32
 accumulation.
 
+Keys stored before RoPE (ROPE0..2, per segment) are rotated in the loop (`_rope_scores`):
+the channels of each plane split into halves whose columns are RoPE partners (c, c +
+D/2), decoded (static qparams now applied to the tile, one HFMA2 per two channels:
+rotation does not commute with a per-channel scale), rotated, and dotted with the query
+in the same halves. A tile whose rows sit at one run of positions p0 + i (a sequence's
+rows: nearly every tile) takes R(p0 + i) = R(p0) R(i): R(i) from rows 0 .. BT - 1 of a
+unit table, the same every tile (L1 hits, no per-row gather from L2), R(p0) onto the query
+(rotated back, once per tile); other tiles gather each row's own table row. The table's
+amplitude (attention scaling) goes onto the query once. Angle addition matches tables
+whose angles are exact; tables computed with fp32 angles (p x theta rounded, as
+transformers computes them) differ from it by their own rounding, |p theta| x 2^-24 rad
+(2e-3 rad on the fastest pair at position 32K).
+
 The partial states go to one fp32 buffer [B x H_kv, S, R, D + 2] (numerator, then
 the running max in log2 units, then the denominator), merged by
 `combine_splits_kernel`; with one split per work item the kernel normalises and
@@ -340,6 +353,242 @@ def _value_planes(ptr, rows, row_ok, stride_t, vs_ptr, vo_ptr, vq_t, ZERO: tl.co
 
 
 @triton.jit
+def _rope_setup(q_row, r_ok, q_scale, amp, fk, HKV, C0: tl.constexpr, CW: tl.constexpr,
+                D: tl.constexpr, KP: tl.constexpr, OP: tl.constexpr,
+                STATIC: tl.constexpr):  # fmt: skip
+    """Once per program, for pre-RoPE segments: the query and the static key qparams at
+    columns [C0, C0 + CW) of the planes' halves. In plane order the channels split into
+    halves whose column j are RoPE partners (c, c + D/2): (query rows [R, CW] of the
+    even plane in half 0, in half 1, the odd plane in half 0, in half 1), float32, scaled
+    by q_scale and by the table's amplitude of each column's frequency (amp [D / 2] in the
+    table's column order). STATIC: the packed keys' per-channel (scale, bias) [CW] of the
+    same four (fk: this KV head's k_fold), in OP; else zeros."""
+    HW: tl.constexpr = D // KP // 2
+    j = C0 + tl.arange(0, CW)
+    ch = j * KP  # channels of the even plane in half 0
+    ok = r_ok[:, None]
+    a_lo = tl.load(amp + j)[None, :] * q_scale
+    qa_lo1 = tl.load(q_row[:, None] + ch[None, :], mask=ok, other=0.0).to(tl.float32) * a_lo
+    qa_lo2 = tl.load(q_row[:, None] + (ch + D // 2)[None, :], mask=ok, other=0.0)
+    qa_lo2 = qa_lo2.to(tl.float32) * a_lo
+    qa_hi1 = qa_lo1
+    qa_hi2 = qa_lo2
+    if KP == 2:
+        a_hi = tl.load(amp + HW + j)[None, :] * q_scale
+        qa_hi1 = tl.load(q_row[:, None] + (ch + 1)[None, :], mask=ok, other=0.0)
+        qa_hi1 = qa_hi1.to(tl.float32) * a_hi
+        qa_hi2 = tl.load(q_row[:, None] + (ch + D // 2 + 1)[None, :], mask=ok, other=0.0)
+        qa_hi2 = qa_hi2.to(tl.float32) * a_hi
+    rk = (0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
+    if STATIC:
+        s_lo1 = tl.load(fk + ch).to(OP)
+        b_lo1 = tl.load(fk + HKV * D + ch).to(OP)
+        s_lo2 = tl.load(fk + D // 2 + ch).to(OP)
+        b_lo2 = tl.load(fk + HKV * D + D // 2 + ch).to(OP)
+        s_hi1 = s_lo1
+        b_hi1 = b_lo1
+        s_hi2 = s_lo2
+        b_hi2 = b_lo2
+        if KP == 2:
+            s_hi1 = tl.load(fk + ch + 1).to(OP)
+            b_hi1 = tl.load(fk + HKV * D + ch + 1).to(OP)
+            s_hi2 = tl.load(fk + D // 2 + ch + 1).to(OP)
+            b_hi2 = tl.load(fk + HKV * D + D // 2 + ch + 1).to(OP)
+        rk = (s_lo1, b_lo1, s_lo2, b_lo2, s_hi1, b_hi1, s_hi2, b_hi2)
+    return (qa_lo1, qa_lo2, qa_hi1, qa_hi2), rk
+
+
+# 4 code bytes -> the 4 low (high) nibbles as fp16 1024 + c (1024 + 16 c): one plane of
+# `_NIBBLES_ASM`, for a caller that finishes one plane before it decodes the other
+_LOW_NIBBLES_ASM = tl.constexpr("""{
+.reg .b32 t0, t1;
+prmt.b32 t0, $2, 0, 0x4140;
+prmt.b32 t1, $2, 0, 0x4342;
+lop3.b32 $0, t0, 0x000F000F, 0x64006400, 0xea;
+lop3.b32 $1, t1, 0x000F000F, 0x64006400, 0xea;
+}""")
+_HIGH_NIBBLES_ASM = tl.constexpr("""{
+.reg .b32 t0, t1;
+prmt.b32 t0, $2, 0, 0x4140;
+prmt.b32 t1, $2, 0, 0x4342;
+lop3.b32 $0, t0, 0x00F000F0, 0x64006400, 0xea;
+lop3.b32 $1, t1, 0x00F000F0, 0x64006400, 0xea;
+}""")
+
+
+@triton.jit
+def _code_plane(raw, ZERO: tl.constexpr, KP: tl.constexpr, PLANE: tl.constexpr,
+                ASM: tl.constexpr, FP8: tl.constexpr):  # fmt: skip
+    """Plane PLANE of code bytes raw as fp16 code - ZERO (4-bit codes: 0 the low nibbles,
+    1 the high ones; 8-bit and fp8 codes: the bytes, `_planes`). One plane at a time: a
+    pre-RoPE tile's planes decoded together keep more registers live."""
+    if KP == 2 and not FP8:
+        if ASM:
+            if PLANE == 0:
+                x = tl.inline_asm_elementwise(_LOW_NIBBLES_ASM, "=r,=r,r", [raw],
+                                              dtype=tl.float16, is_pure=True, pack=4)  # fmt: skip
+                x = x - (1024.0 + ZERO)
+            else:
+                x = tl.inline_asm_elementwise(_HIGH_NIBBLES_ASM, "=r,=r,r", [raw],
+                                              dtype=tl.float16, is_pure=True, pack=4)  # fmt: skip
+                x = x * 0.0625 - (64.0 + ZERO)
+        else:
+            c = (raw.to(tl.int16) >> (4 * PLANE)) & 15
+            x = (c | 0x6400).to(tl.float16, bitcast=True) - (1024.0 + ZERO)
+    else:
+        x, _ = _planes(raw, ZERO, KP, ASM, FP8)
+    return x
+
+
+@triton.jit
+def _rope_dot(scores, qa1, qa2, k1, k2, tab, trow, p0, run, col0: tl.constexpr,
+              D: tl.constexpr, OP: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
+    """scores [R, BT] plus the share of keys k1, k2 [BT, CW] (RoPE partners: the same
+    plane's columns in the two halves, table columns col0 ...) rotated by the unit table's
+    rows trow, against the query's columns qa1, qa2 [R, CW] rotated back by the row at p0
+    when `run` (else not at all). The table [P, 2, D / 2]: cos, then sin, per position."""
+    CW: tl.constexpr = k1.shape[1]
+    col = col0 + tl.arange(0, CW)
+    at = tab + trow[:, None] * D + col[None, :]
+    c = tl.load(at)
+    s = tl.load(at + D // 2)
+    r1 = k1 * c - k2 * s
+    r2 = k2 * c + k1 * s
+    qc = tl.where(run, tl.load(tab + p0 * D + col).to(tl.float32), 1.0)
+    qs = tl.where(run, tl.load(tab + p0 * D + D // 2 + col).to(tl.float32), 0.0)
+    q1 = (qa1 * qc[None, :] + qa2 * qs[None, :]).to(OP)
+    q2 = (qa2 * qc[None, :] - qa1 * qs[None, :]).to(OP)
+    scores = tl.dot(q1, tl.trans(r1), scores, input_precision=PRECISION)
+    return tl.dot(q2, tl.trans(r2), scores, input_precision=PRECISION)
+
+
+@triton.jit
+def _rope_chunk(scores, rq, rk, k_ptr, k_t, t, t_ok, tab, trow, p0, run, C0: tl.constexpr,
+                CW: tl.constexpr, K_ZERO: tl.constexpr, FULL: tl.constexpr, KP: tl.constexpr,
+                D: tl.constexpr, OP: tl.constexpr, PRECISION: tl.constexpr, ASM: tl.constexpr,
+                K_FP8: tl.constexpr):  # fmt: skip
+    """`_rope_dot` over columns [C0, C0 + CW) of each plane of full-precision keys or codes
+    with static qparams (rq, rk: that chunk's, `_rope_setup`), one plane at a time."""
+    HW: tl.constexpr = D // KP // 2
+    qa_lo1, qa_lo2, qa_hi1, qa_hi2 = rq
+    s_lo1, b_lo1, s_lo2, b_lo2, s_hi1, b_hi1, s_hi2, b_hi2 = rk
+    j = C0 + tl.arange(0, CW)
+    ok = t_ok[:, None]
+    row = k_ptr + t[:, None] * k_t
+    if FULL:  # channels [C0 KP, (C0 + CW) KP) of each half, loaded whole, then split
+        c = C0 * KP + tl.arange(0, CW * KP)  # into planes in registers: strided loads of
+        at = row + c[None, :]  # every other channel were 4x the loop's instructions
+        x1 = tl.load(at, mask=ok, other=0.0).to(OP)
+        x2 = tl.load(at + D // 2, mask=ok, other=0.0).to(OP)
+        if KP == 2:
+            BT: tl.constexpr = t.shape[0]
+            k1, o1 = tl.split(tl.reshape(x1, (BT, CW, 2)))
+            k2, o2 = tl.split(tl.reshape(x2, (BT, CW, 2)))
+        else:
+            k1, k2 = x1, x2
+        scores = _rope_dot(scores, qa_lo1, qa_lo2, k1, k2, tab, trow, p0, run, C0, D, OP,
+                           PRECISION)  # fmt: skip
+        if KP == 2:
+            scores = _rope_dot(scores, qa_hi1, qa_hi2, o1, o2, tab, trow, p0, run, HW + C0, D,
+                               OP, PRECISION)  # fmt: skip
+    else:  # bytes j of each half: (code - zero) x scale + bias
+        raw1 = tl.load(row + j[None, :], mask=ok, other=0)
+        raw2 = tl.load(row + (HW + j)[None, :], mask=ok, other=0)
+        k1 = _code_plane(raw1, K_ZERO, KP, 0, ASM, K_FP8).to(OP) * s_lo1[None, :] + b_lo1[None, :]
+        k2 = _code_plane(raw2, K_ZERO, KP, 0, ASM, K_FP8).to(OP) * s_lo2[None, :] + b_lo2[None, :]
+        scores = _rope_dot(scores, qa_lo1, qa_lo2, k1, k2, tab, trow, p0, run, C0, D, OP,
+                           PRECISION)  # fmt: skip
+        if KP == 2:
+            k1 = _code_plane(raw1, K_ZERO, KP, 1, ASM, K_FP8).to(OP) * s_hi1[None, :]
+            k1 += b_hi1[None, :]
+            k2 = _code_plane(raw2, K_ZERO, KP, 1, ASM, K_FP8).to(OP) * s_hi2[None, :]
+            k2 += b_hi2[None, :]
+            scores = _rope_dot(scores, qa_hi1, qa_hi2, k1, k2, tab, trow, p0, run, HW + C0, D,
+                               OP, PRECISION)  # fmt: skip
+    return scores
+
+
+@triton.jit
+def _rope_row_groups(scores, rq, k_ptr, k_t, ks_ptr, ko_ptr, kq_t, t, t_ok, tab, trow, p0,
+                     run, K_ZERO: tl.constexpr, KP: tl.constexpr, D: tl.constexpr,
+                     OP: tl.constexpr, PRECISION: tl.constexpr, ASM: tl.constexpr,
+                     K_FP8: tl.constexpr, K_NG: tl.constexpr, K_HAS_OFF: tl.constexpr,
+                     K_FACTOR: tl.constexpr, K_WORDS: tl.constexpr):  # fmt: skip
+    """`_rope_dot` for codes with per-row group qparams (`_value_planes` per half: the
+    groups of a half cover it, K_NG even or one group per row)."""
+    HW: tl.constexpr = D // KP // 2
+    NGH: tl.constexpr = K_NG // 2 if K_NG > 1 else 1
+    G1: tl.constexpr = K_NG // 2  # the first group of half 1
+    qa_lo1, qa_lo2, qa_hi1, qa_hi2 = rq
+    lo1, hi1 = _value_planes(k_ptr, t, t_ok, k_t, ks_ptr, ko_ptr, kq_t, K_ZERO, KP, NGH,
+                             HW // NGH, False, K_HAS_OFF, OP, ASM, K_FP8, K_FACTOR,
+                             K_WORDS)  # fmt: skip
+    lo2, hi2 = _value_planes(k_ptr + HW, t, t_ok, k_t, ks_ptr + G1, ko_ptr + G1, kq_t, K_ZERO,
+                             KP, NGH, HW // NGH, False, K_HAS_OFF, OP, ASM, K_FP8, K_FACTOR,
+                             K_WORDS)  # fmt: skip
+    scores = _rope_dot(scores, qa_lo1, qa_lo2, lo1, lo2, tab, trow, p0, run, 0, D, OP,
+                       PRECISION)  # fmt: skip
+    if KP == 2:
+        scores = _rope_dot(scores, qa_hi1, qa_hi2, hi1, hi2, tab, trow, p0, run, HW, D, OP,
+                           PRECISION)  # fmt: skip
+    return scores
+
+
+@triton.jit
+def _rope_scores(rq, rk, k_ptr, k_t, ks_ptr, ko_ptr, kq_t, t, t_ok, tile, pos_ptr, pos_t,
+                 tab, tab_rows, R: tl.constexpr, K_ZERO: tl.constexpr, BLOCK_T: tl.constexpr,
+                 FULL: tl.constexpr, KP: tl.constexpr, D: tl.constexpr, OP: tl.constexpr,
+                 PRECISION: tl.constexpr, ASM: tl.constexpr, K_ROWQ: tl.constexpr,
+                 K_NG: tl.constexpr, K_HAS_OFF: tl.constexpr, K_FP8: tl.constexpr,
+                 K_FACTOR: tl.constexpr, K_WORDS: tl.constexpr,
+                 NC: tl.constexpr):  # fmt: skip
+    """Scores [R, BT] of a tile of pre-RoPE keys, each rotated at its row's position. A
+    tile whose rows sit at one run of positions p0, p0 + 1, ... (a sequence's rows, the
+    usual case) is rotated by angle addition: R(p0 + i) = R(p0) R(i), R(p0) taken onto the
+    query (rotated back, [R, D] once per tile) and R(i) onto the keys from table rows
+    0 ... BT - 1, the same for every tile (L1 hits); any other tile (left padding, sink
+    rows) reads each key's own table row. rq, rk: per chunk of NC (columns of the planes'
+    halves), the query scaled by the table's amplitude per frequency (attention scaling:
+    the unit table holds plain rotations) and the static key qparams (`_rope_setup`)."""
+    pos = tl.load(pos_ptr + t * pos_t, mask=t_ok, other=0).to(tl.int32)
+    p0 = tl.load(pos_ptr + tile * BLOCK_T * pos_t).to(tl.int32)
+    local = tl.arange(0, BLOCK_T)
+    drift = tl.where(t_ok, pos - local - p0, 0)
+    run = (tl.max(tl.abs(drift), axis=0) == 0) & (tab_rows >= BLOCK_T)
+    trow = tl.where(run, local, pos)
+    scores = tl.zeros([R, BLOCK_T], tl.float32)
+    if K_ROWQ and not FULL:
+        scores = _rope_row_groups(scores, rq[0], k_ptr, k_t, ks_ptr, ko_ptr, kq_t, t, t_ok, tab,
+                                  trow, p0, run, K_ZERO, KP, D, OP, PRECISION, ASM, K_FP8, K_NG,
+                                  K_HAS_OFF, K_FACTOR, K_WORDS)  # fmt: skip
+    else:
+        CW: tl.constexpr = D // KP // 2 // NC
+        scores = _rope_chunk(scores, rq[0], rk[0], k_ptr, k_t, t, t_ok, tab, trow, p0, run, 0,
+                             CW, K_ZERO, FULL, KP, D, OP, PRECISION, ASM, K_FP8)  # fmt: skip
+        if NC == 2:
+            scores = _rope_chunk(scores, rq[1], rk[1], k_ptr, k_t, t, t_ok, tab, trow, p0, run,
+                                 CW, CW, K_ZERO, FULL, KP, D, OP, PRECISION, ASM,
+                                 K_FP8)  # fmt: skip
+    return scores
+
+
+@triton.jit
+def _rope_prepare(rope_q, STATIC: tl.constexpr, D: tl.constexpr, KP: tl.constexpr,
+                  OP: tl.constexpr, NC: tl.constexpr):  # fmt: skip
+    """(query, static key qparams) of `_rope_setup` per chunk of NC, as tuples of NC."""
+    q_row, r_ok, q_scale, amp, fk, HKV = rope_q
+    CW: tl.constexpr = D // KP // 2 // NC
+    rq0, rk0 = _rope_setup(q_row, r_ok, q_scale, amp, fk, HKV, 0, CW, D, KP, OP, STATIC)
+    rq = (rq0, rq0)
+    rk = (rk0, rk0)
+    if NC == 2:
+        rq1, rk1 = _rope_setup(q_row, r_ok, q_scale, amp, fk, HKV, CW, CW, D, KP, OP, STATIC)
+        rq = (rq0, rq1)
+        rk = (rk0, rk1)
+    return rq, rk
+
+
+@triton.jit
 def _segment_loop(
     state, q_lo, q_hi, k_bias,
     k_ptr, v_ptr, k_t, v_t, vs_ptr, vo_ptr, vq_t, ks_ptr, ko_ptr, kq_t,
@@ -352,26 +601,37 @@ def _segment_loop(
     K_HAS_OFF: tl.constexpr, m_row, HAS_MASK: tl.constexpr, K_FP8: tl.constexpr,
     V_FP8: tl.constexpr, K_FACTOR: tl.constexpr, V_FACTOR: tl.constexpr,
     K_WORDS: tl.constexpr, V_WORDS: tl.constexpr,
+    ROPE: tl.constexpr = False, rope_q=None, pos_ptr=None, pos_t=0, tab=None,
+    tab_rows=0, D: tl.constexpr = 0, NC: tl.constexpr = 1,
 ):  # fmt: skip
     """Folds tiles [first, last) of one segment into the online-softmax state (m, l,
     acc_lo, acc_hi: the numerator's planes). FULL: a full-precision segment (keys
-    post-RoPE); otherwise packed codes with the key qparams already in q and k_bias."""
+    post-RoPE); otherwise packed codes with the key qparams already in q and k_bias.
+    ROPE: keys stored before RoPE, rotated at positions pos_ptr (`_rope_scores`)."""
     m_i, l_i, acc_lo, acc_hi = state
     LOG2E: tl.constexpr = 1.4426950408889634
+    if ROPE:
+        rq, rk = _rope_prepare(rope_q, not FULL and not K_ROWQ, D, KP, OP, NC)
     for tile in tl.range(first, last, num_stages=NUM_STAGES):
         t = tile * BLOCK_T + tl.arange(0, BLOCK_T)
         t_ok = t < rows_seg
-        if K_ROWQ and not FULL:
-            k_lo, k_hi = _value_planes(k_ptr, t, t_ok, k_t, ks_ptr, ko_ptr, kq_t, K_ZERO, KP,
-                                       K_NG, KW // K_NG, False, K_HAS_OFF, OP, ASM, K_FP8,
-                                       K_FACTOR, K_WORDS)  # fmt: skip
+        if ROPE:
+            scores = _rope_scores(rq, rk, k_ptr, k_t, ks_ptr, ko_ptr, kq_t, t, t_ok, tile,
+                                  pos_ptr, pos_t, tab, tab_rows, R, K_ZERO, BLOCK_T, FULL, KP,
+                                  D, OP, PRECISION, ASM, K_ROWQ, K_NG, K_HAS_OFF, K_FP8,
+                                  K_FACTOR, K_WORDS, NC)  # fmt: skip
         else:
-            k_lo, k_hi = _key_planes(k_ptr, t, t_ok, k_t, K_ZERO, KP, KW, FULL, ASM, K_FP8)
-        scores = tl.dot(q_lo, tl.trans(k_lo.to(OP)), input_precision=PRECISION)
-        if KP == 2:
-            scores += tl.dot(q_hi, tl.trans(k_hi.to(OP)), input_precision=PRECISION)
-        if not FULL and not K_ROWQ:
-            scores += k_bias[:, None]
+            if K_ROWQ and not FULL:
+                k_lo, k_hi = _value_planes(k_ptr, t, t_ok, k_t, ks_ptr, ko_ptr, kq_t, K_ZERO,
+                                           KP, K_NG, KW // K_NG, False, K_HAS_OFF, OP, ASM,
+                                           K_FP8, K_FACTOR, K_WORDS)  # fmt: skip
+            else:
+                k_lo, k_hi = _key_planes(k_ptr, t, t_ok, k_t, K_ZERO, KP, KW, FULL, ASM, K_FP8)
+            scores = tl.dot(q_lo, tl.trans(k_lo.to(OP)), input_precision=PRECISION)
+            if KP == 2:
+                scores += tl.dot(q_hi, tl.trans(k_hi.to(OP)), input_precision=PRECISION)
+            if not FULL and not K_ROWQ:
+                scores += k_bias[:, None]
         if HAS_SOFTCAP:  # softcap * tanh(s / softcap), tanh(x) = 2 sigmoid(2x) - 1, base 2
             scores = softcap * (2.0 * tl.sigmoid(2.0 * scores / softcap) - 1.0) * LOG2E
         allowed = r_ok[:, None] & t_ok[None, :]
@@ -410,6 +670,8 @@ def decode_splits_kernel(
     k2, v2, k2_b, k2_h, k2_t, v2_b, v2_h, v2_t, rows2,
     k_fold, v_scale, v_off, vq_b, vq_h, vq_t, k_off, kq_b, kq_h, kq_t,
     mask, m_b, m_q, HKV, total, splits, scaling, softcap,
+    pos0, pos1, pos2, pos0_b, pos0_t, pos1_b, pos1_t, pos2_b, pos2_t, rope_tab, rope_amp,
+    rope_rows,
     Q: tl.constexpr, G: tl.constexpr, R: tl.constexpr, D: tl.constexpr,
     BLOCK_T: tl.constexpr, KIND0: tl.constexpr, KIND1: tl.constexpr, KIND2: tl.constexpr,
     KP: tl.constexpr, VP: tl.constexpr, NG: tl.constexpr, V_HAS_OFF: tl.constexpr,
@@ -419,6 +681,8 @@ def decode_splits_kernel(
     K_NG: tl.constexpr = 1, K_HAS_OFF: tl.constexpr = False, HAS_MASK: tl.constexpr = False,
     K_FP8: tl.constexpr = 0, V_FP8: tl.constexpr = 0, K_FACTOR: tl.constexpr = 1.0,
     V_FACTOR: tl.constexpr = 1.0, K_WORDS: tl.constexpr = False, V_WORDS: tl.constexpr = False,
+    ROPE0: tl.constexpr = False,
+    ROPE1: tl.constexpr = False, ROPE2: tl.constexpr = False,
 ):  # fmt: skip
     """Segments 0, 1, 2 (KIND 0: absent, 1: full precision, 2: packed; one packed at
     most): key and value data with their batch, head and row strides (elements of the
@@ -431,7 +695,11 @@ def decode_splits_kernel(
     fp8 codes (the mantissa shift of `fp8.fp16_placement`; 0: integer codes), decoded to
     value / K_FACTOR (V_FACTOR): static key scales come with the factor in k_fold, per-row
     scales are multiplied by it as they are read. K_WORDS, V_WORDS: 4-bit codes with
-    per-row qparams read as 32-bit words (`_word_nibbles`)."""
+    per-row qparams read as 32-bit words (`_word_nibbles`). ROPE0, ROPE1, ROPE2: the
+    segment's keys are stored before RoPE, rotated at the positions pos0, pos1, pos2
+    [B, T] (strides posN_b, posN_t) by the unit table rope_tab [rope_rows, 2, D / 2] (cos,
+    sin; columns in plane order) times the amplitude rope_amp [D / 2]
+    (`planned_decode.rope_planes`)."""
     bh = tl.program_id(0)
     split = tl.program_id(1)
     b = (bh // HKV).to(tl.int64)  # batch offsets of a long cache pass 2^31 bytes
@@ -482,6 +750,14 @@ def decode_splits_kernel(
     if Q > 1:
         m_row = m_row + qi * m_q  # [R]: query row r's
 
+    # pre-RoPE segments: the query and static key qparams per half and plane, prepared per
+    # segment (`_rope_prepare`): held across the segments' loops, they took the registers
+    # of 8 warps more
+    # (in NC chunks of columns: a chunk's keys are decoded, rotated and dotted before the
+    # next one's, which keeps head_dim 256 within the registers of 8 resident warps)
+    NC: tl.constexpr = 2 if D // KP // 2 > 32 and not K_ROWQ else 1
+    rope_q = (q_row, r_ok, q_scale, rope_amp, fk, HKV)  # what `_rope_prepare` reads
+
     m_i = tl.full([R], float("-inf"), tl.float32)
     l_i = tl.zeros([R], tl.float32)
     acc_lo = tl.zeros([R, D // VP], tl.float32)
@@ -507,6 +783,7 @@ def decode_splits_kernel(
             Q, R, BLOCK_T, KIND0 == 1, KP, KW, VP, NG, GW, V_HAS_OFF, HAS_SOFTCAP, softcap,
             CAUSAL, OP, PRECISION, NUM_STAGES, rows0, ASM, K_ROWQ, K_NG, K_HAS_OFF,
             m_row, HAS_MASK, K_FP8, V_FP8, K_FACTOR, V_FACTOR, K_WORDS, V_WORDS,
+            ROPE0, rope_q, pos0 + b * pos0_b, pos0_t, rope_tab, rope_rows, D, NC,
         )  # fmt: skip
     if KIND1 != 0:
         kp = k1 + b * k1_b + h * k1_h
@@ -518,6 +795,7 @@ def decode_splits_kernel(
             K_ZERO, V_ZERO, Q, R, BLOCK_T, KIND1 == 1, KP, KW, VP, NG, GW, V_HAS_OFF,
             HAS_SOFTCAP, softcap, CAUSAL, OP, PRECISION, NUM_STAGES, rows1, ASM, K_ROWQ, K_NG,
             K_HAS_OFF, m_row, HAS_MASK, K_FP8, V_FP8, K_FACTOR, V_FACTOR, K_WORDS, V_WORDS,
+            ROPE1, rope_q, pos1 + b * pos1_b, pos1_t, rope_tab, rope_rows, D, NC,
         )  # fmt: skip
     if KIND2 != 0:
         kp = k2 + b * k2_b + h * k2_h
@@ -530,6 +808,7 @@ def decode_splits_kernel(
             V_HAS_OFF, HAS_SOFTCAP, softcap, CAUSAL, OP, PRECISION, NUM_STAGES, rows2, ASM,
             K_ROWQ, K_NG, K_HAS_OFF, m_row, HAS_MASK, K_FP8, V_FP8, K_FACTOR, V_FACTOR,
             K_WORDS, V_WORDS,
+            ROPE2, rope_q, pos2 + b * pos2_b, pos2_t, rope_tab, rope_rows, D, NC,
         )  # fmt: skip
     m_i, l_i, acc_lo, acc_hi = state
 

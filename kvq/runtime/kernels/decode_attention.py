@@ -309,7 +309,7 @@ def decode_attention_triton(
 
         half = _dot_mode(query.device) != "ieee"
         return planned_decode.run_planned(
-            query, segments, scaling=scaling, softcap=softcap, half=half, mask=mask
+            query, segments, scaling=scaling, softcap=softcap, half=half, mask=mask, rope=rope
         )
     b, hq, q_len, d = query.shape
     hkv = segments[0].key.data.shape[1]

@@ -5,8 +5,10 @@ It takes the layouts a decode step mostly sees — full-precision segments (sink
 the residual window) around at most one packed segment of 4- or 8-bit affine codes
 or fp8 codes (E4M3 / E5M2, decoded from their bits, `fp8.fp16_placement`) with static
 per-channel (or per-head) or per-row grouped key qparams and per-row grouped or
-per-head value qparams, post-RoPE keys, with or without a mask over the rows (sliding
-windows, padding: read in place, one byte per row and tile) — and
+per-head value qparams, keys stored after RoPE or before it (rotated in the tile loop at
+each row's position, `_decode_splits_triton._rope_scores`, from a unit table in plane
+order cached per RoPE table, `rope_planes`), with or without a mask over the rows
+(sliding windows, padding: read in place, one byte per row and tile) — and
 `decode_attention.decode_path` sends everything else to the general kernel. What the
 host does per call: checks, a cached plan
 (splits from the compiled kernel's occupancy, `launch_plan.plan_splits`), two
@@ -65,7 +67,11 @@ def kernel_config(head_dim: int, bits: int, key_rows: bool = False) -> KernelCon
     warps); at head_dim 256: 168 registers, 12 warps, 56 per row (32-row tiles: 16 warps
     but 66; 128-row tiles spill). 8-bit codes (values as words) at head_dim 128: 119
     registers, 16 warps, 37 per row; at head_dim 256, 32-row tiles: 137 registers, 12
-    warps, 75 per row (64-row tiles: 66 per row but 174 registers, 8 warps)."""
+    warps, 75 per row (64-row tiles: 66 per row but 174 registers, 8 warps). KV4 with
+    pre-RoPE keys, same configuration: 184 registers, 8 warps, 47 per row at head_dim 128
+    (32-row tiles: 136 registers, 12 warps, but 63 per row); 255 registers, 8 warps, 85
+    per row at head_dim 256 (the columns rotate in two chunks; 8 warps per program: 100
+    per row)."""
     if bits == 8 and head_dim >= 256:
         return KernelConfig(32, 4, 2)
     return KernelConfig(64, 4, 2)
@@ -91,8 +97,8 @@ def planned_unsupported(query: Tensor, segments, mask: Tensor | None) -> str | N
     if len(packed) > 1:
         return "more than one packed segment"
     for seg in segments:
-        if seg.key.pre_rope:
-            return "pre-RoPE keys use the general kernel"
+        if seg.key.pre_rope and (seg.positions is None or seg.positions.dim() != 2):
+            return "pre-RoPE keys need positions [B, T]"
         for p in (seg.key, seg.value):
             if p.data.shape[1] != hkv or p.data.stride(-1) != 1:
                 return "rows must be contiguous along the channels"
@@ -102,6 +108,9 @@ def planned_unsupported(query: Tensor, segments, mask: Tensor | None) -> str | N
         reason = _packed_unsupported(packed[0], d)
         if reason:
             return reason
+    planes = 2 if packed and packed[0].key.bits == 4 else 1
+    if any(s.key.pre_rope for s in segments) and d // planes // 2 < 16:
+        return "pre-RoPE keys: fewer than 16 channels per plane and half (a dot's K)"
     return None
 
 
@@ -221,8 +230,10 @@ class PlannedCall:
 
 
 def planned_call(query: Tensor, segments, *, scaling: float, softcap: float | None,
-                 half: bool, mask: Tensor | None = None) -> PlannedCall:  # fmt: skip
-    """The kernel arguments for this call (`planned_unsupported` returned None)."""
+                 half: bool, mask: Tensor | None = None,
+                 rope: tuple[Tensor, Tensor] | None = None) -> PlannedCall:  # fmt: skip
+    """The kernel arguments for this call (`planned_unsupported` returned None); `rope`:
+    the (cos, sin) tables [P, D/2] of pre-RoPE keys."""
     b, hq, q_len, d = query.shape
     hkv = segments[0].key.data.shape[1]
     group = hq // hkv
@@ -287,15 +298,66 @@ def planned_call(query: Tensor, segments, *, scaling: float, softcap: float | No
         HAS_MASK=mask is not None,
         NUM_STAGES=cfg.num_stages, ASM=ASM and not interpreting() and query.device.type == "cuda",
     )  # fmt: skip
+    args.update(_rope_args(segments, rope, kp, half, dummy))
     return PlannedCall(args, cfg, b * hkv, padded, (b, hq, q_len, d), group * q_len)
 
 
+def _rope_args(segments, rope, planes: int, half: bool, dummy: Tensor) -> dict:
+    """Positions per segment and the unit table of pre-RoPE keys (`rope_planes`); dummies
+    and ROPE* False where no segment holds any."""
+    args = {}
+    for i in range(MAX_SEGMENTS):
+        seg = segments[i] if i < len(segments) else None
+        pre = seg is not None and seg.rows > 0 and seg.key.pre_rope
+        pos = seg.positions if pre else dummy
+        args.update({f"pos{i}": pos, f"pos{i}_b": pos.stride(0) if pre else 0,
+                     f"pos{i}_t": pos.stride(1) if pre else 0, f"ROPE{i}": pre})  # fmt: skip
+    if any(args[f"ROPE{i}"] for i in range(MAX_SEGMENTS)):
+        tab, amp = rope_planes(rope, planes, torch.float16 if half else torch.float32)
+        args.update(rope_tab=tab, rope_amp=amp, rope_rows=tab.shape[0])
+    else:
+        args.update(rope_tab=dummy, rope_amp=dummy, rope_rows=0)
+    return args
+
+
+def rope_planes(
+    rope: tuple[Tensor, Tensor], planes: int, dtype: torch.dtype
+) -> tuple[Tensor, Tensor]:
+    """(unit table [P, 2, D/2] of `dtype`: cos, then sin, per position; amplitude [D/2]
+    float32) of RoPE tables whose rows are a_f (cos, sin)(p theta_f): the columns in the
+    kernel's plane order (4-bit planes: the even channels' frequencies 0, 2, 4, ..., then
+    the odd ones'), each divided by its amplitude a_f (|row 0|; rope scaling such as YaRN's
+    attention factor), so that R(p0 + i) = R(p0) R(i) holds for the unit rotations and
+    a_f goes onto the query once. Cached per table: a layer reuses its tables across
+    decode steps."""
+    cached = memoised(_ROPE_PLANES, rope[0], dict)  # (planes, dtype) -> tables
+
+    def build():
+        cos, sin = (t.float() for t in rope)
+        n = cos.shape[-1]
+        order = torch.arange(n, device=cos.device).view(n // planes, planes).t().reshape(-1)
+        cos, sin = cos[:, order], sin[:, order]
+        amp = torch.hypot(cos[0], sin[0])  # [D/2]
+        tab = torch.stack([cos / amp, sin / amp], dim=1).to(dtype).contiguous()
+        return tab, amp.contiguous()
+
+    key = (planes, dtype)
+    if key not in cached:
+        cached[key] = build()
+    return cached[key]
+
+
+_ROPE_PLANES: Memo = {}
+
+
 def run_planned(query: Tensor, segments, *, scaling: float, softcap: float | None,
-                half: bool, mask: Tensor | None = None) -> Tensor:  # fmt: skip
+                half: bool, mask: Tensor | None = None,
+                rope: tuple[Tensor, Tensor] | None = None) -> Tensor:  # fmt: skip
     """[B, H_q, Q, D] float32: one decode launch (and one reduction when it splits)."""
     from kvq.runtime.kernels import _decode_splits_triton as kern
 
-    call = planned_call(query, segments, scaling=scaling, softcap=softcap, half=half, mask=mask)
+    call = planned_call(query, segments, scaling=scaling, softcap=softcap, half=half, mask=mask,
+                        rope=rope)  # fmt: skip
     launcher = _launcher(query.device)
     plan = launcher.plan(call)
     out = torch.empty(call.out_shape, device=query.device)

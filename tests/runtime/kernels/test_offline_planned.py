@@ -25,12 +25,15 @@ from kvq.runtime.kernels.decode_attention import Segment
 from kvq.runtime.kernels.launch_plan import plan_splits
 from kvq.runtime.kernels.offline import KernelResources, main_loop
 from kvq.runtime.packed import PackedRows
+from tests.runtime.kernels.test_decode_attention import _rope
 from tests.runtime.kernels.test_offline import _int4_segment
 
 CASES = {  # name -> (batch, KV heads, head_dim, query heads)
     "kv4-llama": (16, 8, 128, 32),
     "kv4-gemma": (16, 1, 256, 4),
     "fp8-llama": (16, 8, 128, 32),
+    "kv4-pre-llama": (16, 8, 128, 32),  # keys stored before RoPE (channel-scales layout)
+    "kv4-pre-gemma": (16, 1, 256, 4),
 }
 
 
@@ -53,11 +56,13 @@ def _compile(case: str) -> dict:
         seg = _fp8_segment(b, hkv, 256, d)
         row_bytes = 2 * d  # K and V codes
     else:
-        seg = _int4_segment(b, hkv, 256, d, pre_rope=False)
+        seg = _int4_segment(b, hkv, 256, d, pre_rope="-pre-" in case)
         # raw bytes per cached row of one KV head: K and V codes, V group scale and offset
         row_bytes = d + 2 * 2 * (d // 32)
     query = torch.randn(b, hq, 1, d)
-    call = planned_decode.planned_call(query, [seg], scaling=d**-0.5, softcap=None, half=True)
+    rope = _rope(d, 256) if seg.key.pre_rope else None
+    call = planned_decode.planned_call(query, [seg], scaling=d**-0.5, softcap=None, half=True,
+                                       rope=rope)  # fmt: skip
     fn = kern.decode_splits_kernel
     args = {**call.args, "part": torch.empty(1), "out": torch.empty(1), "splits": 8}
     args["ASM"] = planned_decode.ASM  # as compiled for CUDA
@@ -138,6 +143,19 @@ def test_gemma_kv4_loop_per_row(compiled):
     res, r = compiled["kv4-gemma"]
     assert _per_row(res, r) <= 58, (_per_row(res, r), res.loop.most_common(12))
     assert res.warps_per_sm >= 12, res.as_dict()
+
+
+def test_pre_rope_kv4_loops_per_row(compiled):
+    """Keys stored before RoPE rotate in the loop (angle addition: a unit-table tile and the
+    query rotated once per tile) and dequantize there (their static scales no longer fold
+    into the query): Llama-like 47 per row (the general kernel: 124), Gemma 3 85 (231),
+    at 8 warps per SM (184 and 255 registers)."""
+    res, r = compiled["kv4-pre-llama"]
+    assert _per_row(res, r) <= 55, (_per_row(res, r), res.loop.most_common(12))
+    assert res.warps_per_sm >= 8, res.as_dict()
+    res, r = compiled["kv4-pre-gemma"]
+    assert _per_row(res, r) <= 95, (_per_row(res, r), res.loop.most_common(12))
+    assert res.warps_per_sm >= 8, res.as_dict()
 
 
 def test_plan_at_the_compiled_occupancy_fills_the_waves(compiled):

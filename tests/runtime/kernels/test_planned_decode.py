@@ -6,6 +6,7 @@ allocations) under a torch dispatch counter."""
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import replace
 
 import pytest
 import torch
@@ -30,6 +31,7 @@ from tests.runtime.kernels.test_decode_attention import (
     _check,
     _codec_segment,
     _data,
+    _rope,
     _to,
 )
 
@@ -205,6 +207,117 @@ def test_other_layouts_keep_the_general_kernel(kind, planned_calls):
     assert not planned_calls
 
 
+def _positions(b, total, start=0, pad=()):
+    """[B, total] RoPE positions: start, start + 1, ... per sequence; sequence i of `pad`
+    left-padded by pad[i] rows, which sit at position 1 and the rest shifted back (what
+    transformers' generate gives a left-padded batch)."""
+    pos = torch.arange(start, start + total).repeat(b, 1)
+    for i, n in enumerate(pad):
+        pos[i] -= n
+        pos[i, :n] = 1
+    return pos
+
+
+def _pre_rope(segs, positions):
+    """The same segments with keys stored before RoPE at `positions` [B, total] (columns in
+    segment order), as a pre-RoPE layer hands them over: sink, main and residual rows."""
+    out, col = [], 0
+    for seg in segs:
+        key = replace(seg.key, pre_rope=True)
+        out.append(Segment(key, seg.value, positions[:, col : col + seg.rows]))
+        col += seg.rows
+    return out
+
+
+@pytest.mark.parametrize("kind", ["int4-channel", "int8-channel-sym"])
+@pytest.mark.parametrize("d, hq, hkv", [(64, 8, 2), (256, 4, 1)])
+def test_pre_rope_keys_rotate_at_their_positions(kind, d, hq, hkv, planned_calls):
+    """Pre-RoPE sink, main (static key qparams) and residual rows in one planned launch: a
+    left-padded sequence's rows off one run of positions (the tile at the pad), the other's
+    at positions that start mid-tile; splits across tiles and segments; GQA or MQA (head_dim
+    256: the columns rotate in two chunks)."""
+    b, rows = 2, 150
+    segs = _layer_segments(kind, b, hkv, d, rows=rows, seed=21)
+    total = sum(s.rows for s in segs)
+    segs = _pre_rope(segs, _positions(b, total, start=37, pad=(0, 9)))
+    mask = _window_mask(b, 1, total, window=total, pad=9)
+    _check(torch.randn(b, hq, 1, d) * 2, segs, rope=_rope(d), mask=mask)
+    assert len(planned_calls) == 1
+
+
+def test_pre_rope_keys_with_speculative_query_rows(planned_calls):
+    """Q = 3 causal query rows per head (speculative verify), GQA: the rotated query of each
+    tile serves every row."""
+    segs = _layer_segments("int4-channel", 2, 2, 64, rows=90, seed=22)
+    total = sum(s.rows for s in segs)
+    segs = _pre_rope(segs, _positions(2, total, start=5))
+    _check(torch.randn(2, 4, 3, 64), segs, rope=_rope(64))
+    assert len(planned_calls) == 1
+
+
+@pytest.mark.parametrize("fmt", ["kv4-token", "kv4-token-one-group", "kv8-token", "fp8",
+                                 "fp8-token"])  # fmt: skip
+def test_pre_rope_keys_with_per_row_and_fp8_qparams(fmt, planned_calls):
+    """Per-token key groups (each half of a row its own groups, or one group per row) and
+    fp8 codes (a scale per head or per token) decode before they rotate."""
+    b, d = 2, 64
+    k, v = _data(b, 2, 100, d, seed=23)
+    if fmt.startswith("fp8"):
+        k = k * 40.0
+        lifetime = "dynamic" if fmt.endswith("token") else "static"
+        main = _fp8_segment("e4m3", lifetime, k[:, :, 2:], v[:, :, 2:])
+    else:
+        bits, group = {"kv4-token": (4, 32), "kv4-token-one-group": (4, 64),
+                       "kv8-token": (8, None)}[fmt]  # fmt: skip
+        main = _per_token_segment(bits, group, k[:, :, 2:], v[:, :, 2:])
+    sink = Segment(_full(k[:, :, :2]), _full(v[:, :, :2]))
+    segs = _pre_rope([sink, main], _positions(b, 100, start=3, pad=(0, 4)))
+    mask = _window_mask(b, 1, 100, window=100, pad=4)
+    q = torch.randn(b, 4, 1, d) * (0.05 if fmt.startswith("fp8") else 1.0)
+    _check(q, segs, rope=_rope(d), mask=mask)
+    assert len(planned_calls) == 1
+
+
+def _exact_rope(d, positions=4096, theta=10000.0):
+    """cos, sin tables [P, D/2] float32 whose angles are exact (float64 before rounding):
+    `_rope`'s fp32 angles p x theta_f carry an error up to |p theta_f| 2^-24, which angle
+    addition does not reproduce (2000 x 6e-8 = 1.2e-4 rad at position 2000)."""
+    inv = 1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
+    ang = torch.arange(positions, dtype=torch.float64)[:, None] * inv[None, :]
+    return ang.cos().float(), ang.sin().float()
+
+
+def test_pre_rope_positions_off_a_run_and_scaled_tables(planned_calls):
+    """Rows at arbitrary positions (repeats, gaps, descending: every tile reads its rows'
+    own table rows) and tables that carry an attention factor (YaRN-style cos and sin
+    scaled by 1.3 per frequency pair: the amplitude goes onto the query) match the
+    reference; so does a run of positions far from 0 under the same scaled tables (angles
+    exact, see `_exact_rope`)."""
+    b, d = 2, 64
+    segs = _layer_segments("int4-channel", b, 2, d, rows=120, seed=24)
+    total = sum(s.rows for s in segs)
+    cos, sin = _exact_rope(d)
+    rope = (cos * 1.3, sin * 1.3)
+    scattered = torch.randint(0, 3000, (b, total), generator=torch.Generator().manual_seed(5))
+    scattered[:, 40:60] = 17  # one position repeated over a tile boundary
+    _check(torch.randn(b, 4, 1, d), _pre_rope(segs, scattered), rope=rope)
+    _check(torch.randn(b, 4, 1, d), _pre_rope(segs, _positions(b, total, start=2000)), rope=rope)
+    assert len(planned_calls) == 2
+
+
+def test_pre_rope_tables_are_built_once_per_table():
+    """The unit tables in plane order are cached per RoPE table object (a layer's tables
+    live across decode steps), per plane count and dtype."""
+    cos, sin = _rope(64, positions=300)
+    a = planned_decode.rope_planes((cos, sin), 2, torch.float16)
+    assert planned_decode.rope_planes((cos, sin), 2, torch.float16) is a
+    tab, amp = planned_decode.rope_planes((cos * 2, sin * 2), 2, torch.float32)
+    assert tab.shape == (300, 2, 32) and torch.allclose(amp, torch.full((32,), 2.0))
+    # plane order: the even channels' frequencies 0, 2, ..., then the odd ones'
+    torch.testing.assert_close(tab[:, 0, 16], cos[:, 1])
+    torch.testing.assert_close(tab[:, 1, 1], sin[:, 2])
+
+
 def _route_segments(fmt, d=64):
     """A layer's segments (sink, main, residual) with main rows in format `fmt`."""
     k, v = _data(2, 2, 80, d, seed=13)
@@ -219,15 +332,15 @@ def _route_segments(fmt, d=64):
         kind = {"kv4": "int4-channel", "kv4-pre": "int4-channel", "kv8": "int8-channel-sym"}.get(
             fmt, fmt
         )
-        main = Segment(
-            *_codec_segment(kind, k[:, :, 2:-5], v[:, :, 2:-5], pre_rope=fmt == "kv4-pre")
-        )
+        pre = fmt == "kv4-pre"
+        kp, vp = _codec_segment(kind, k[:, :, 2:-5], v[:, :, 2:-5], pre_rope=pre)
+        main = Segment(kp, vp, torch.arange(2, 75).expand(2, 73) if pre else None)
     sink = Segment(_full(k[:, :, :2]), _full(v[:, :, :2]))
     residual = Segment(_full(k[:, :, -5:]), _full(v[:, :, -5:]))
     return [sink, main, residual]
 
 
-PLANNED_FORMATS = ("kv4", "kv4-token", "kv8", "kv8-token", "fp8", "fp8-token")
+PLANNED_FORMATS = ("kv4", "kv4-pre", "kv4-token", "kv8", "kv8-token", "fp8", "fp8-token")
 GENERAL_FORMATS = ("nuq4", "int2-int3", "int4-g16")
 
 
@@ -259,13 +372,22 @@ def test_the_planned_kernel_can_be_switched_off(monkeypatch):
     assert path == attention.DecodePath("general", "KVQ_DECODE_PLANNED=0")
 
 
-def test_pre_rope_keys_and_prefill_blocks_are_not_planned():
-    """Pre-RoPE keys rotate in the general kernel; a query block of more than 64 rows per
-    KV head runs on the reference with the auto backend and is refused by an explicit
-    "triton"."""
+def test_narrow_pre_rope_keys_keep_the_general_kernel():
+    """4-bit pre-RoPE keys of head_dim 32 hold 8 channels per plane and half: fewer than a
+    dot's K of 16, so they rotate in the general kernel; 8-bit ones (16) are planned."""
+    k, v = _data(2, 1, 40, 32, seed=8)
+    q = torch.randn(2, 4, 1, 32)
+    pos = torch.arange(40).expand(2, 40)
+    for kind, planned in (("int4-channel", False), ("int8-channel-sym", True)):
+        seg = Segment(*_codec_segment(kind, k, v, pre_rope=True), pos)
+        path = decode_path(q, [seg], device="cuda", backend="triton")
+        assert (path.kernel == "planned") == planned, path
+
+
+def test_prefill_blocks_are_not_planned():
+    """A query block of more than 64 rows per KV head runs on the reference with the auto
+    backend and is refused by an explicit "triton"."""
     segs = _route_segments("kv4-pre")
-    q = torch.randn(2, 4, 1, 64)
-    assert decode_path(q, segs, device="cuda", backend="auto").reason.startswith("pre-RoPE")
     long_q = torch.randn(2, 4, 40, 64)  # 2 x 40 query rows per KV head
     assert decode_path(long_q, segs, device="cuda", backend="auto").kernel == "reference"
     with pytest.raises(KvqError, match="query rows"):
@@ -308,19 +430,26 @@ class _Ops(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-@pytest.mark.parametrize("masked", [False, True])
-def test_one_call_costs_two_launches_no_sync_and_three_allocations(monkeypatch, masked):
+@pytest.mark.parametrize("masked, pre_rope", [(False, False), (True, False), (True, True)])
+def test_one_call_costs_two_launches_no_sync_and_three_allocations(monkeypatch, masked,
+                                                                   pre_rope):  # fmt: skip
     """A layer's decode call (sink, packed main rows, residual) at batch 4 through the
     runtime's dispatch (`decode_attention`, which picks the path), plain or with a sliding
-    window mask: the host launches the decode kernel and the reduction and nothing else,
-    allocates the partial states and the output, and never waits on the device. The kernels
-    themselves are stubbed during the count (the interpreter copies arguments with torch
-    ops of its own, which a CUDA launch does not)."""
-    segs = _to(_layer_segments("int4-channel", 4, 2, 64, rows=300, seed=9), DEVICE)
-    q = torch.randn(4, 8, 1, 64, device=DEVICE)
+    window mask, keys post- or pre-RoPE: the host launches the decode kernel and the
+    reduction and nothing else, allocates the partial states and the output, and never
+    waits on the device (pre-RoPE: the tables in plane order are built by the first call
+    and reused, and no position is read on the host). The kernels themselves are stubbed
+    during the count (the interpreter copies arguments with torch ops of its own, which a
+    CUDA launch does not)."""
+    segs = _layer_segments("int4-channel", 4, 2, 64, rows=300, seed=9)
     total = sum(s.rows for s in segs)
+    rope = None
+    if pre_rope:
+        segs, rope = _pre_rope(segs, _positions(4, total, pad=(3,))), _to(_rope(64), DEVICE)
+    segs = _to(segs, DEVICE)
+    q = torch.randn(4, 8, 1, 64, device=DEVICE)
     mask = _window_mask(4, 1, total, window=200).to(DEVICE) if masked else None
-    call = dict(scaling=0.125, mask=mask, backend="triton")
+    call = dict(scaling=0.125, mask=mask, backend="triton", rope=rope)
     decode_attention(q, segs, **call)  # warm: compile, fold the key qparams
     names = []
     monkeypatch.setattr(
@@ -358,26 +487,39 @@ def test_a_decode_call_captures_in_a_cuda_graph():
 
 
 @torch.no_grad()
-def test_generate_through_the_planned_path_matches_the_reference(monkeypatch, planned_calls):
+@pytest.mark.parametrize("key_stage", ["post-rope", "pre-rope"])
+def test_generate_through_the_planned_path_matches_the_reference(monkeypatch, planned_calls,
+                                                                 key_stage):  # fmt: skip
     """Public path: greedy generate of a tiny Gemma 3 (head_dim 32, MQA; window 8, so the
     sliding-window layers' calls carry masks) with the int4 policy on the Triton backend
     gives the reference backend's tokens, and every attention call, prefill and decode,
-    sliding-window layers included, takes the planned path."""
+    sliding-window layers included, takes the planned path; with keys stored before RoPE
+    (and a sink row; head_dim 64) too, a left-padded sequence in the batch."""
     from kvq.models.adapters import get_adapter
-    from kvq.quant.schemes import named_policy
+    from kvq.quant.schemes import CachePolicy, LayerPolicy, named_policy
     from kvq.runtime.cache import build_cache
     from tests.conftest import make_tiny_model
 
-    model = make_tiny_model("gemma3").to(DEVICE)
+    # head_dim 64 for pre-RoPE keys: 32 channels of 4-bit codes are 8 per plane and half,
+    # fewer than a dot takes (those calls run on the general kernel)
+    model = make_tiny_model("gemma3", **({"head_dim": 64} if key_stage == "pre-rope" else {}))
+    model = model.to(DEVICE)
     ad = get_adapter(model)
     ids = torch.randint(3, 200, (2, 12), generator=torch.Generator().manual_seed(0)).to(DEVICE)
+    policy = named_policy("int4", ad.info.num_layers, ad.info.head_dim)
+    extra = {}
+    if key_stage == "pre-rope":
+        layer = LayerPolicy(**{**policy.layers[0].__dict__, "key_stage": key_stage,
+                               "sink_tokens": 1})  # fmt: skip
+        policy = CachePolicy("int4-pre", (layer,) * ad.info.num_layers)
+        ids[1, :3] = 0  # left padding: that sequence's positions start 3 rows later
+        extra["attention_mask"] = (ids != 0).long()
 
     def generate(backend):
         monkeypatch.setenv("KVQ_BACKEND", backend)
-        cache = build_cache(model, named_policy("int4", ad.info.num_layers, ad.info.head_dim),
-                            {}, ad)  # fmt: skip
+        cache = build_cache(model, policy, {}, ad)
         return model.generate(ids, cache=cache, max_new_tokens=5, do_sample=False,
-                              pad_token_id=0)  # fmt: skip
+                              pad_token_id=0, **extra)  # fmt: skip
 
     paths = []
     route = attention.triton_path
