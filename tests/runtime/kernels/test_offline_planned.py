@@ -61,9 +61,8 @@ def _compile(case: str) -> dict:
     fn = kern.decode_splits_kernel
     args = {**call.args, "part": torch.empty(1), "out": torch.empty(1), "splits": 8}
     args["ASM"] = planned_decode.ASM  # as compiled for CUDA
-    consts = {p.name: args.pop(p.name) for p in fn.params if p.is_constexpr}
-    positional = tuple(args[p.name] for p in fn.params if not p.is_constexpr)
-    res = compile_offline(fn, positional, consts, options=call.config.options())
+    # every parameter by name: runtime ones follow constexprs in the signature
+    res = compile_offline(fn, (), args, options=call.config.options())
     return {
         **res.as_dict(),
         "sass": dict(res.sass),
