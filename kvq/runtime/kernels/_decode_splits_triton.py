@@ -415,7 +415,8 @@ def _word_levels(words, tab, lut, LUT: tl.constexpr):
 
 
 @triton.jit
-def _key_exceptions(scores, rows, row_ok, k_ptr, k_t, nuq, r_ok):
+def _key_exceptions(scores, rows, row_ok, k_ptr, k_t, nuq, OP: tl.constexpr,
+                    PRECISION: tl.constexpr):  # fmt: skip
     """Scores [R, BT] plus the flat key exceptions of the tile's rows (KVQuant's ~1% exact
     keys): entry e of row t replaces channel idx, so its score moves by q[idx] x (exact -
     decoded), decoded = level[code] x scale[idx] + offset[idx] as the dense dot saw it
@@ -426,7 +427,8 @@ def _key_exceptions(scores, rows, row_ok, k_ptr, k_t, nuq, r_ok):
     fk, fkb, q_row, q_scale = nuq[7], nuq[8], nuq[9], nuq[10]
     cnt = tl.load(cnt_ptr + rows * cnt_t, mask=row_ok, other=0).to(tl.int32)  # [BT]
     first = tl.load(first_ptr + rows * first_t, mask=row_ok, other=0)  # [BT]
-    corr = tl.zeros(scores.shape, tl.float32)
+    RQ: tl.constexpr = q_row.shape[0]
+    corr = tl.zeros([RQ, scores.shape[1]], tl.float32)
     for e in range(0, tl.max(cnt, axis=0)):
         has = e < cnt
         idx = tl.load(e_idx + first + e, mask=has, other=0).to(tl.int32)
@@ -436,9 +438,24 @@ def _key_exceptions(scores, rows, row_ok, k_ptr, k_t, nuq, r_ok):
         s = tl.load(fk + idx, mask=has, other=0.0)
         o = tl.load(fkb + idx, mask=has, other=0.0)
         delta = tl.where(has, exact - (level * s + o), 0.0)  # [BT]
-        qv = tl.load(q_row[:, None] + idx[None, :], mask=r_ok[:, None] & has[None, :], other=0.0)
+        qv = tl.load(q_row[:, None] + idx[None, :], mask=has[None, :], other=0.0)
         corr += qv.to(tl.float32) * delta[None, :]
-    return scores + corr * q_scale
+    # added through the tensor cores (identity x corrections): the scores keep the dot's
+    # register layout, where an elementwise add would move the softmax to the loads' one
+    R: tl.constexpr = scores.shape[0]
+    eye = (tl.arange(0, R)[:, None] == tl.arange(0, R)[None, :]).to(OP)
+    corr = _pad_rows(corr * q_scale, R).to(OP)
+    return tl.dot(eye, corr, acc=scores, input_precision=PRECISION)
+
+
+@triton.jit
+def _pad_rows(x, R: tl.constexpr):
+    """[RQ, N] -> [R, N], rows RQ ... R - 1 zero (R / RQ a power of two)."""
+    for _ in tl.static_range(6):  # up to 64 rows
+        if x.shape[0] < R:
+            x = tl.reshape(tl.permute(tl.join(x, tl.zeros_like(x)), (2, 0, 1)),
+                           (2 * x.shape[0], x.shape[1]))  # fmt: skip
+    return x
 
 
 @triton.jit
@@ -578,7 +595,7 @@ def _segment_loop(
         if not FULL and not K_ROWQ:
             scores += k_bias[:, None]
         if K_FLAT and not FULL:  # NUQ keys' exact exceptions
-            scores = _key_exceptions(scores, t, t_ok, k_ptr, k_t, nuq, r_ok)
+            scores = _key_exceptions(scores, t, t_ok, k_ptr, k_t, nuq, OP, PRECISION)
         if HAS_SOFTCAP:  # softcap * tanh(s / softcap), tanh(x) = 2 sigmoid(2x) - 1, base 2
             scores = softcap * (2.0 * tl.sigmoid(2.0 * scores / softcap) - 1.0) * LOG2E
         allowed = r_ok[:, None] & t_ok[None, :]
@@ -631,7 +648,7 @@ def decode_splits_kernel(
     K_LUT: tl.constexpr = 0, V_LUT: tl.constexpr = 0, K_FLAT: tl.constexpr = False,
     V_SLOTS: tl.constexpr = 0, k_tab=None, v_tab=None, k_cnt=None, kc_b=0, kc_h=0, kc_t=0,
     k_first=None, kf_b=0, kf_h=0, kf_t=0, k_eidx=None, k_eval=None, v_sidx=None, v_sval=None,
-    vs_b=0, vs_h=0, vs_t=0,
+    vs_b=0, vs_h=0, vs_t=0, RQ: tl.constexpr = 16,
 ):  # fmt: skip
     """Segments 0, 1, 2 (KIND 0: absent, 1: full precision, 2: packed; one packed at
     most): key and value data with their batch, head and row strides (elements of the
@@ -715,12 +732,16 @@ def decode_splits_kernel(
     hi = (split + 1) * n // splits
     vs_ptr = v_scale + b * vq_b + h * vq_h
     vo_ptr = v_off + b * vq_b + h * vq_h
+    # the real query rows (G x Q, padded to RQ) for the key exceptions' query gathers
+    rq = tl.arange(0, RQ)
+    q_real = q + b * sq_b + (h * G + rq // Q) * sq_h + (rq % Q) * sq_q
+    q_real = tl.where(rq < G * Q, q_real, q)  # padding rows read row 0 (and are dropped)
     # the packed segment's NUQ tables and exceptions (`_key_exceptions`, `_value_slots`);
     # levels by PRMT where the dots take fp16 (compiled), else by gathers (`_lut_planes`)
     K_MODE: tl.constexpr = K_LUT + K_LUT * ASM * HALF
     V_MODE: tl.constexpr = V_LUT + V_LUT * ASM * HALF
     nuq = (k_tab, k_cnt + b * kc_b + h * kc_h, kc_t, k_first + b * kf_b + h * kf_h, kf_t,
-           k_eidx, k_eval, fk, fk + HKV * D, q_row, q_scale, v_sidx + b * vs_b + h * vs_h,
+           k_eidx, k_eval, fk, fk + HKV * D, q_real, q_scale, v_sidx + b * vs_b + h * vs_h,
            v_sval + b * vs_b + h * vs_h, vs_t, v_tab, _lut_words(k_tab, K_MODE),
            _lut_words(v_tab, V_MODE))  # fmt: skip
     if KIND0 != 0:

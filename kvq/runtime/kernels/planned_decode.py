@@ -344,7 +344,7 @@ def planned_call(query: Tensor, segments, *, scaling: float, softcap: float | No
         HAS_MASK=mask is not None,
         NUM_STAGES=cfg.num_stages, ASM=ASM and not interpreting() and query.device.type == "cuda",
     )  # fmt: skip
-    args.update(_nuq_args(packed, dummy))
+    args.update(_nuq_args(packed, dummy), RQ=next_pow2(group * q_len))
     return PlannedCall(args, cfg, b * hkv, padded, (b, hq, q_len, d), group * q_len)
 
 
