@@ -343,6 +343,92 @@ ld.global.nc.b32 $0, [a];
 }""")
 
 
+def _slot_lut_asm(slots: int) -> str:
+    """`_WORD_LUT_ASM` with `slots` exact values patched in before the planes are formed:
+    $17, $18 4 x the first channel of the word's half-words, then per slot 4 x its channel
+    and the fp16 value's low and high byte, each repeated 4 times. A slot at channel c of
+    a half-word (k = c - first, 0 ... 3) turns selector nibble k of it into k + 4, which a
+    PRMT reads from the value's bytes instead of the level's; shifts of 32 or more (other
+    words, unused slots) leave the selector 0x3210. 10 instructions per slot and word."""
+    base = _WORD_LUT_ASM.value
+    head, tail = base.split("prmt.b32 a, lo, hi, 0x6240;")
+    mid, end = tail.split("prmt.b32 b, lo, hi, 0x6240;")
+
+    def patch(half: int) -> str:
+        lines = []
+        for s in range(slots):
+            i, el, eh = 19 + 3 * s, 20 + 3 * s, 21 + 3 * s
+            lines += [f"sub.u32 k, ${i}, ${17 + half};", "shl.b32 m, four, k;", "or.b32 m, m, 0x3210;",
+                      f"prmt.b32 lo, lo, ${el}, m;", f"prmt.b32 hi, hi, ${eh}, m;"]  # fmt: skip
+        return "\n".join(lines) + "\n"
+
+    head = head.replace(".reg .b32 s,", ".reg .b32 k, m, four, s,")
+    head = head.replace("d;\n", "d;\nmov.b32 four, 4;\n", 1)
+    return (head + patch(0) + "prmt.b32 a, lo, hi, 0x6240;" + mid + patch(1)
+            + "prmt.b32 b, lo, hi, 0x6240;" + end)  # fmt: skip
+
+
+# per number of value slots handled inside the lookup (`_word_levels_slots`)
+_SLOT_LUT_ASM1 = tl.constexpr(_slot_lut_asm(1))
+_SLOT_LUT_ASM2 = tl.constexpr(_slot_lut_asm(2))
+_SLOT_LUT_ASM3 = tl.constexpr(_slot_lut_asm(3))
+_SLOT_LUT_ASM4 = tl.constexpr(_slot_lut_asm(4))
+MAX_PATCHED_SLOTS = 4
+
+
+@triton.jit
+def _slot_operands(rows, row_ok, nuq, vs_ptr, vo_ptr, vq_t, s: tl.constexpr):
+    """Slot s of the tile's rows as `_slot_lut_asm` takes it: 4 x its channel (2^20 for rows
+    past the segment: no word's) and its value normalised by the row's scale and centre
+    (the levels are patched before they are scaled), as fp16 low and high bytes x 4."""
+    si_ptr, sv_ptr, s_t = nuq[11], nuq[12], nuq[13]
+    idx = tl.load(si_ptr + rows * s_t + s, mask=row_ok, other=0).to(tl.int32)
+    idx = tl.where(row_ok, idx * 4, 1 << 20)
+    exact = tl.load(sv_ptr + rows * s_t + s, mask=row_ok, other=0.0).to(tl.float32)
+    scale = tl.load(vs_ptr + rows * vq_t, mask=row_ok, other=1.0).to(tl.float32)
+    center = tl.load(vo_ptr + rows * vq_t, mask=row_ok, other=0.0).to(tl.float32)
+    bits = ((exact - center) / scale).to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32)
+    return idx[:, None], ((bits & 0xFF) * 0x01010101)[:, None], (
+        ((bits >> 8) & 0xFF) * 0x01010101)[:, None]  # fmt: skip
+
+
+@triton.jit
+def _word_levels_slots(words, lut, rows, row_ok, nuq, vs_ptr, vo_ptr, vq_t,
+                       SLOTS: tl.constexpr):  # fmt: skip
+    """`_word_levels` (PRMT) with the rows' SLOTS (1 ... 4) value exceptions in place, as
+    normalised levels (`_slot_lut_asm`)."""
+    BT: tl.constexpr = words.shape[0]
+    W: tl.constexpr = words.shape[1]
+    first = (tl.arange(0, W) * 32)[None, :]  # 4 x the first channel of each word
+    i0, l0_, h0_ = _slot_operands(rows, row_ok, nuq, vs_ptr, vo_ptr, vq_t, 0)
+    args = [words, lut[0], lut[1], lut[2], lut[3], lut[4], lut[5], lut[6], lut[7], first,
+            first + 16, i0, l0_, h0_]  # fmt: skip
+    if SLOTS >= 2:
+        i1, l1_, h1_ = _slot_operands(rows, row_ok, nuq, vs_ptr, vo_ptr, vq_t, 1)
+        args = args + [i1, l1_, h1_]
+    if SLOTS >= 3:
+        i2, l2_, h2_ = _slot_operands(rows, row_ok, nuq, vs_ptr, vo_ptr, vq_t, 2)
+        args = args + [i2, l2_, h2_]
+    if SLOTS >= 4:
+        i3, l3_, h3_ = _slot_operands(rows, row_ok, nuq, vs_ptr, vo_ptr, vq_t, 3)
+        args = args + [i3, l3_, h3_]
+    cons: tl.constexpr = "=h,=h,=h,=h,=h,=h,=h,=h," + ",".join(["r"] * (11 + 3 * SLOTS))
+    if SLOTS == 1:
+        asm: tl.constexpr = _SLOT_LUT_ASM1
+    elif SLOTS == 2:
+        asm: tl.constexpr = _SLOT_LUT_ASM2
+    elif SLOTS == 3:
+        asm: tl.constexpr = _SLOT_LUT_ASM3
+    else:
+        asm: tl.constexpr = _SLOT_LUT_ASM4
+    l0, l1, l2, l3, h0, h1, h2, h3 = tl.inline_asm_elementwise(
+        asm, cons, args, dtype=(tl.float16,) * 8, is_pure=True, pack=1
+    )
+    lo = tl.reshape(tl.join(tl.join(l0, l2), tl.join(l1, l3)), (BT, 4 * W))
+    hi = tl.reshape(tl.join(tl.join(h0, h2), tl.join(h1, h3)), (BT, 4 * W))
+    return lo, hi
+
+
 @triton.jit
 def _lut_words(tab, LUT: tl.constexpr):
     """The PRMT table (`_LUT_ASM`) of a 4-bit codebook, read once per program (LUT 2);
@@ -503,7 +589,7 @@ def _value_planes(ptr, rows, row_ok, stride_t, vs_ptr, vo_ptr, vq_t, ZERO: tl.co
                   V_HAS_OFF: tl.constexpr, OP: tl.constexpr, ASM: tl.constexpr,
                   FP8: tl.constexpr, FACTOR: tl.constexpr,
                   WORDS: tl.constexpr = False, LUT: tl.constexpr = 0, tab=None,
-                  lut=None):  # fmt: skip
+                  lut=None, PATCH: tl.constexpr = 0, nuq=None):  # fmt: skip
     """A value tile in plane order, [BT, D / VP] per plane in the dots' dtype OP: plane k,
     column c is channel c * VP + k. Packed rows decode per group of GW columns with their
     row's group scale and offset (code - zero) * scale + offset, in OP; fp8 codes (FP8,
@@ -526,7 +612,10 @@ def _value_planes(ptr, rows, row_ok, stride_t, vs_ptr, vo_ptr, vq_t, ZERO: tl.co
             w = tl.arange(0, NG * GW // 4)
             wptr = ptr.to(tl.pointer_type(tl.int32)) + rows[:, None] * (stride_t // 4)
             words = tl.load(wptr + w[None, :], mask=row_ok[:, None], other=0)
-            if LUT:
+            if PATCH:  # the rows' value slots put in by the lookup itself
+                lo, hi = _word_levels_slots(words, lut, rows, row_ok, nuq, vs_ptr, vo_ptr, vq_t,
+                                            PATCH)  # fmt: skip
+            elif LUT:
                 lo, hi = _word_levels(words, tab, lut, LUT)
             elif VP == 2:
                 lo, hi = _word_nibbles(words, ZERO, ASM)
@@ -579,6 +668,9 @@ def _segment_loop(
     post-RoPE); otherwise packed codes with the key qparams already in q and k_bias."""
     m_i, l_i, acc_lo, acc_hi = state
     LOG2E: tl.constexpr = 1.4426950408889634
+    # value slots patched into the levels by the compiled lookup (`_word_levels_slots`):
+    # per-row normalisers, codes read as words, at most MAX_PATCHED_SLOTS
+    V_PATCH: tl.constexpr = (V_LUT == 2) * V_WORDS * (NG == 1) * (V_SLOTS <= 4)
     for tile in tl.range(first, last, num_stages=NUM_STAGES):
         t = tile * BLOCK_T + tl.arange(0, BLOCK_T)
         t_ok = t < rows_seg
@@ -616,8 +708,9 @@ def _segment_loop(
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v_lo, v_hi = _value_planes(v_ptr, t, t_ok, v_t, vs_ptr, vo_ptr, vq_t, V_ZERO, VP, NG,
                                    GW, FULL, V_HAS_OFF, OP, ASM, V_FP8, V_FACTOR,
-                                   V_WORDS and not FULL, V_LUT, nuq[14], nuq[16])  # fmt: skip
-        if V_SLOTS and not FULL:  # NUQ values' exact exceptions
+                                   V_WORDS and not FULL, V_LUT, nuq[14], nuq[16],
+                                   V_SLOTS * V_PATCH, nuq)  # fmt: skip
+        if V_SLOTS and not FULL and not V_PATCH:  # NUQ values' exact exceptions
             v_lo, v_hi = _value_slots(v_lo, v_hi, t, t_ok, nuq, VP, V_SLOTS)
         p16 = p.to(OP)
         acc_lo = acc_lo * alpha[:, None] + tl.dot(p16, v_lo, input_precision=PRECISION)

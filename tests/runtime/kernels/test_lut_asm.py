@@ -1,6 +1,6 @@
 """The PRMT codebook lookup of the planned decode kernel (`_LUT_ASM`, `_WORD_LUT_ASM`), run
-on this CPU-only machine by a small emulator of the PTX instructions it uses (and, shr,
-lop3, prmt, mov): for every code byte and random words, the fp16 levels it builds are the
+on this CPU-only machine by a small emulator of the PTX instructions it uses (and, or,
+sub, shl, shr, lop3, prmt, mov): for every code byte and random words, the fp16 levels it builds are the
 table's, in the even / odd plane order the kernel's dots expect. The interpreter cannot
 run inline PTX, so this is what checks the compiled path's arithmetic here."""
 
@@ -65,7 +65,15 @@ def run_ptx(asm: str, operands: dict[str, int]) -> dict[str, int]:
         if op == "and.b32":
             regs[dst] = x[0] & x[1]
         elif op == "shr.b32":
-            regs[dst] = x[0] >> x[1]
+            regs[dst] = x[0] >> min(x[1], 32)
+        elif op == "shl.b32":  # shifts of 32 or more give 0
+            regs[dst] = (x[0] << min(x[1], 32)) & M32
+        elif op == "sub.u32":
+            regs[dst] = (x[0] - x[1]) & M32
+        elif op == "or.b32":
+            regs[dst] = x[0] | x[1]
+        elif op == "mov.b32":
+            regs[dst] = x[0]
         elif op == "lop3.b32":
             regs[dst] = _lop3(*x)
         elif op == "prmt.b32":
@@ -132,3 +140,33 @@ def test_every_lane_holds_the_same_table(table):
     assert torch.equal(t[:16], table.float())
     lanes = t[16:].view(torch.int32).view(32, 8)
     assert torch.equal(lanes, lanes[:1].expand(32, 8))
+
+
+@pytest.mark.parametrize("slots", [1, 2, 3, 4])
+def test_value_slots_patched_into_the_word_lookup(table, slots):
+    """`_slot_lut_asm`: a slot whose channel falls in the word replaces that channel's level
+    by its value; slots of other words, unused slots (channel D) and rows past the segment
+    (channel 2^20) change nothing."""
+    lv, words = _levels(table), _words(table)
+    g = torch.Generator().manual_seed(slots)
+    asm = getattr(kern, f"_SLOT_LUT_ASM{slots}").value
+    for trial in range(300):
+        w = int(torch.randint(0, 2**32, (1,), generator=g))
+        first = 8 * int(torch.randint(0, 16, (1,), generator=g))  # this word's channel 0
+        # distinct channels: in this word, in others, unused (D = 128), past the segment
+        pool = [first + k for k in range(8)] + [first + 8, max(first - 1, 200), 128, 1 << 18]
+        pick = torch.randperm(len(pool), generator=g)[:slots].tolist()
+        chans = [pool[i] for i in pick]
+        vals = [int(v) for v in torch.randint(0, 2**16, (slots,), generator=g)]
+        ops = {"$8": w, "$17": 4 * first, "$18": 4 * first + 16}
+        ops |= {f"${9 + i}": words[i] for i in range(8)}
+        for s, (c, v) in enumerate(zip(chans, vals, strict=True)):
+            ops |= {f"${19 + 3 * s}": 4 * c, f"${20 + 3 * s}": (v & 0xFF) * 0x01010101,
+                    f"${21 + 3 * s}": (v >> 8) * 0x01010101}  # fmt: skip
+        out = run_ptx(asm, ops)
+        want = [lv[n] for n in _nibbles(w)]  # channel order
+        for c, v in zip(chans, vals, strict=True):
+            if first <= c < first + 8:
+                want[c - first] = v
+        got = [out[f"${i}"] for i in range(8)]
+        assert got == [want[k] for k in (0, 2, 4, 6, 1, 3, 5, 7)], (trial, chans)
