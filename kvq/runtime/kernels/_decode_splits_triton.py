@@ -15,7 +15,11 @@ query is loaded in that order and the output stored back in channel order, so no
 interleave runs per tile. A code becomes fp16 by the exponent bias: the bits 0x6400 | c
 read as fp16 are 1024 + c exactly, so one OR and one subtraction replace an integer-to-
 float conversion (compiled, four code bytes per register through inline PTX); fp8 codes
-have their bits moved into an fp16 (`_fp8_plane`), a table-free exact decode. Codes with
+have their bits moved into an fp16 (`_fp8_plane`), a table-free exact decode; 4-bit
+codebook codes (NUQ4) become their fp16 levels by PRMT byte selection from the table
+held in 8 registers (`_LUT_ASM`), with the values' exact slots patched in by the same
+lookup (`_slot_lut_asm`) and the keys' exact entries correcting the scores
+(`_key_exceptions`: query gathers per entry, added through an MMA). Codes with
 per-row or per-head qparams (values; per-token keys) load as 32-bit words: the value
 dot's operand layout pairs rows, and a byte tile carried that layout back to shared
 memory as one-byte reads plus PRMTs to regroup them (about 12 of 42 warp-instructions
@@ -507,8 +511,9 @@ def _key_exceptions(scores, rows, row_ok, k_ptr, k_t, nuq, OP: tl.constexpr,
     keys): entry e of row t replaces channel idx, so its score moves by q[idx] x (exact -
     decoded), decoded = level[code] x scale[idx] + offset[idx] as the dense dot saw it
     (the clipped code at idx, read back from the row's codes). A small pass per tile over
-    the tile's most entries in a row: [BT] loads of the entries and the codes, one [R, BT]
-    gather of the query per entry. nuq: the kernel's NUQ pointers (`decode_splits_kernel`)."""
+    the tile's most entries in a row: [BT] loads of the entries and the codes, one
+    [RQ, BT] gather of the real query rows per entry (RQ: G x Q padded). nuq: the kernel's
+    NUQ pointers (`decode_splits_kernel`)."""
     tab, cnt_ptr, cnt_t, first_ptr, first_t, e_idx, e_val = nuq[:7]
     fk, fkb, q_row, q_scale = nuq[7], nuq[8], nuq[9], nuq[10]
     cnt = tl.load(cnt_ptr + rows * cnt_t, mask=row_ok, other=0).to(tl.int32)  # [BT]
@@ -565,7 +570,8 @@ def _key_planes(ptr, rows, row_ok, stride_t, ZERO: tl.constexpr, KP: tl.constexp
                 FP8: tl.constexpr, LUT: tl.constexpr = 0, tab=None, lut=None):  # fmt: skip
     """A key tile in plane order: (even channels, odd channels) [BT, KW] for 4-bit codes
     (KP 2) or a full-precision segment loaded the same way; (all channels, unused) for
-    8-bit codes (KP 1). Codes come back as fp16 code - zero."""
+    8-bit codes (KP 1). Codes come back as fp16 code - zero; LUT: as 4-bit codebook levels
+    (`_lut_planes`, tab and lut the table)."""
     j = tl.arange(0, KW)
     ok = row_ok[:, None]
     base = ptr + rows[:, None] * stride_t
@@ -594,7 +600,9 @@ def _value_planes(ptr, rows, row_ok, stride_t, vs_ptr, vo_ptr, vq_t, ZERO: tl.co
     column c is channel c * VP + k. Packed rows decode per group of GW columns with their
     row's group scale and offset (code - zero) * scale + offset, in OP; fp8 codes (FP8,
     decoded to value / FACTOR) with scale x FACTOR. WORDS: codes read as 32-bit words
-    (rows on 4-byte boundaries), `_word_nibbles`, `_word_bytes`."""
+    (rows on 4-byte boundaries), `_word_nibbles`, `_word_bytes`. LUT: 4-bit codebook levels
+    (`_lut_planes`, `_word_levels`) instead of code - zero; PATCH: that many value slots put
+    in by the word lookup (`_word_levels_slots`, `nuq` the kernel's NUQ pointers)."""
     if FULL:
         c = tl.arange(0, NG * GW)
         base = ptr + rows[:, None] * stride_t

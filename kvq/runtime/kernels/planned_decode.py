@@ -2,17 +2,20 @@
 reduction, no device syncs (`_decode_splits_triton`, `launch_plan`).
 
 It takes the layouts a decode step mostly sees — full-precision segments (sink rows,
-the residual window) around at most one packed segment of 4- or 8-bit affine codes
-or fp8 codes (E4M3 / E5M2, decoded from their bits, `fp8.fp16_placement`) with static
-per-channel (or per-head) or per-row grouped key qparams and per-row grouped or
-per-head value qparams, post-RoPE keys, with or without a mask over the rows (sliding
-windows, padding: read in place, one byte per row and tile) — and
-`decode_attention.decode_path` sends everything else to the general kernel. What the
-host does per call: checks, a cached plan
+the residual window) around at most one packed segment of 4- or 8-bit affine codes,
+fp8 codes (E4M3 / E5M2, decoded from their bits, `fp8.fp16_placement`) or 4-bit
+codebook codes (KVQuant's NUQ4: 16 levels, `nuq_table`) with static per-channel (or
+per-head) or per-row grouped key qparams and per-row grouped or per-head value qparams,
+NUQ's exact exceptions (the keys' flat entries, the values' slots), post-RoPE keys,
+with or without a mask over the rows (sliding windows, padding: read in place, one byte
+per row and tile) — and `decode_attention.decode_path` sends everything else to the
+general kernel. What the host does per call: checks, a cached plan
 (splits from the compiled kernel's occupancy, `launch_plan.plan_splits`), two
 allocations (partial states and output; one when a single split writes the output
 itself) and the launches through a launcher cached per specialisation, which binds
-the arguments without Triton's per-call binder.
+the arguments without Triton's per-call binder. NUQ4 keys with exceptions also need
+each row's first flat entry, a prefix sum of the counts (`_flat_starts`), cached per
+contents of the count rows: recomputed (3 small ops) only on a call after they changed.
 
 The launch configuration is a fixed heuristic per head_dim and code width (shape
 bucket), never tuned on a small parity problem: BLOCK_T rows per tile, num_warps,
