@@ -437,3 +437,21 @@ def test_generate_through_the_planned_path_matches_the_reference(monkeypatch, pl
     # 4 layers x (1 prefill + 4 decode steps), each through the planned kernel
     assert len(planned_calls) == 20
     assert {p.kernel for p in paths} == {"planned"}
+
+
+def test_flat_starts_follow_the_count_rows():
+    """The NUQ keys' first flat entry per (batch, head, row) is the prefix sum of the counts
+    in entry order; a new view of unchanged rows reuses it, a write into the count buffer
+    (an append) or more rows recompute it."""
+    from kvq.runtime.packed import entry_pointers
+
+    buf = torch.zeros(2, 3, 16, dtype=torch.uint8)
+    buf[:, :, :10] = torch.randint(0, 4, (2, 3, 10), dtype=torch.uint8)
+    first = planned_decode._flat_starts(buf[:, :, :10])
+    assert torch.equal(first, entry_pointers(buf[:, :, :10]))
+    assert planned_decode._flat_starts(buf[:, :, :10]) is first
+    buf[0, 1, 4] += 1
+    again = planned_decode._flat_starts(buf[:, :, :10])
+    assert torch.equal(again, entry_pointers(buf[:, :, :10])) and not torch.equal(again, first)
+    longer = planned_decode._flat_starts(buf[:, :, :11])
+    assert longer.shape == (2, 3, 11)
