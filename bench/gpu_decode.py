@@ -6,7 +6,8 @@ One query token per sequence attends to a cache of `context` tokens at batch 1 a
 each representation, parity with the pure-torch reference is checked first on
 a small real encode (raises on mismatch); timings then use random codes of the
 right layout (time does not depend on code values; NUQ4 and the vector-codebook layouts
-VQ3 (2-D codebooks) and VQ2 (4-D) have 1% key exceptions and pre-RoPE keys).
+VQ3 (2-D codebooks) and VQ2 (4-D) have 1% key exceptions and pre-RoPE keys; NUQ4-post is
+NUQ4 with post-RoPE keys, the layout the planned path takes).
 
 Prints microseconds, the host time per call (launcher Python and launches, which is
 the step time when it exceeds the kernel's), achieved GB/s (bytes of codes + qparams +
@@ -19,6 +20,7 @@ rows.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import time
@@ -38,7 +40,7 @@ from kvq.runtime.packed import PackedRows
 
 HQ, HKV, D = 32, 8, 128
 SHAPES = {"llama-7b-like": (32, 8, 128), "gemma3-270m": (4, 1, 256)}
-KINDS = ("kv8", "kv4", "kv4-token", "fp8", "nuq4", "vq3", "vq2")
+KINDS = ("kv8", "kv4", "kv4-token", "fp8", "nuq4", "nuq4-post", "vq3", "vq2")
 PEAK_GBS = 4800.0  # H200 HBM3e
 
 
@@ -92,6 +94,9 @@ def packed(kind: str, b: int, t: int, dev: str, seed: int = 0) -> Segment:
         key = PackedRows("lookup", D, codes(D) & 0x7E, 8, scale=half(HKV).float(), table=table)
         value = PackedRows("lookup", D, codes(D) & 0x7E, 8, scale=half(HKV).float(), table=table)
         return Segment(key, value, pos)
+    if kind == "nuq4-post":  # NUQ4 with post-RoPE keys: the planned path's layout
+        seg = packed("nuq4", b, t, dev, seed)
+        return Segment(dataclasses.replace(seg.key, pre_rope=False), seg.value, seg.positions)
     if kind in ("nuq4", "vq3", "vq2"):  # KVQuant's layout: scalar or vector codebooks
         if kind == "nuq4":
             bits, fmt = 4, dict(kind="lookup", table=torch.linspace(-1, 1, 16, device=dev))

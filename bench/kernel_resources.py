@@ -3,7 +3,7 @@
 For two head shapes (Llama-like 32 query / 8 KV heads x 128, and Gemma 3 270M's
 4 / 1 x 256) and each cache format of `bench/gpu_decode.py` (KV4, KV8, FP8, NUQ4, the
 vector-codebook layouts VQ3 and VQ2 of `kvq calibrate auto`, plus Gemma's own layout,
-KV4 with pre-RoPE keys), the launch the runtime makes at
+KV4 with pre-RoPE keys, and NUQ4 with post-RoPE keys), the launch the runtime makes at
 batch 16 x 32K is compiled for sm_90 here (`kvq.runtime.kernels.offline`): the planned
 path's fixed configuration where it takes the layout (`planned_decode`), else every
 configuration the general kernel's autotuner may time, keeping the best predicted.
@@ -43,18 +43,21 @@ except ImportError:
     planned = None
 
 SHAPES = {"llama-7b-like": (32, 8, 128), "gemma3-270m": (4, 1, 256)}
-FORMATS = ("kv4", "kv4-token", "kv4-pre", "kv8", "fp8", "nuq4", "vq3", "vq2")
+FORMATS = ("kv4", "kv4-token", "kv4-pre", "kv8", "fp8", "nuq4", "nuq4-post", "vq3", "vq2")
 ROWS = 256  # cached rows of the traced call (a multiple of 16, as long contexts are)
 BATCH = 16
 
 
 def segment(fmt: str, shape: str):
     """A `gpu_decode` segment of `fmt` at `shape` (kv4-pre: KV4 with pre-RoPE keys, the
-    layout of a channel-scales artifact)."""
+    layout of a channel-scales artifact; nuq4-post: NUQ4 with its keys post-RoPE, the
+    layout the planned path takes until it rotates keys)."""
     gpu_decode.HQ, gpu_decode.HKV, gpu_decode.D = SHAPES[shape]
-    seg = gpu_decode.packed("kv4" if fmt == "kv4-pre" else fmt, BATCH, ROWS, "cpu")
-    if fmt == "kv4-pre":
-        seg = dataclasses.replace(seg, key=dataclasses.replace(seg.key, pre_rope=True))
+    base = {"kv4-pre": "kv4", "nuq4-post": "nuq4"}.get(fmt, fmt)
+    seg = gpu_decode.packed(base, BATCH, ROWS, "cpu")
+    if fmt != base:
+        key = dataclasses.replace(seg.key, pre_rope=fmt == "kv4-pre")
+        seg = dataclasses.replace(seg, key=key)
     return seg
 
 
@@ -192,10 +195,9 @@ def planned_row(query, seg, hkv: int, row_bytes: float) -> tuple[dict, dict]:
                                 rope=rope)  # fmt: skip
     fn = splits_kern.decode_splits_kernel
     args = {**call.args, "part": torch.empty(1), "out": torch.empty(1), "splits": 8, "ASM": ASM}
-    consts = {p.name: args.pop(p.name) for p in fn.params if p.is_constexpr}
-    positional = tuple(args[p.name] for p in fn.params if not p.is_constexpr)
     opts = call.config.options()
-    res = compile_offline(fn, positional, consts, options=opts)
+    # every parameter by name: runtime ones follow constexprs in the signature
+    res = compile_offline(fn, (), args, options=opts)
     plan = plan_splits(TARGET_BATCH * hkv, TARGET_CONTEXT, sms=SMS,
                        programs_per_sm=res.programs_per_sm, block_t=call.config.block_t)  # fmt: skip
     row = model(res, call.config.block_t, opts["num_warps"], _stages(res, opts), row_bytes,

@@ -15,7 +15,11 @@ query is loaded in that order and the output stored back in channel order, so no
 interleave runs per tile. A code becomes fp16 by the exponent bias: the bits 0x6400 | c
 read as fp16 are 1024 + c exactly, so one OR and one subtraction replace an integer-to-
 float conversion (compiled, four code bytes per register through inline PTX); fp8 codes
-have their bits moved into an fp16 (`_fp8_plane`), a table-free exact decode. Codes with
+have their bits moved into an fp16 (`_fp8_plane`), a table-free exact decode; 4-bit
+codebook codes (NUQ4) become their fp16 levels by PRMT byte selection from the table
+held in 8 registers (`_LUT_ASM`), with the values' exact slots patched in by the same
+lookup (`_slot_lut_asm`) and the keys' exact entries correcting the scores
+(`_key_exceptions`: query gathers per entry, added through an MMA). Codes with
 per-row or per-head qparams (values; per-token keys) load as 32-bit words: the value
 dot's operand layout pairs rows, and a byte tile carried that layout back to shared
 memory as one-byte reads plus PRMTs to regroup them (about 12 of 42 warp-instructions
@@ -276,13 +280,311 @@ def _word_bytes(words, ZERO: tl.constexpr, FP8: tl.constexpr, ASM: tl.constexpr)
     return x
 
 
+# NUQ (KVQuant) codes: a 4-bit code indexes a table of 16 levels. Compiled, the levels are
+# fp16 held as 8 registers (`_lut_words`: the low bytes of levels 0-3, 4-7, 8-11, 12-15,
+# then the high bytes) and a code's two bytes are picked by PRMT, whose selector nibble
+# names one of 8 bytes (bits 0-2; bit 3 would replicate a sign, so it is masked off): one
+# PRMT per table pair gives the candidates of 4 codes at once from levels 0-7 and 8-15,
+# a fifth picks per code by its bit 3 (selector i + 4 x bit 3, from one shift and one
+# LOP3), and two more interleave low and high bytes into the fp16 pairs of the even and
+# odd planes: 21 instructions per 8 codes, no conversion, no memory access. $4: 4 code
+# bytes (8 nibbles, channel order); $5, $9, ..., $33: the table words (pack 4 gives each
+# 32-bit operand 4 registers); out: even-channel pairs $0, $1, odd-channel pairs $2, $3.
+_LUT_ASM = tl.constexpr("""{
+.reg .b32 s, sel, la, lb, ha, hb, lo, hi;
+and.b32 s, $4, 0x77777777;
+shr.b32 sel, $4, 1;
+lop3.b32 sel, sel, 0x44444444, 0x32103210, 0xea;
+prmt.b32 la, $5, $9, s;
+prmt.b32 lb, $13, $17, s;
+prmt.b32 ha, $21, $25, s;
+prmt.b32 hb, $29, $33, s;
+prmt.b32 lo, la, lb, sel;
+prmt.b32 hi, ha, hb, sel;
+prmt.b32 $0, lo, hi, 0x6240;
+prmt.b32 $2, lo, hi, 0x7351;
+shr.b32 s, s, 16;
+shr.b32 sel, sel, 16;
+prmt.b32 la, $5, $9, s;
+prmt.b32 lb, $13, $17, s;
+prmt.b32 ha, $21, $25, s;
+prmt.b32 hb, $29, $33, s;
+prmt.b32 lo, la, lb, sel;
+prmt.b32 hi, ha, hb, sel;
+prmt.b32 $1, lo, hi, 0x6240;
+prmt.b32 $3, lo, hi, 0x7351;
+}""")
+# the same per 32-bit word of codes (pack 1; $8 the word, $9 ... $16 the table words), into
+# 16-bit registers as `_WORD_NIBBLES_ASM` returns them: levels of channels 8w, 8w + 2, 8w +
+# 4, 8w + 6, then of the odd ones
+_WORD_LUT_ASM = tl.constexpr("""{
+.reg .b32 s, sel, la, lb, ha, hb, lo, hi, a, b, c, d;
+and.b32 s, $8, 0x77777777;
+shr.b32 sel, $8, 1;
+lop3.b32 sel, sel, 0x44444444, 0x32103210, 0xea;
+prmt.b32 la, $9, $10, s;
+prmt.b32 lb, $11, $12, s;
+prmt.b32 ha, $13, $14, s;
+prmt.b32 hb, $15, $16, s;
+prmt.b32 lo, la, lb, sel;
+prmt.b32 hi, ha, hb, sel;
+prmt.b32 a, lo, hi, 0x6240;
+prmt.b32 c, lo, hi, 0x7351;
+shr.b32 s, s, 16;
+shr.b32 sel, sel, 16;
+prmt.b32 la, $9, $10, s;
+prmt.b32 lb, $11, $12, s;
+prmt.b32 ha, $13, $14, s;
+prmt.b32 hb, $15, $16, s;
+prmt.b32 lo, la, lb, sel;
+prmt.b32 hi, ha, hb, sel;
+prmt.b32 b, lo, hi, 0x6240;
+prmt.b32 d, lo, hi, 0x7351;
+mov.b32 {$0, $1}, a;
+mov.b32 {$2, $3}, b;
+mov.b32 {$4, $5}, c;
+mov.b32 {$6, $7}, d;
+}""")
+
+
+# word M of the PRMT table, read from this lane's own copy of it (`planned_decode.nuq_table`:
+# 32 copies): a value ptxas must hold in a regular register. Read as one uniform value it
+# stays in a uniform register, which PRMT cannot take, and is copied into a regular one
+# before every use (~250 copies per loop iteration at head_dim 128, sm_90).
+_LANE_WORD_ASM = tl.constexpr("""{
+.reg .u32 l;
+.reg .u64 a;
+mov.u32 l, %laneid;
+mad.wide.u32 a, l, 32, $1;
+ld.global.nc.b32 $0, [a];
+}""")
+
+
+def _slot_lut_asm(slots: int) -> str:
+    """`_WORD_LUT_ASM` with `slots` exact values patched in before the planes are formed:
+    $17, $18 4 x the first channel of the word's half-words, then per slot 4 x its channel
+    and the fp16 value's low and high byte, each repeated 4 times. A slot at channel c of
+    a half-word (k = c - first, 0 ... 3) turns selector nibble k of it into k + 4, which a
+    PRMT reads from the value's bytes instead of the level's; shifts of 32 or more (other
+    words, unused slots) leave the selector 0x3210. 10 instructions per slot and word."""
+    base = _WORD_LUT_ASM.value
+    head, tail = base.split("prmt.b32 a, lo, hi, 0x6240;")
+    mid, end = tail.split("prmt.b32 b, lo, hi, 0x6240;")
+
+    def patch(half: int) -> str:
+        lines = []
+        for s in range(slots):
+            i, el, eh = 19 + 3 * s, 20 + 3 * s, 21 + 3 * s
+            lines += [f"sub.u32 k, ${i}, ${17 + half};", "shl.b32 m, four, k;", "or.b32 m, m, 0x3210;",
+                      f"prmt.b32 lo, lo, ${el}, m;", f"prmt.b32 hi, hi, ${eh}, m;"]  # fmt: skip
+        return "\n".join(lines) + "\n"
+
+    head = head.replace(".reg .b32 s,", ".reg .b32 k, m, four, s,")
+    head = head.replace("d;\n", "d;\nmov.b32 four, 4;\n", 1)
+    return (head + patch(0) + "prmt.b32 a, lo, hi, 0x6240;" + mid + patch(1)
+            + "prmt.b32 b, lo, hi, 0x6240;" + end)  # fmt: skip
+
+
+# per number of value slots handled inside the lookup (`_word_levels_slots`)
+_SLOT_LUT_ASM1 = tl.constexpr(_slot_lut_asm(1))
+_SLOT_LUT_ASM2 = tl.constexpr(_slot_lut_asm(2))
+_SLOT_LUT_ASM3 = tl.constexpr(_slot_lut_asm(3))
+_SLOT_LUT_ASM4 = tl.constexpr(_slot_lut_asm(4))
+MAX_PATCHED_SLOTS = 4
+
+
+@triton.jit
+def _slot_operands(rows, row_ok, nuq, vs_ptr, vo_ptr, vq_t, s: tl.constexpr):
+    """Slot s of the tile's rows as `_slot_lut_asm` takes it: 4 x its channel (2^20 for rows
+    past the segment: no word's) and its value normalised by the row's scale and centre
+    (the levels are patched before they are scaled), as fp16 low and high bytes x 4."""
+    si_ptr, sv_ptr, s_t = nuq[11], nuq[12], nuq[13]
+    idx = tl.load(si_ptr + rows * s_t + s, mask=row_ok, other=0).to(tl.int32)
+    idx = tl.where(row_ok, idx * 4, 1 << 20)
+    exact = tl.load(sv_ptr + rows * s_t + s, mask=row_ok, other=0.0).to(tl.float32)
+    scale = tl.load(vs_ptr + rows * vq_t, mask=row_ok, other=1.0).to(tl.float32)
+    center = tl.load(vo_ptr + rows * vq_t, mask=row_ok, other=0.0).to(tl.float32)
+    bits = ((exact - center) / scale).to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32)
+    return idx[:, None], ((bits & 0xFF) * 0x01010101)[:, None], (
+        ((bits >> 8) & 0xFF) * 0x01010101)[:, None]  # fmt: skip
+
+
+@triton.jit
+def _word_levels_slots(words, lut, rows, row_ok, nuq, vs_ptr, vo_ptr, vq_t,
+                       SLOTS: tl.constexpr):  # fmt: skip
+    """`_word_levels` (PRMT) with the rows' SLOTS (1 ... 4) value exceptions in place, as
+    normalised levels (`_slot_lut_asm`)."""
+    BT: tl.constexpr = words.shape[0]
+    W: tl.constexpr = words.shape[1]
+    first = (tl.arange(0, W) * 32)[None, :]  # 4 x the first channel of each word
+    i0, l0_, h0_ = _slot_operands(rows, row_ok, nuq, vs_ptr, vo_ptr, vq_t, 0)
+    args = [words, lut[0], lut[1], lut[2], lut[3], lut[4], lut[5], lut[6], lut[7], first,
+            first + 16, i0, l0_, h0_]  # fmt: skip
+    if SLOTS >= 2:
+        i1, l1_, h1_ = _slot_operands(rows, row_ok, nuq, vs_ptr, vo_ptr, vq_t, 1)
+        args = args + [i1, l1_, h1_]
+    if SLOTS >= 3:
+        i2, l2_, h2_ = _slot_operands(rows, row_ok, nuq, vs_ptr, vo_ptr, vq_t, 2)
+        args = args + [i2, l2_, h2_]
+    if SLOTS >= 4:
+        i3, l3_, h3_ = _slot_operands(rows, row_ok, nuq, vs_ptr, vo_ptr, vq_t, 3)
+        args = args + [i3, l3_, h3_]
+    cons: tl.constexpr = "=h,=h,=h,=h,=h,=h,=h,=h," + ",".join(["r"] * (11 + 3 * SLOTS))
+    if SLOTS == 1:
+        asm: tl.constexpr = _SLOT_LUT_ASM1
+    elif SLOTS == 2:
+        asm: tl.constexpr = _SLOT_LUT_ASM2
+    elif SLOTS == 3:
+        asm: tl.constexpr = _SLOT_LUT_ASM3
+    else:
+        asm: tl.constexpr = _SLOT_LUT_ASM4
+    l0, l1, l2, l3, h0, h1, h2, h3 = tl.inline_asm_elementwise(
+        asm, cons, args, dtype=(tl.float16,) * 8, is_pure=True, pack=1
+    )
+    lo = tl.reshape(tl.join(tl.join(l0, l2), tl.join(l1, l3)), (BT, 4 * W))
+    hi = tl.reshape(tl.join(tl.join(h0, h2), tl.join(h1, h3)), (BT, 4 * W))
+    return lo, hi
+
+
+@triton.jit
+def _lut_words(tab, LUT: tl.constexpr):
+    """The PRMT table (`_LUT_ASM`) of a 4-bit codebook, read once per program (LUT 2);
+    zeros otherwise. tab: `planned_decode.nuq_table` (the levels, then the words' bits)."""
+    if LUT == 2:
+        w = tab.to(tl.pointer_type(tl.int32), bitcast=True) + 16
+        words = (
+            _lane_word(w, 0),
+            _lane_word(w, 1),
+            _lane_word(w, 2),
+            _lane_word(w, 3),
+            _lane_word(w, 4),
+            _lane_word(w, 5),
+            _lane_word(w, 6),
+            _lane_word(w, 7),
+        )
+    else:
+        words = (0, 0, 0, 0, 0, 0, 0, 0)
+    return words
+
+
+@triton.jit
+def _lane_word(w, M: tl.constexpr):
+    return tl.inline_asm_elementwise(_LANE_WORD_ASM, "=r,l", [w + M], dtype=tl.int32,
+                                     is_pure=True, pack=1)  # fmt: skip
+
+
+@triton.jit
+def _lut_planes(raw, tab, lut, LUT: tl.constexpr):
+    """uint8 bytes of 4-bit codebook codes [..., n] -> levels (low nibbles, high nibbles)
+    [..., n]: fp16 through PRMT (LUT 2, the compiled path), or fp32 gathers from the
+    table (LUT 1: the interpreter, parity mode)."""
+    if LUT == 2:
+        lo, hi = tl.inline_asm_elementwise(
+            _LUT_ASM, "=r,=r,=r,=r," + ",".join(["r"] * 33),
+            [raw, lut[0], lut[1], lut[2], lut[3], lut[4], lut[5], lut[6], lut[7]],
+            dtype=(tl.float16, tl.float16), is_pure=True, pack=4,
+        )  # fmt: skip
+    else:
+        c = raw.to(tl.int32)
+        lo = tl.load(tab + (c & 15))
+        hi = tl.load(tab + (c >> 4))
+    return lo, hi
+
+
+@triton.jit
+def _word_levels(words, tab, lut, LUT: tl.constexpr):
+    """int32 words [BT, W] of 4-bit codebook codes -> levels (even channels, odd channels)
+    [BT, 4 W], column order as `_word_nibbles` returns it."""
+    if LUT == 2:
+        l0, l1, l2, l3, h0, h1, h2, h3 = tl.inline_asm_elementwise(
+            _WORD_LUT_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r,r,r,r,r,r,r",
+            [words, lut[0], lut[1], lut[2], lut[3], lut[4], lut[5], lut[6], lut[7]],
+            dtype=(tl.float16,) * 8, is_pure=True, pack=1,
+        )  # fmt: skip
+    else:  # nibble k of the word is channel 8w + k
+        l0 = tl.load(tab + (words & 15))
+        h0 = tl.load(tab + ((words >> 4) & 15))
+        l1 = tl.load(tab + ((words >> 8) & 15))
+        h1 = tl.load(tab + ((words >> 12) & 15))
+        l2 = tl.load(tab + ((words >> 16) & 15))
+        h2 = tl.load(tab + ((words >> 20) & 15))
+        l3 = tl.load(tab + ((words >> 24) & 15))
+        h3 = tl.load(tab + ((words >> 28) & 15))
+    BT: tl.constexpr = words.shape[0]
+    W: tl.constexpr = words.shape[1]
+    lo = tl.reshape(tl.join(tl.join(l0, l2), tl.join(l1, l3)), (BT, 4 * W))
+    hi = tl.reshape(tl.join(tl.join(h0, h2), tl.join(h1, h3)), (BT, 4 * W))
+    return lo, hi
+
+
+@triton.jit
+def _key_exceptions(scores, rows, row_ok, k_ptr, k_t, nuq, OP: tl.constexpr,
+                    PRECISION: tl.constexpr):  # fmt: skip
+    """Scores [R, BT] plus the flat key exceptions of the tile's rows (KVQuant's ~1% exact
+    keys): entry e of row t replaces channel idx, so its score moves by q[idx] x (exact -
+    decoded), decoded = level[code] x scale[idx] + offset[idx] as the dense dot saw it
+    (the clipped code at idx, read back from the row's codes). A small pass per tile over
+    the tile's most entries in a row: [BT] loads of the entries and the codes, one
+    [RQ, BT] gather of the real query rows per entry (RQ: G x Q padded). nuq: the kernel's
+    NUQ pointers (`decode_splits_kernel`)."""
+    tab, cnt_ptr, cnt_t, first_ptr, first_t, e_idx, e_val = nuq[:7]
+    fk, fkb, q_row, q_scale = nuq[7], nuq[8], nuq[9], nuq[10]
+    cnt = tl.load(cnt_ptr + rows * cnt_t, mask=row_ok, other=0).to(tl.int32)  # [BT]
+    first = tl.load(first_ptr + rows * first_t, mask=row_ok, other=0)  # [BT]
+    RQ: tl.constexpr = q_row.shape[0]
+    corr = tl.zeros([RQ, scores.shape[1]], tl.float32)
+    for e in range(0, tl.max(cnt, axis=0)):
+        has = e < cnt
+        idx = tl.load(e_idx + first + e, mask=has, other=0).to(tl.int32)
+        exact = tl.load(e_val + first + e, mask=has, other=0.0).to(tl.float32)
+        byte = tl.load(k_ptr + rows * k_t + (idx >> 1), mask=has, other=0).to(tl.int32)
+        level = tl.load(tab + ((byte >> ((idx & 1) * 4)) & 15), mask=has, other=0.0)
+        s = tl.load(fk + idx, mask=has, other=0.0)
+        o = tl.load(fkb + idx, mask=has, other=0.0)
+        delta = tl.where(has, exact - (level * s + o), 0.0)  # [BT]
+        qv = tl.load(q_row[:, None] + idx[None, :], mask=has[None, :], other=0.0)
+        corr += qv.to(tl.float32) * delta[None, :]
+    # added through the tensor cores (identity x corrections): the scores keep the dot's
+    # register layout, where an elementwise add would move the softmax to the loads' one
+    R: tl.constexpr = scores.shape[0]
+    eye = (tl.arange(0, R)[:, None] == tl.arange(0, R)[None, :]).to(OP)
+    corr = _pad_rows(corr * q_scale, R).to(OP)
+    return tl.dot(eye, corr, acc=scores, input_precision=PRECISION)
+
+
+@triton.jit
+def _pad_rows(x, R: tl.constexpr):
+    """[RQ, N] -> [R, N], rows RQ ... R - 1 zero (R / RQ a power of two)."""
+    for _ in tl.static_range(6):  # up to 64 rows
+        if x.shape[0] < R:
+            x = tl.reshape(tl.permute(tl.join(x, tl.zeros_like(x)), (2, 0, 1)),
+                           (2 * x.shape[0], x.shape[1]))  # fmt: skip
+    return x
+
+
+@triton.jit
+def _value_slots(v_lo, v_hi, rows, row_ok, nuq, VP: tl.constexpr, SLOTS: tl.constexpr):
+    """A decoded value tile (planes [BT, D / VP] in the dots' dtype) with its rows' SLOTS
+    exact exceptions put in place (slot channel D: unused, matches no column)."""
+    si_ptr, sv_ptr, s_t = nuq[11], nuq[12], nuq[13]
+    col = tl.arange(0, v_lo.shape[1])[None, :] * VP
+    for s in tl.static_range(SLOTS):
+        idx = tl.load(si_ptr + rows * s_t + s, mask=row_ok, other=0).to(tl.int32)[:, None]
+        val = tl.load(sv_ptr + rows * s_t + s, mask=row_ok, other=0.0).to(v_lo.dtype)[:, None]
+        v_lo = tl.where(col == idx, val, v_lo)
+        if VP == 2:
+            v_hi = tl.where(col + 1 == idx, val, v_hi)
+    return v_lo, v_hi
+
+
 @triton.jit
 def _key_planes(ptr, rows, row_ok, stride_t, ZERO: tl.constexpr, KP: tl.constexpr,
                 KW: tl.constexpr, FULL: tl.constexpr, ASM: tl.constexpr,
-                FP8: tl.constexpr):  # fmt: skip
+                FP8: tl.constexpr, LUT: tl.constexpr = 0, tab=None, lut=None):  # fmt: skip
     """A key tile in plane order: (even channels, odd channels) [BT, KW] for 4-bit codes
     (KP 2) or a full-precision segment loaded the same way; (all channels, unused) for
-    8-bit codes (KP 1). Codes come back as fp16 code - zero."""
+    8-bit codes (KP 1). Codes come back as fp16 code - zero; LUT: as 4-bit codebook levels
+    (`_lut_planes`, tab and lut the table)."""
     j = tl.arange(0, KW)
     ok = row_ok[:, None]
     base = ptr + rows[:, None] * stride_t
@@ -293,7 +595,10 @@ def _key_planes(ptr, rows, row_ok, stride_t, ZERO: tl.constexpr, KP: tl.constexp
             hi = tl.load(base + (j * 2 + 1)[None, :], mask=ok, other=0.0)
     else:
         raw = tl.load(base + j[None, :], mask=ok, other=0)  # [BT, KW] bytes
-        lo, hi = _planes(raw, ZERO, KP, ASM, FP8)
+        if LUT:  # 4-bit codebook levels (`_lut_planes`)
+            lo, hi = _lut_planes(raw, tab, lut, LUT)
+        else:
+            lo, hi = _planes(raw, ZERO, KP, ASM, FP8)
     return lo, hi
 
 
@@ -302,12 +607,15 @@ def _value_planes(ptr, rows, row_ok, stride_t, vs_ptr, vo_ptr, vq_t, ZERO: tl.co
                   VP: tl.constexpr, NG: tl.constexpr, GW: tl.constexpr, FULL: tl.constexpr,
                   V_HAS_OFF: tl.constexpr, OP: tl.constexpr, ASM: tl.constexpr,
                   FP8: tl.constexpr, FACTOR: tl.constexpr,
-                  WORDS: tl.constexpr = False):  # fmt: skip
+                  WORDS: tl.constexpr = False, LUT: tl.constexpr = 0, tab=None,
+                  lut=None, PATCH: tl.constexpr = 0, nuq=None):  # fmt: skip
     """A value tile in plane order, [BT, D / VP] per plane in the dots' dtype OP: plane k,
     column c is channel c * VP + k. Packed rows decode per group of GW columns with their
     row's group scale and offset (code - zero) * scale + offset, in OP; fp8 codes (FP8,
     decoded to value / FACTOR) with scale x FACTOR. WORDS: codes read as 32-bit words
-    (rows on 4-byte boundaries), `_word_nibbles`, `_word_bytes`."""
+    (rows on 4-byte boundaries), `_word_nibbles`, `_word_bytes`. LUT: 4-bit codebook levels
+    (`_lut_planes`, `_word_levels`) instead of code - zero; PATCH: that many value slots put
+    in by the word lookup (`_word_levels_slots`, `nuq` the kernel's NUQ pointers)."""
     if FULL:
         c = tl.arange(0, NG * GW)
         base = ptr + rows[:, None] * stride_t
@@ -325,7 +633,12 @@ def _value_planes(ptr, rows, row_ok, stride_t, vs_ptr, vo_ptr, vq_t, ZERO: tl.co
             w = tl.arange(0, NG * GW // 4)
             wptr = ptr.to(tl.pointer_type(tl.int32)) + rows[:, None] * (stride_t // 4)
             words = tl.load(wptr + w[None, :], mask=row_ok[:, None], other=0)
-            if VP == 2:
+            if PATCH:  # the rows' value slots put in by the lookup itself
+                lo, hi = _word_levels_slots(words, lut, rows, row_ok, nuq, vs_ptr, vo_ptr, vq_t,
+                                            PATCH)  # fmt: skip
+            elif LUT:
+                lo, hi = _word_levels(words, tab, lut, LUT)
+            elif VP == 2:
                 lo, hi = _word_nibbles(words, ZERO, ASM)
             else:
                 lo = _word_bytes(words, ZERO, FP8, ASM)
@@ -334,7 +647,10 @@ def _value_planes(ptr, rows, row_ok, stride_t, vs_ptr, vo_ptr, vq_t, ZERO: tl.co
             hi = tl.reshape(hi, (BT, NG, GW))
         else:
             raw = tl.load(ptr + rows[:, None, None] * stride_t + byte, mask=ok, other=0)
-            lo, hi = _planes(raw, ZERO, VP, ASM, FP8)  # [BT, NG, GW]
+            if LUT:
+                lo, hi = _lut_planes(raw, tab, lut, LUT)
+            else:
+                lo, hi = _planes(raw, ZERO, VP, ASM, FP8)  # [BT, NG, GW]
         q_off = rows[:, None] * vq_t + g[None, :]  # [BT, NG]
         s = tl.load(vs_ptr + q_off, mask=row_ok[:, None], other=0.0)
         if FACTOR != 1.0:
@@ -603,6 +919,8 @@ def _segment_loop(
     K_WORDS: tl.constexpr, V_WORDS: tl.constexpr,
     ROPE: tl.constexpr = False, rope_q=None, pos_ptr=None, pos_t=0, tab=None,
     tab_rows=0, D: tl.constexpr = 0, NC: tl.constexpr = 1,
+    K_LUT: tl.constexpr = 0, V_LUT: tl.constexpr = 0, K_FLAT: tl.constexpr = False,
+    V_SLOTS: tl.constexpr = 0, nuq=None,
 ):  # fmt: skip
     """Folds tiles [first, last) of one segment into the online-softmax state (m, l,
     acc_lo, acc_hi: the numerator's planes). FULL: a full-precision segment (keys
@@ -612,6 +930,9 @@ def _segment_loop(
     LOG2E: tl.constexpr = 1.4426950408889634
     if ROPE:
         rq, rk = _rope_prepare(rope_q, not FULL and not K_ROWQ, D, KP, OP, NC)
+    # value slots patched into the levels by the compiled lookup (`_word_levels_slots`):
+    # per-row normalisers, codes read as words, at most MAX_PATCHED_SLOTS
+    V_PATCH: tl.constexpr = (V_LUT == 2) * V_WORDS * (NG == 1) * (V_SLOTS <= 4)
     for tile in tl.range(first, last, num_stages=NUM_STAGES):
         t = tile * BLOCK_T + tl.arange(0, BLOCK_T)
         t_ok = t < rows_seg
@@ -626,12 +947,15 @@ def _segment_loop(
                                            KP, K_NG, KW // K_NG, False, K_HAS_OFF, OP, ASM,
                                            K_FP8, K_FACTOR, K_WORDS)  # fmt: skip
             else:
-                k_lo, k_hi = _key_planes(k_ptr, t, t_ok, k_t, K_ZERO, KP, KW, FULL, ASM, K_FP8)
+                k_lo, k_hi = _key_planes(k_ptr, t, t_ok, k_t, K_ZERO, KP, KW, FULL, ASM,
+                                         K_FP8, K_LUT, nuq[0], nuq[15])  # fmt: skip
             scores = tl.dot(q_lo, tl.trans(k_lo.to(OP)), input_precision=PRECISION)
             if KP == 2:
                 scores += tl.dot(q_hi, tl.trans(k_hi.to(OP)), input_precision=PRECISION)
             if not FULL and not K_ROWQ:
                 scores += k_bias[:, None]
+            if K_FLAT and not FULL:  # NUQ keys' exact exceptions (post-RoPE only)
+                scores = _key_exceptions(scores, t, t_ok, k_ptr, k_t, nuq, OP, PRECISION)
         if HAS_SOFTCAP:  # softcap * tanh(s / softcap), tanh(x) = 2 sigmoid(2x) - 1, base 2
             scores = softcap * (2.0 * tl.sigmoid(2.0 * scores / softcap) - 1.0) * LOG2E
         allowed = r_ok[:, None] & t_ok[None, :]
@@ -652,7 +976,10 @@ def _segment_loop(
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v_lo, v_hi = _value_planes(v_ptr, t, t_ok, v_t, vs_ptr, vo_ptr, vq_t, V_ZERO, VP, NG,
                                    GW, FULL, V_HAS_OFF, OP, ASM, V_FP8, V_FACTOR,
-                                   V_WORDS and not FULL)  # fmt: skip
+                                   V_WORDS and not FULL, V_LUT, nuq[14], nuq[16],
+                                   V_SLOTS * V_PATCH, nuq)  # fmt: skip
+        if V_SLOTS and not FULL and not V_PATCH:  # NUQ values' exact exceptions
+            v_lo, v_hi = _value_slots(v_lo, v_hi, t, t_ok, nuq, VP, V_SLOTS)
         p16 = p.to(OP)
         acc_lo = acc_lo * alpha[:, None] + tl.dot(p16, v_lo, input_precision=PRECISION)
         if VP == 2:
@@ -683,6 +1010,10 @@ def decode_splits_kernel(
     V_FACTOR: tl.constexpr = 1.0, K_WORDS: tl.constexpr = False, V_WORDS: tl.constexpr = False,
     ROPE0: tl.constexpr = False,
     ROPE1: tl.constexpr = False, ROPE2: tl.constexpr = False,
+    K_LUT: tl.constexpr = 0, V_LUT: tl.constexpr = 0, K_FLAT: tl.constexpr = False,
+    V_SLOTS: tl.constexpr = 0, k_tab=None, v_tab=None, k_cnt=None, kc_b=0, kc_h=0, kc_t=0,
+    k_first=None, kf_b=0, kf_h=0, kf_t=0, k_eidx=None, k_eval=None, v_sidx=None, v_sval=None,
+    vs_b=0, vs_h=0, vs_t=0, RQ: tl.constexpr = 16,
 ):  # fmt: skip
     """Segments 0, 1, 2 (KIND 0: absent, 1: full precision, 2: packed; one packed at
     most): key and value data with their batch, head and row strides (elements of the
@@ -699,7 +1030,12 @@ def decode_splits_kernel(
     segment's keys are stored before RoPE, rotated at the positions pos0, pos1, pos2
     [B, T] (strides posN_b, posN_t) by the unit table rope_tab [rope_rows, 2, D / 2] (cos,
     sin; columns in plane order) times the amplitude rope_amp [D / 2]
-    (`planned_decode.rope_planes`)."""
+    (`planned_decode.rope_planes`). K_LUT, V_LUT: 4-bit codebook (NUQ) codes, levels from
+    k_tab, v_tab (fp32 [16]); the key scale and offset fold like affine ones (post-RoPE
+    keys only). K_FLAT: the keys' flat exact exceptions, count k_cnt [B, H_kv, T] and
+    first entry k_first (strides kc_*, kf_*) of each row into k_eidx (channels) and k_eval
+    (values); V_SLOTS: the values' exceptions per row, slots v_sidx, v_sval
+    [B, H_kv, T, V_SLOTS] (strides vs_*; channel D: unused)."""
     bh = tl.program_id(0)
     split = tl.program_id(1)
     b = (bh // HKV).to(tl.int64)  # batch offsets of a long cache pass 2^31 bytes
@@ -773,6 +1109,18 @@ def decode_splits_kernel(
     hi = (split + 1) * n // splits
     vs_ptr = v_scale + b * vq_b + h * vq_h
     vo_ptr = v_off + b * vq_b + h * vq_h
+    # the real query rows (G x Q, padded to RQ) for the key exceptions' query gathers
+    rq = tl.arange(0, RQ)
+    q_real = q + b * sq_b + (h * G + rq // Q) * sq_h + (rq % Q) * sq_q
+    q_real = tl.where(rq < G * Q, q_real, q)  # padding rows read row 0 (and are dropped)
+    # the packed segment's NUQ tables and exceptions (`_key_exceptions`, `_value_slots`);
+    # levels by PRMT where the dots take fp16 (compiled), else by gathers (`_lut_planes`)
+    K_MODE: tl.constexpr = K_LUT + K_LUT * ASM * HALF
+    V_MODE: tl.constexpr = V_LUT + V_LUT * ASM * HALF
+    nuq = (k_tab, k_cnt + b * kc_b + h * kc_h, kc_t, k_first + b * kf_b + h * kf_h, kf_t,
+           k_eidx, k_eval, fk, fk + HKV * D, q_real, q_scale, v_sidx + b * vs_b + h * vs_h,
+           v_sval + b * vs_b + h * vs_h, vs_t, v_tab, _lut_words(k_tab, K_MODE),
+           _lut_words(v_tab, V_MODE))  # fmt: skip
     if KIND0 != 0:
         kp = k0 + b * k0_b + h * k0_h
         vp = v0 + b * v0_b + h * v0_h
@@ -784,6 +1132,7 @@ def decode_splits_kernel(
             CAUSAL, OP, PRECISION, NUM_STAGES, rows0, ASM, K_ROWQ, K_NG, K_HAS_OFF,
             m_row, HAS_MASK, K_FP8, V_FP8, K_FACTOR, V_FACTOR, K_WORDS, V_WORDS,
             ROPE0, rope_q, pos0 + b * pos0_b, pos0_t, rope_tab, rope_rows, D, NC,
+            K_MODE, V_MODE, K_FLAT, V_SLOTS, nuq,
         )  # fmt: skip
     if KIND1 != 0:
         kp = k1 + b * k1_b + h * k1_h
@@ -796,6 +1145,7 @@ def decode_splits_kernel(
             HAS_SOFTCAP, softcap, CAUSAL, OP, PRECISION, NUM_STAGES, rows1, ASM, K_ROWQ, K_NG,
             K_HAS_OFF, m_row, HAS_MASK, K_FP8, V_FP8, K_FACTOR, V_FACTOR, K_WORDS, V_WORDS,
             ROPE1, rope_q, pos1 + b * pos1_b, pos1_t, rope_tab, rope_rows, D, NC,
+            K_MODE, V_MODE, K_FLAT, V_SLOTS, nuq,
         )  # fmt: skip
     if KIND2 != 0:
         kp = k2 + b * k2_b + h * k2_h
@@ -809,6 +1159,7 @@ def decode_splits_kernel(
             K_ROWQ, K_NG, K_HAS_OFF, m_row, HAS_MASK, K_FP8, V_FP8, K_FACTOR, V_FACTOR,
             K_WORDS, V_WORDS,
             ROPE2, rope_q, pos2 + b * pos2_b, pos2_t, rope_tab, rope_rows, D, NC,
+            K_MODE, V_MODE, K_FLAT, V_SLOTS, nuq,
         )  # fmt: skip
     m_i, l_i, acc_lo, acc_hi = state
 

@@ -2,19 +2,23 @@
 reduction, no device syncs (`_decode_splits_triton`, `launch_plan`).
 
 It takes the layouts a decode step mostly sees — full-precision segments (sink rows,
-the residual window) around at most one packed segment of 4- or 8-bit affine codes
-or fp8 codes (E4M3 / E5M2, decoded from their bits, `fp8.fp16_placement`) with static
-per-channel (or per-head) or per-row grouped key qparams and per-row grouped or
-per-head value qparams, keys stored after RoPE or before it (rotated in the tile loop at
-each row's position, `_decode_splits_triton._rope_scores`, from a unit table in plane
-order cached per RoPE table, `rope_planes`), with or without a mask over the rows
+the residual window) around at most one packed segment of 4- or 8-bit affine codes,
+fp8 codes (E4M3 / E5M2, decoded from their bits, `fp8.fp16_placement`) or 4-bit
+codebook codes (KVQuant's NUQ4: 16 levels, `nuq_table`) with static per-channel (or
+per-head) or per-row grouped key qparams and per-row grouped or per-head value qparams,
+NUQ's exact exceptions (the keys' flat entries, the values' slots), keys stored after RoPE
+or before it (rotated in the tile loop at each row's position,
+`_decode_splits_triton._rope_scores`, from a unit table in plane order cached per RoPE
+table, `rope_planes`; not yet for NUQ codes), with or without a mask over the rows
 (sliding windows, padding: read in place, one byte per row and tile) — and
 `decode_attention.decode_path` sends everything else to the general kernel. What the
 host does per call: checks, a cached plan
 (splits from the compiled kernel's occupancy, `launch_plan.plan_splits`), two
 allocations (partial states and output; one when a single split writes the output
 itself) and the launches through a launcher cached per specialisation, which binds
-the arguments without Triton's per-call binder.
+the arguments without Triton's per-call binder. NUQ4 keys with exceptions also need
+each row's first flat entry, a prefix sum of the counts (`_flat_starts`), cached per
+contents of the count rows: recomputed (3 small ops) only on a call after they changed.
 
 The launch configuration is a fixed heuristic per head_dim and code width (shape
 bucket), never tuned on a small parity problem: BLOCK_T rows per tile, num_warps,
@@ -34,6 +38,7 @@ from kvq.quant.fp8 import fp16_placement
 from kvq.runtime.fp8_codecs import fp8_format_of
 from kvq.runtime.kernels.backend import interpreting, next_pow2
 from kvq.runtime.kernels.launch_plan import SplitPlan, plan_splits
+from kvq.runtime.packed import entry_pointers
 from kvq.tensor_memo import Memo, memoised
 
 MAX_SEGMENTS = 3
@@ -131,10 +136,20 @@ def _packed_unsupported(seg, d: int) -> str | None:
     k, v = seg.key, seg.value
     for p in (k, v):
         fp8 = p.kind == "lookup" and p.bits == 8 and fp8_format_of(p.table) is not None
-        if not fp8 and (p.kind != "affine" or p.bits not in (4, 8)):
-            return "codes other than 4- or 8-bit affine or fp8"
-        if p.slot_index is not None or p.sparse_count is not None:
-            return "exceptions use the general kernel"
+        if not fp8 and not _nuq(p) and (p.kind != "affine" or p.bits not in (4, 8)):
+            return "codes other than 4- or 8-bit affine, fp8 or 4-bit NUQ"
+    # NUQ exceptions: the keys' flat entries, the values' slots (`_key_exceptions`,
+    # `_value_slots`)
+    if k.slot_index is not None or (k.sparse_count is not None and not _nuq(k)):
+        return "key exceptions other than NUQ's flat entries"
+    if v.sparse_count is not None or (v.slot_index is not None and not _nuq(v)):
+        return "value exceptions other than NUQ's slots"
+    if v.slot_index is not None and v.slot_value.stride() != v.slot_index.stride():
+        return "value slots: values must share the channels' layout"
+    if _nuq(k) and k.qaxis not in ("channel", "head"):
+        return "NUQ keys with per-row normalisers"
+    if _nuq(k) and k.pre_rope:  # the rotation path decodes affine / fp8 keys only
+        return "pre-RoPE NUQ keys use the general kernel"
     if k.qaxis not in ("channel", "head"):
         reason = _row_groups_unsupported(k, d)
         if reason:
@@ -143,6 +158,54 @@ def _packed_unsupported(seg, d: int) -> str | None:
         return "values: per-head zero points" if v.zero_point is not None else None
     reason = _row_groups_unsupported(v, d)
     return f"values: {reason}" if reason else None
+
+
+def _nuq(p) -> bool:
+    """Whether `p` holds 4-bit codebook codes (KVQuant's NUQ4): a table of 16 levels that
+    the kernel reads as fp16 bytes (`_lut_planes`)."""
+    return p.kind == "lookup" and p.bits == 4 and p.table.numel() == 16
+
+
+def nuq_table(table: Tensor) -> Tensor:
+    """float32 [16 + 32 x 8] of a 4-bit codebook, cached per table: its 16 levels (the
+    kernel's gathers, exact), then the bits of the PRMT table (`_LUT_ASM`: the low bytes of
+    the fp16 levels 0-3, 4-7, 8-11, 12-15, then their high bytes, one word each) once per
+    lane of a warp, so that each lane reads its own copy into regular registers."""
+
+    def build():
+        levels = table.float().reshape(16)
+        bits = levels.half().view(torch.int16).int() & 0xFFFF  # [16]
+        byte = torch.stack([bits & 0xFF, bits >> 8]).view(2, 4, 4)  # [low | high, word, byte]
+        words = (byte << torch.tensor([0, 8, 16, 24], device=table.device)).sum(-1)  # [2, 4]
+        words = words.reshape(8).to(torch.int64).to(torch.int32)  # wraps to int32 bits
+        lanes = words.repeat(32).view(torch.float32)
+        return torch.cat([levels, lanes]).contiguous()
+
+    return memoised(_NUQ_TABLES, table, build)
+
+
+_NUQ_TABLES: Memo = {}
+
+
+def _flat_starts(count: Tensor) -> Tensor:
+    """[B, H, T] int32 first flat entry of each (batch, head, row) (`entry_pointers`, a
+    prefix sum over the counts in entry order), computed once per count tensor contents:
+    the key is the count view's address, shape, strides and version counter (which every
+    write into its buffer moves), and the entry holds the view, so that buffer's address
+    cannot be reused while the entry lives. A decode call whose count rows are unchanged
+    (the main segment between flushes of the residual window) launches nothing for them;
+    one after an append recomputes them (3 small torch ops)."""
+    key = (count.data_ptr(), count.device, tuple(count.shape), count.stride(), count._version)
+    hit = _STARTS.get(key)
+    if hit is None:
+        if len(_STARTS) >= _STARTS_KEPT:
+            _STARTS.pop(next(iter(_STARTS)))
+        hit = _STARTS[key] = (count, entry_pointers(count))
+    return hit[1]
+
+
+_STARTS: dict = {}
+_STARTS_KEPT = 256  # a few per layer of a model
 
 
 def _words(p) -> bool:
@@ -299,6 +362,7 @@ def planned_call(query: Tensor, segments, *, scaling: float, softcap: float | No
         NUM_STAGES=cfg.num_stages, ASM=ASM and not interpreting() and query.device.type == "cuda",
     )  # fmt: skip
     args.update(_rope_args(segments, rope, kp, half, dummy))
+    args.update(_nuq_args(packed, dummy), RQ=next_pow2(group * q_len))
     return PlannedCall(args, cfg, b * hkv, padded, (b, hq, q_len, d), group * q_len)
 
 
@@ -348,6 +412,34 @@ def rope_planes(
 
 
 _ROPE_PLANES: Memo = {}
+
+
+def _nuq_args(packed, dummy: Tensor) -> dict:
+    """The kernel's NUQ arguments (K_LUT ... vs_t): codebook tables, the keys' flat
+    exceptions (counts, first entries `_flat_starts`, channels, values) and the values'
+    slots; dummies where absent."""
+    out = dict(K_LUT=0, V_LUT=0, K_FLAT=False, V_SLOTS=0, k_tab=dummy, v_tab=dummy,
+               k_cnt=dummy, kc_b=0, kc_h=0, kc_t=0, k_first=dummy, kf_b=0, kf_h=0, kf_t=0,
+               k_eidx=dummy, k_eval=dummy, v_sidx=dummy, v_sval=dummy, vs_b=0, vs_h=0,
+               vs_t=0)  # fmt: skip
+    if packed is None:
+        return out
+    k, v = packed.key, packed.value
+    out.update(K_LUT=_nuq(k), V_LUT=_nuq(v))
+    if _nuq(k):
+        out["k_tab"] = nuq_table(k.table)
+    if _nuq(v):
+        out["v_tab"] = nuq_table(v.table)
+    if k.sparse_count is not None and k.sparse_index.numel():
+        first = _flat_starts(k.sparse_count)
+        out.update(K_FLAT=True, k_cnt=k.sparse_count, k_first=first, k_eidx=k.sparse_index,
+                   k_eval=k.sparse_value)  # fmt: skip
+        out.update(zip(("kc_b", "kc_h", "kc_t"), k.sparse_count.stride(), strict=True))
+        out.update(zip(("kf_b", "kf_h", "kf_t"), first.stride(), strict=True))
+    if v.slot_index is not None and v.slot_index.shape[-1]:
+        out.update(V_SLOTS=v.slot_index.shape[-1], v_sidx=v.slot_index, v_sval=v.slot_value)
+        out.update(zip(("vs_b", "vs_h", "vs_t"), v.slot_index.stride()[:3], strict=True))
+    return out
 
 
 def run_planned(query: Tensor, segments, *, scaling: float, softcap: float | None,

@@ -199,7 +199,7 @@ def test_a_fully_masked_query_row_gives_zeros_like_the_reference(planned_calls):
     assert not out[1, :, 0].any() and out[0].abs().amin() > 0
 
 
-@pytest.mark.parametrize("kind", ["int4-g16", "nuq4", "int2-int3"])  # 8 codes/group plane
+@pytest.mark.parametrize("kind", ["int4-g16", "nuq3", "int2-int3"])  # 8 codes/group plane
 def test_other_layouts_keep_the_general_kernel(kind, planned_calls):
     k, v = _data(1, 2, 40, 64, seed=7)
     kp, vp = _codec_segment(kind, k, v)
@@ -318,6 +318,47 @@ def test_pre_rope_tables_are_built_once_per_table():
     torch.testing.assert_close(tab[:, 1, 1], sin[:, 2])
 
 
+def _strip_exceptions(seg: Segment) -> Segment:
+    """The same codes without their exact exceptions."""
+    key = replace(seg.key, sparse_count=None, sparse_index=None, sparse_value=None)
+    return Segment(key, replace(seg.value, slot_index=None, slot_value=None))
+
+
+@pytest.mark.parametrize("kind", ["nuq4-dense", "nuq4"])
+@pytest.mark.parametrize("d, hq, hkv", [(64, 8, 2), (128, 4, 1)])
+def test_nuq4_codes_and_exceptions_in_one_launch_match_reference(kind, d, hq, hkv,
+                                                                 planned_calls):  # fmt: skip
+    """KVQuant's NUQ4 main rows (codebook levels, per-channel key and per-row value
+    normalisers; with exceptions: the keys' flat exact entries, the values' slots) between
+    sink and residual rows, GQA and MQA, through the planned kernel."""
+    segs = _layer_segments(kind, 2, hkv, d, rows=150, seed=5)
+    main = segs[1]
+    assert main.key.kind == "lookup" and main.key.bits == 4
+    if kind == "nuq4":
+        assert main.key.sparse_index.numel() and main.value.slot_index is not None
+    q = torch.randn(2, hq, 1, d) * 2
+    out = _check(q, segs)
+    assert len(planned_calls) == 1
+    if kind == "nuq4":  # the exceptions move the result: the check above sees them
+        bare = [segs[0], _strip_exceptions(main), segs[2]]
+        q, bare = _to((q, bare), DEVICE)
+        without = decode_attention_triton(q, bare, scaling=d**-0.5).cpu()
+        assert (out - without).abs().max().item() > 100 * ATOL
+
+
+@pytest.mark.parametrize("q_len", [1, 2])
+def test_nuq4_with_masks_and_query_blocks(q_len, planned_calls):
+    """NUQ4 with exceptions under a sliding-window mask with padding (Q = 1 and 2), and
+    causal without a mask: the corrected scores go through the same masking."""
+    b, hkv, d = 2, 2, 64
+    segs = _layer_segments("nuq4", b, hkv, d, rows=140, seed=8)
+    total = sum(s.rows for s in segs)
+    mask = _window_mask(b, q_len, total, window=100, pad=7)
+    _check(torch.randn(b, 4, q_len, d), segs, mask=mask)
+    _check(torch.randn(b, 4, q_len, d), segs)
+    assert len(planned_calls) == 2
+
+
 def _route_segments(fmt, d=64):
     """A layer's segments (sink, main, residual) with main rows in format `fmt`."""
     k, v = _data(2, 2, 80, d, seed=13)
@@ -329,10 +370,9 @@ def _route_segments(fmt, d=64):
         lifetime = "dynamic" if fmt.endswith("token") else "static"
         main = _fp8_segment("e4m3", lifetime, k[:, :, 2:-5], v[:, :, 2:-5])
     else:
-        kind = {"kv4": "int4-channel", "kv4-pre": "int4-channel", "kv8": "int8-channel-sym"}.get(
-            fmt, fmt
-        )
-        pre = fmt == "kv4-pre"
+        kind = {"kv4": "int4-channel", "kv4-pre": "int4-channel", "kv8": "int8-channel-sym",
+                "nuq4-pre": "nuq4"}.get(fmt, fmt)  # fmt: skip
+        pre = fmt.endswith("-pre")
         kp, vp = _codec_segment(kind, k[:, :, 2:-5], v[:, :, 2:-5], pre_rope=pre)
         main = Segment(kp, vp, torch.arange(2, 75).expand(2, 73) if pre else None)
     sink = Segment(_full(k[:, :, :2]), _full(v[:, :, :2]))
@@ -340,15 +380,16 @@ def _route_segments(fmt, d=64):
     return [sink, main, residual]
 
 
-PLANNED_FORMATS = ("kv4", "kv4-pre", "kv4-token", "kv8", "kv8-token", "fp8", "fp8-token")
-GENERAL_FORMATS = ("nuq4", "int2-int3", "int4-g16")
+PLANNED_FORMATS = ("kv4", "kv4-pre", "kv4-token", "kv8", "kv8-token", "fp8", "fp8-token", "nuq4")
+GENERAL_FORMATS = ("nuq4-pre", "nuq3", "int2-int3", "int4-g16")
 
 
 @pytest.mark.parametrize("fmt", PLANNED_FORMATS + GENERAL_FORMATS)
 @pytest.mark.parametrize("masked", [False, True])
 def test_which_kernel_a_layer_call_takes_on_cuda(fmt, masked):
     """What a CUDA decode call of a layer in `fmt` runs (asked on this CPU machine): the
-    planned kernel for 4- and 8-bit affine codes, masked (sliding window, padding) or not;
+    planned kernel for 4- and 8-bit affine codes, fp8 and post-RoPE NUQ4 (exceptions
+    included), masked (sliding window, padding) or not;
     the general kernel for the layouts the planned one does not decode; the reference on
     CPU tensors with the auto backend; the general kernel everywhere with
     KVQ_DECODE_PLANNED=0."""
@@ -430,8 +471,11 @@ class _Ops(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-@pytest.mark.parametrize("masked, pre_rope", [(False, False), (True, False), (True, True)])
-def test_one_call_costs_two_launches_no_sync_and_three_allocations(monkeypatch, masked,
+@pytest.mark.parametrize("kind, masked, pre_rope", [("int4-channel", False, False),
+                                                    ("int4-channel", True, False),
+                                                    ("int4-channel", True, True),
+                                                    ("nuq4", True, False)])  # fmt: skip
+def test_one_call_costs_two_launches_no_sync_and_three_allocations(monkeypatch, kind, masked,
                                                                    pre_rope):  # fmt: skip
     """A layer's decode call (sink, packed main rows, residual) at batch 4 through the
     runtime's dispatch (`decode_attention`, which picks the path), plain or with a sliding
@@ -440,8 +484,9 @@ def test_one_call_costs_two_launches_no_sync_and_three_allocations(monkeypatch, 
     waits on the device (pre-RoPE: the tables in plane order are built by the first call
     and reused, and no position is read on the host). The kernels themselves are stubbed
     during the count (the interpreter copies arguments with torch ops of its own, which a
-    CUDA launch does not)."""
-    segs = _layer_segments("int4-channel", 4, 2, 64, rows=300, seed=9)
+    CUDA launch does not). NUQ4 main rows with exceptions: their codebook table and the
+    keys' first flat entries per row are computed once (the warm call) for unchanged rows."""
+    segs = _layer_segments(kind, 4, 2, 64, rows=300, seed=9)
     total = sum(s.rows for s in segs)
     rope = None
     if pre_rope:
@@ -535,3 +580,21 @@ def test_generate_through_the_planned_path_matches_the_reference(monkeypatch, pl
     # 4 layers x (1 prefill + 4 decode steps), each through the planned kernel
     assert len(planned_calls) == 20
     assert {p.kernel for p in paths} == {"planned"}
+
+
+def test_flat_starts_follow_the_count_rows():
+    """The NUQ keys' first flat entry per (batch, head, row) is the prefix sum of the counts
+    in entry order; a new view of unchanged rows reuses it, a write into the count buffer
+    (an append) or more rows recompute it."""
+    from kvq.runtime.packed import entry_pointers
+
+    buf = torch.zeros(2, 3, 16, dtype=torch.uint8)
+    buf[:, :, :10] = torch.randint(0, 4, (2, 3, 10), dtype=torch.uint8)
+    first = planned_decode._flat_starts(buf[:, :, :10])
+    assert torch.equal(first, entry_pointers(buf[:, :, :10]))
+    assert planned_decode._flat_starts(buf[:, :, :10]) is first
+    buf[0, 1, 4] += 1
+    again = planned_decode._flat_starts(buf[:, :, :10])
+    assert torch.equal(again, entry_pointers(buf[:, :, :10])) and not torch.equal(again, first)
+    longer = planned_decode._flat_starts(buf[:, :, :11])
+    assert longer.shape == (2, 3, 11)
