@@ -672,7 +672,7 @@ def _value_planes(ptr, rows, row_ok, stride_t, vs_ptr, vo_ptr, vq_t, ZERO: tl.co
 def _rope_setup(q_row, r_ok, q_scale, amp, fk, HKV, C0: tl.constexpr, CW: tl.constexpr,
                 D: tl.constexpr, KP: tl.constexpr, OP: tl.constexpr,
                 STATIC: tl.constexpr):  # fmt: skip
-    """Once per program, for pre-RoPE segments: the query and the static key qparams at
+    """Once per segment loop, for pre-RoPE keys: the query and the static key qparams at
     columns [C0, C0 + CW) of the planes' halves. In plane order the channels split into
     halves whose column j are RoPE partners (c, c + D/2): (query rows [R, CW] of the
     even plane in half 0, in half 1, the odd plane in half 0, in half 1), float32, scaled
@@ -1086,9 +1086,9 @@ def decode_splits_kernel(
     if Q > 1:
         m_row = m_row + qi * m_q  # [R]: query row r's
 
-    # pre-RoPE segments: the query and static key qparams per half and plane, prepared per
-    # segment (`_rope_prepare`): held across the segments' loops, they took the registers
-    # of 8 warps more
+    # pre-RoPE segments: the query and static key qparams per half and plane, prepared in
+    # each segment's loop from these (`_rope_prepare`), not held across the other
+    # segments' loops
     # (in NC chunks of columns: a chunk's keys are decoded, rotated and dotted before the
     # next one's, which keeps head_dim 256 within the registers of 8 resident warps)
     NC: tl.constexpr = 2 if D // KP // 2 > 32 and not K_ROWQ else 1
