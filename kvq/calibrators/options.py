@@ -353,10 +353,11 @@ class VQOptions(PassOptions):
 # What `kvq calibrate auto --bits B` runs, from the measurements on Gemma 3 270M
 # (WikiText-2 test 16 x 512, prefill; README "Low-bit caches"): bits -> (method, vq
 # vector dim, mixed precision). "kvquant" is scalar KVQuant NUQ with its defaults.
-# Perplexity ratio / KLD, scalar NUQ vs vq + mixed bits:
-#   2 bits 1.2145 / 0.1808 vs 1.1792 / 0.1585 (4-D codebooks): vq
-#   3 bits 1.0355 / 0.0394 vs 1.0442 / 0.0357 (2-D): vq, on KLD and top-1 (0.889 vs 0.894)
-#   4 bits 1.0094 / 0.0098 vs 1.0135 / 0.0106 (2-D): scalar
+# Perplexity ratio / KLD / top-1 (`kvq run-eval`):
+#   2 bits: scalar 1.2145 / 0.1808 / 0.782, vq 4-D + mixed bits 1.1696 / 0.1525 / 0.796
+#   3 bits: scalar 1.0355 / 0.0394 / 0.889, vq 2-D + mixed bits 1.0425 / 0.0354 / 0.898:
+#           vq, on KLD and top-1 (decode protocol: 1.0317 / 0.0370 vs scalar 1.0391 / 0.0396)
+#   4 bits: scalar 1.0094 / 0.0098 / 0.944, vq 2-D + mixed 1.0135 / 0.0106 / 0.946: scalar
 AUTO_CHOICES: dict[int, tuple[str, int, bool]] = {
     2: ("vq", 4, True),
     3: ("vq", 2, True),
