@@ -115,7 +115,7 @@ def test_a_base_artifact_of_another_model_is_one_line(
 @pytest.mark.parametrize(
     "args,needle",
     [
-        (["auto", "--bits", "5"], "--bits must be one of 2, 3, 4"),
+        (["auto", "--bits", "5"], "--bits must be 2, 3 or 4 for auto"),
         (["vq", "--bits", "5"], "--bits must be 1, 2, 3 or 4"),
         (["vq", "--bits", "4", "--dim", "4"], "4096 centroids"),
         (["vq", "--dim", "3"], "--dim must be"),
