@@ -28,6 +28,15 @@ from functools import partial
 from pathlib import Path
 
 import torch
+from _common import (
+    add_data_args,
+    check_same_windows,
+    load_model_and_windows,
+    result_figures,
+    timed_pass,
+    window_meta,
+    write_json,
+)
 from rich.console import Console
 from rich.table import Table
 
@@ -35,15 +44,11 @@ from kvq.calibrators.options import ActScalesOptions, KVScalesOptions
 from kvq.calibrators.prefix_state import bos_id, ids_prefix
 from kvq.calibrators.prefixquant import choose_tokens, outlier_stats
 from kvq.eval.quality import evaluate_many
-from kvq.models.loading import load_model
-from kvq.pipeline import load_windows, run_pass
 from kvq.progress import Progress
 from kvq.quant.schemes import named_policy
 from kvq.runtime.activations import quantized_linear_inputs, static_scales
 from kvq.runtime.cache import build_cache, unit_scales
 from kvq.runtime.prefix import prefix_from_tensors, user_tokens
-
-SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
 
 
 def discover_prefix(loaded, windows: torch.Tensor, eta: float, max_tokens: int):
@@ -65,39 +70,27 @@ def discover_prefix(loaded, windows: torch.Tensor, eta: float, max_tokens: int):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--model", default="gemma3-270m")
-    ap.add_argument("--samples", type=int, default=16)
-    ap.add_argument("--windows", type=int, default=16)
-    ap.add_argument("--seqlen", type=int, default=512)
+    add_data_args(ap)
     ap.add_argument("--prefix-ids", default="auto")
     ap.add_argument("--eta", type=float, default=64.0)
     ap.add_argument("--max-tokens", type=int, default=4)
     ap.add_argument("--discover-windows", type=int, default=8)
     ap.add_argument("--act-method", default="absmax", choices=("absmax", "percentile", "mse"))
-    ap.add_argument("--calibration", default=str(SHARED / "calibration" / "groups_merged.txt"))
-    ap.add_argument("--data-dir", default=str(SHARED))
     ap.add_argument("--set", default="both", choices=("none", "prefix", "both"),
                     help="score the rows without the prefix, with it, or both (split a run "
                     "over two processes; --merge joins them)")  # fmt: skip
-    ap.add_argument("--json", type=Path)
     ap.add_argument("--merge", type=Path, nargs="+", help="join the JSON of split runs")
     args = ap.parse_args()
     if args.merge:
         merge(args.merge, args.json)
         return
     console = Console(stderr=True)
-    loaded = load_model(args.model)
+    loaded, cal, ev = load_model_and_windows(args)
     info = loaded.adapter.info
-    cal = load_windows(loaded, args.calibration, args.samples, args.seqlen, 0, None)
-    ev = load_windows(loaded, "wikitext2", args.windows, args.seqlen, 0, args.data_dir)
-    payload: dict = {"model": args.model, "dataset": ev.source.spec,
-                     "windows_sha256": ev.fingerprint, "windows": args.windows,
-                     "seqlen": args.seqlen, "protocol": "prefill", "calibration": {},
-                     "sets": {}}  # fmt: skip
+    payload: dict = {**window_meta(args, ev, "prefill"), "calibration": {}, "sets": {}}
 
     def save() -> None:
-        if args.json:
-            args.json.write_text(json.dumps(payload, indent=2) + "\n")
+        write_json(args.json, payload)
 
     start = time.perf_counter()
     if args.prefix_ids == "auto":
@@ -127,9 +120,7 @@ def main() -> None:
     }
     states = {}
     for name, options in calibrations.items():
-        t0 = time.perf_counter()
-        states[name] = run_pass(loaded, cal, options, Progress())
-        seconds = round(time.perf_counter() - t0, 1)
+        states[name], seconds = timed_pass(loaded, cal, options)
         payload["calibration"][name] = {"pass": options.NAME, "options": options.as_dict(),
                                         "seconds": seconds}  # fmt: skip
         console.print(f"calibrated {name} in {seconds} s")
@@ -168,11 +159,9 @@ def main() -> None:
 
         def on_window(i: int, results, key=key, p=p) -> None:
             payload["sets"][key] = {"prefix_ids": list(p), "windows_scored": i + 1,
-                                    "eval_s": round(time.perf_counter() - t0, 1), "rows": [
-                {"config": n, "ppl_baseline": q["ppl"]["baseline"], "ppl": q["ppl"]["quantized"],
-                 "ratio": q["ppl"]["ratio"], "kld": q["kld"]["mean"],
-                 "top1": q["kld"]["top1_agreement"], "bytes_ratio": r.ledger.ratio}
-                for n, r in results.items() for q in [r.as_json(("ppl", "kld"))]]}  # fmt: skip
+                                    "eval_s": round(time.perf_counter() - t0, 1),
+                                    "rows": [{"config": n, **result_figures(r)}
+                                             for n, r in results.items()]}  # fmt: skip
             save()
 
         makers = {n: m for n, (m, _) in rows.items()}
@@ -190,18 +179,15 @@ def main() -> None:
 def merge(files: list[Path], out: Path | None) -> None:
     """Join split runs (--set none / prefix) that scored the same windows with one prefix."""
     payloads = [json.loads(f.read_text()) for f in files]
+    check_same_windows(payloads)
     for other in payloads[1:]:
-        for k in ("model", "windows_sha256", "windows", "seqlen", "protocol"):
-            if other[k] != payloads[0][k]:
-                raise SystemExit(f"cannot merge: {k} differs")
         if other["prefix"]["ids"] != payloads[0]["prefix"]["ids"]:
             raise SystemExit("cannot merge: the prefixes differ")
     merged = dict(payloads[0])
     merged["calibration"] = {k: v for p in payloads for k, v in p["calibration"].items()}
     merged["sets"] = {k: v for p in payloads for k, v in p["sets"].items()}
     print_table(merged)
-    if out:
-        out.write_text(json.dumps(merged, indent=2) + "\n")
+    write_json(out, merged)
 
 
 def print_table(payload: dict) -> None:

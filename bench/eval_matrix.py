@@ -12,23 +12,18 @@ calibration and evaluation seconds. The unquantized baseline is computed once.
 from __future__ import annotations
 
 import argparse
-import json
 import time
-from pathlib import Path
 
 import torch
+from _common import add_data_args, load_model_and_windows, result_figures, timed_pass, write_json
 from rich.console import Console
 from rich.table import Table
 
 from kvq.calibrators.channel_scales import ChannelScalesOptions
 from kvq.calibrators.kvquant import KVQuantOptions
 from kvq.eval.quality import evaluate
-from kvq.models.loading import load_model
-from kvq.pipeline import load_windows, run_pass
 from kvq.progress import Progress
 from kvq.runtime.cache import build_cache
-
-SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
 
 CONFIGS = {
     "int8": ChannelScalesOptions(bits=8),
@@ -41,28 +36,18 @@ CONFIGS = {
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--model", default="gemma3-270m")
-    ap.add_argument("--samples", type=int, default=16)
-    ap.add_argument("--windows", type=int, default=16)
-    ap.add_argument("--seqlen", type=int, default=512)
+    add_data_args(ap)
     ap.add_argument("--protocols", default="prefill,decode")
     ap.add_argument("--only", default=",".join(CONFIGS))
-    ap.add_argument("--calibration", default=str(SHARED / "calibration" / "groups_merged.txt"))
-    ap.add_argument("--data-dir", default=str(SHARED))
-    ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     console = Console(stderr=True)
-    loaded = load_model(args.model)
+    loaded, cal, ev = load_model_and_windows(args)
     info = loaded.adapter.info
-    cal = load_windows(loaded, args.calibration, args.samples, args.seqlen, 0, None)
-    ev = load_windows(loaded, "wikitext2", args.windows, args.seqlen, 0, args.data_dir)
     elements = 2 * info.num_layers * info.num_kv_heads * info.head_dim  # K+V values per token
     results = []
     for name in args.only.split(","):
         progress = Progress()
-        start = time.perf_counter()
-        state = run_pass(loaded, cal, CONFIGS[name], progress)
-        cal_s = time.perf_counter() - start
+        state, cal_s = timed_pass(loaded, cal, CONFIGS[name], progress)
         policy, static = state.policy, state.of_kind("policy")
         for protocol in args.protocols.split(","):
             t0 = time.perf_counter()
@@ -74,19 +59,12 @@ def main() -> None:
                     protocol,
                     Progress(),
                 )
-            out = res.as_json(("ppl", "kld", "bytes"))
-            led = res.ledger
             row = {
                 "config": name,
                 "protocol": protocol,
-                "ppl_baseline": out["ppl"]["baseline"],
-                "ppl": out["ppl"]["quantized"],
-                "ratio": out["ppl"]["ratio"],
-                "kld": out["kld"]["mean"],
-                "top1": out["kld"]["top1_agreement"],
-                "bytes_ratio": led.ratio,
-                "bits_per_element": 8 * led.bytes_per_token / elements,
-                "calibration_s": round(cal_s, 1),
+                **result_figures(res),
+                "bits_per_element": 8 * res.ledger.bytes_per_token / elements,
+                "calibration_s": cal_s,
                 "calibration_stages": progress.seconds,
                 "eval_s": round(time.perf_counter() - t0, 1),
             }
@@ -129,8 +107,7 @@ def main() -> None:
     Console().print(table)
     if results:
         Console().print(f"baseline perplexity {results[0]['ppl_baseline']:.4f}")
-    if args.json:
-        args.json.write_text(json.dumps({"results": results}, indent=2) + "\n")
+    write_json(args.json, {"results": results})
 
 
 if __name__ == "__main__":

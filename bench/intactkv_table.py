@@ -21,16 +21,14 @@ import time
 from pathlib import Path
 
 import torch
+from _common import add_data_args, load_model_and_windows, totals_figures
 
 from kvq.calibrators.base import tensor_kind
 from kvq.calibrators.prefix_state import extract_prefix
 from kvq.eval.quality import QualityTotals, _accumulate
 from kvq.exporters.artifact import read_artifact
-from kvq.models.loading import load_model
-from kvq.pipeline import artifact_prefix, cache_for, load_windows
+from kvq.pipeline import artifact_prefix, cache_for
 from kvq.runtime.cache import build_cache
-
-SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
 
 
 def exact_cache(loaded, artifact, exact):
@@ -43,16 +41,11 @@ def exact_cache(loaded, artifact, exact):
 @torch.no_grad()
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--model", default="gemma3-270m")
+    add_data_args(ap, calibration=False)
     ap.add_argument("--pair", action="append", required=True, help="NAME=BASE_ART,CALIBRATED_ART")
-    ap.add_argument("--windows", type=int, default=16)
-    ap.add_argument("--seqlen", type=int, default=512)
-    ap.add_argument("--data-dir", default=str(SHARED))
-    ap.add_argument("--json", type=Path)
     args = ap.parse_args()
-    loaded = load_model(args.model)
+    loaded, _, ev = load_model_and_windows(args, calibration=False)
     model = loaded.model
-    ev = load_windows(loaded, "wikitext2", args.windows, args.seqlen, 0, args.data_dir)
     setups = {}
     shared = {}  # pair name -> the earlier pair with the same base: its none/exact rows
     for pair in args.pair:
@@ -95,19 +88,10 @@ def main() -> None:
                 totals[(name, variant)] = totals[(earlier, variant)]
     rows = []
     for (name, variant), t in totals.items():
-        s = setups[name]
-        rows.append(
-            {
-                "base": name,
-                "prefix": variant,
-                "ppl_baseline": t.ppl_base(),
-                "ppl_quantized": t.ppl_quant(),
-                "ppl_ratio": t.ppl_quant() / t.ppl_base(),
-                "kld": t.kl / t.tokens,
-                "top1": t.top1_agree / t.tokens,
-                "scored_tokens": t.tokens,
-            }
-        )
+        f = totals_figures(t)  # this table's JSON names: ppl_quantized, ppl_ratio
+        rows.append({"base": name, "prefix": variant, "ppl_baseline": f["ppl_baseline"],
+                     "ppl_quantized": f["ppl"], "ppl_ratio": f["ratio"], "kld": f["kld"],
+                     "top1": f["top1"], "scored_tokens": t.tokens})  # fmt: skip
     for name, s in setups.items():
         r = s["_cal_report"]
         print(

@@ -25,18 +25,23 @@ import time
 from pathlib import Path
 
 import torch
+from _common import (
+    add_data_args,
+    check_same_windows,
+    load_model_and_windows,
+    result_figures,
+    window_meta,
+    write_json,
+)
 from rich.console import Console
 from rich.table import Table
 
 from kvq.calibrators.options import KVScalesOptions
 from kvq.eval.quality import evaluate_many
-from kvq.models.loading import load_model
-from kvq.pipeline import load_windows, run_pass
+from kvq.pipeline import run_pass
 from kvq.progress import Progress
 from kvq.quant.schemes import named_policy
 from kvq.runtime.cache import build_cache, unit_scales
-
-SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
 
 # name -> calibrated options, or the name of a calibration-free policy
 CONFIGS: dict[str, KVScalesOptions | str] = {
@@ -54,15 +59,7 @@ CONFIGS: dict[str, KVScalesOptions | str] = {
 
 
 def _payload(args, ev, results) -> dict:
-    return {
-        "model": args.model,
-        "dataset": ev.source.spec,
-        "windows_sha256": ev.fingerprint,
-        "windows": args.windows,
-        "seqlen": args.seqlen,
-        "protocol": args.protocol,
-        "results": results,
-    }
+    return {**window_meta(args, ev, args.protocol), "results": results}
 
 
 def print_table(payload: dict) -> None:
@@ -91,39 +88,26 @@ def merge(files: list[Path], out: Path | None) -> None:
     """Join the rows of runs split with --only (same model, windows and protocol), in
     CONFIGS order."""
     payloads = [json.loads(f.read_text()) for f in files]
-    keys = ("model", "windows_sha256", "windows", "seqlen", "protocol")
-    for other in payloads[1:]:
-        for k in keys:
-            if other[k] != payloads[0][k]:
-                raise SystemExit(f"cannot merge: {k} differs ({other[k]} vs {payloads[0][k]})")
+    check_same_windows(payloads)
     rows = {r["config"]: r for p in payloads for r in p["results"]}
     merged = dict(payloads[0], results=[rows[n] for n in CONFIGS if n in rows])
     print_table(merged)
-    if out:
-        out.write_text(json.dumps(merged, indent=2) + "\n")
+    write_json(out, merged)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--model", default="gemma3-270m")
-    ap.add_argument("--samples", type=int, default=16)
-    ap.add_argument("--windows", type=int, default=16)
-    ap.add_argument("--seqlen", type=int, default=512)
+    add_data_args(ap)
     ap.add_argument("--protocol", default="prefill")
     ap.add_argument("--only", default=",".join(CONFIGS))
-    ap.add_argument("--calibration", default=str(SHARED / "calibration" / "groups_merged.txt"))
-    ap.add_argument("--data-dir", default=str(SHARED))
-    ap.add_argument("--json", type=Path)
     ap.add_argument("--merge", type=Path, nargs="+", help="join the JSON of split runs")
     args = ap.parse_args()
     if args.merge:
         merge(args.merge, args.json)
         return
     console = Console(stderr=True)
-    loaded = load_model(args.model)
+    loaded, cal, ev = load_model_and_windows(args)
     info = loaded.adapter.info
-    cal = load_windows(loaded, args.calibration, args.samples, args.seqlen, 0, None)
-    ev = load_windows(loaded, "wikitext2", args.windows, args.seqlen, 0, args.data_dir)
     names = args.only.split(",")
     prepared = {}  # name -> (policy, static state, source, calibration seconds)
     for name in names:
@@ -148,24 +132,17 @@ def main() -> None:
         out = []
         for name, res in results.items():
             policy, _, source, cal_s = prepared[name]
-            q = res.as_json(("ppl", "kld"))
             out.append({
                 "config": name, "source": source, "policy": policy.name,
                 "layers_16bit": sum(layer.full_precision for layer in policy.layers),
-                "protocol": args.protocol, "windows_scored": done,
-                "ppl_baseline": q["ppl"]["baseline"], "ppl": q["ppl"]["quantized"],
-                "ratio": q["ppl"]["ratio"], "kld": q["kld"]["mean"],
-                "top1": q["kld"]["top1_agreement"], "bytes_ratio": res.ledger.ratio,
+                "protocol": args.protocol, "windows_scored": done, **result_figures(res),
                 "calibration_s": cal_s, "eval_s_all_configs": round(time.perf_counter() - t0, 1),
             })  # fmt: skip
         return out
 
     def on_window(i: int, results) -> None:
         # after every window: a stopped run keeps what it measured (windows_scored says how much)
-        if args.json:
-            args.json.write_text(
-                json.dumps(_payload(args, ev, rows(i + 1, results)), indent=2) + "\n"
-            )
+        write_json(args.json, _payload(args, ev, rows(i + 1, results)))
 
     if args.protocol != "prefill":
         raise SystemExit("this bench scores the prefill protocol (one baseline per window)")

@@ -29,11 +29,16 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import time
-from pathlib import Path
 
 import torch
+from _common import (
+    add_data_args,
+    load_model_and_windows,
+    result_figures,
+    totals_figures,
+    write_json,
+)
 from rich.console import Console
 from rich.table import Table
 
@@ -43,13 +48,20 @@ from kvq.calibrators.kvquant import KVQuantOptions, calibrate_kvquant
 from kvq.calibrators.options import VQOptions
 from kvq.calibrators.vq import calibrate_vq
 from kvq.eval.quality import QualityTotals, _accumulate, evaluate_many
-from kvq.models.loading import load_model
-from kvq.pipeline import load_windows
 from kvq.progress import Progress
 from kvq.quant.schemes import FULL_PRECISION, CachePolicy, LayerPolicy, QuantScheme
 from kvq.runtime.cache import build_cache
 
-SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
+
+def fisher_sums(loaded, cal, sink: int):
+    """(key, value) Fisher sums over the calibration windows, the first `sink` positions
+    left out (cached by windows and weights, so every step and width reads them once)."""
+    with torch.enable_grad():
+        info = fisher_cached(
+            loaded.model, loaded.adapter, cal.ids, cal.fingerprint,
+            loaded.identity.weights_sha256, Progress(), exclude_first=sink,
+        )  # fmt: skip
+    return info.key, info.value
 
 
 def per_token_policy(bits: int, layers: int) -> CachePolicy:
@@ -59,14 +71,8 @@ def per_token_policy(bits: int, layers: int) -> CachePolicy:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--model", default="gemma3-270m")
+    add_data_args(ap)
     ap.add_argument("--bits", type=int, default=3)
-    ap.add_argument("--samples", type=int, default=16)
-    ap.add_argument("--windows", type=int, default=16)
-    ap.add_argument("--seqlen", type=int, default=512)
-    ap.add_argument("--calibration", default=str(SHARED / "calibration" / "groups_merged.txt"))
-    ap.add_argument("--data-dir", default=str(SHARED))
-    ap.add_argument("--json", type=Path)
     ap.add_argument("--no-split", action="store_true", help="skip the K-only / V-only rows")
     ap.add_argument("--lowbit", default="", help="e.g. 3,2: scalar NUQ -> + vq -> + mixed")
     ap.add_argument("--steps", default="nuq,vq,mixed", help="--lowbit rows to run (nuq, vq, mixed)")
@@ -75,28 +81,13 @@ def main() -> None:
     torch.set_grad_enabled(False)
     console = Console(stderr=True)
 
-    loaded = load_model(args.model)
+    loaded, cal, ev = load_model_and_windows(args)
     model, adapter = loaded.model, loaded.adapter
     layers = adapter.info.num_layers
-    cal = load_windows(loaded, args.calibration, args.samples, args.seqlen, 0, None)
-    ev = load_windows(loaded, "wikitext2", args.windows, args.seqlen, 0, args.data_dir)
     if args.lowbit:
         return lowbit(args, loaded, cal, ev, console)
     console.print(f"baseline logits on {args.windows} × {args.seqlen} windows")
     base = [model(ev.ids[i : i + 1]).logits[0, :-1].float() for i in range(ev.ids.shape[0])]
-
-    def fisher(sink: int):
-        with torch.enable_grad():
-            info = fisher_cached(
-                model,
-                adapter,
-                cal.ids,
-                cal.fingerprint,
-                loaded.identity.weights_sha256,
-                Progress(),
-                exclude_first=sink,
-            )
-        return info.key, info.value
 
     b = args.bits
 
@@ -104,8 +95,9 @@ def main() -> None:
         """A KVQuant step at --bits; Fisher sums (matching its sink) unless fisher=False."""
         opts = KVQuantOptions(bits=b, **options)
         return lambda: calibrate_kvquant(
-            model, adapter, cal.ids, opts, Progress(), fisher(opts.sink) if opts.fisher else None
-        )
+            model, adapter, cal.ids, opts, Progress(),
+            fisher_sums(loaded, cal, opts.sink) if opts.fisher else None,
+        )  # fmt: skip
 
     def channel_scales(stage: str):
         """Static per-channel INT K at --bits, full range, no sink; per-token V."""
@@ -136,11 +128,7 @@ def main() -> None:
         row = {
             "step": name,
             "bits": b,
-            "ppl_baseline": totals.ppl_base(),
-            "ppl": totals.ppl_quant(),
-            "ratio": totals.ppl_quant() / totals.ppl_base(),
-            "kld": totals.kl / totals.tokens,
-            "top1": totals.top1_agree / totals.tokens,
+            **totals_figures(totals),
             "bytes_ratio": ledger.ratio,
             "seconds": round(time.perf_counter() - start, 1),
         }
@@ -178,19 +166,13 @@ def main() -> None:
         )
     Console().print(table)
     Console().print(f"baseline perplexity {results[0]['ppl_baseline']:.3f}")
-    if args.json:
-        args.json.write_text(json.dumps({"results": results}, indent=2) + "\n")
+    write_json(args.json, {"results": results})
 
 
 def lowbit(args, loaded, cal, ev, console) -> None:
     """Scalar NUQ -> + vector codebooks -> + mixed precision at each width of --lowbit."""
     model, adapter = loaded.model, loaded.adapter
-    with torch.enable_grad():
-        info = fisher_cached(
-            model, adapter, cal.ids, cal.fingerprint, loaded.identity.weights_sha256,
-            Progress(), exclude_first=1,
-        )  # fmt: skip
-    fisher = (info.key, info.value)
+    fisher = fisher_sums(loaded, cal, 1)
     caches, seconds, static_bytes = {}, {}, {}
     # every pass captures the same K/V of the same windows: capture once, hand out copies
     # of the per-layer lists (passes release their entries as they go)
@@ -244,12 +226,9 @@ def lowbit(args, loaded, cal, ev, console) -> None:
     def report(i: int, results) -> None:
         rows = []
         for name, r in results.items():
-            t, led = r.totals, r.ledger
+            led = r.ledger
             rows.append({
-                "step": name, "windows": i + 1, "ppl_baseline": t.ppl_base(),
-                "ppl": t.ppl_quant(), "ratio": t.ppl_quant() / t.ppl_base(),
-                "kld": t.kl / t.tokens, "top1": t.top1_agree / t.tokens,
-                "bytes_ratio": led.ratio, "ledger": led.to_dict(),
+                "step": name, "windows": i + 1, **result_figures(r), "ledger": led.to_dict(),
                 # static state (codebooks, normalisers: per model, not per token) apart:
                 # stored bits per cached K/V element of the quantized sides, sink rows included
                 "static_bytes": static_bytes[name],
@@ -258,8 +237,7 @@ def lowbit(args, loaded, cal, ev, console) -> None:
                    * (2 if "only" not in name else 1)),
                 "calibration_seconds": seconds.get(name),
             })  # fmt: skip
-        if args.json:
-            args.json.write_text(json.dumps({"title": title, "results": rows}, indent=1) + "\n")
+        write_json(args.json, {"title": title, "results": rows}, indent=1)
         if i + 1 == ev.ids.shape[0]:
             table = Table(title=f"low-bit ablation · {title}")
             for col in ("step", "ratio", "KLD", "top-1", "bytes/fp16", "bits/elem"):

@@ -1,4 +1,5 @@
-"""Shared fixtures: a tiny tokenizer, tiny random models per family, the shared data folder.
+"""Shared fixtures: a tiny tokenizer, tiny random models per family, the shared data folder,
+the calibration text and one `calibrate_job` call on it.
 
 Everything here is built offline in well under a second per object, so tests never need the
 hub. Other test modules import `make_tiny_model` and `tiny_tokenizer` directly.
@@ -164,6 +165,36 @@ def shared_data() -> Path:
     if not SHARED_DATA.is_dir():
         pytest.skip(f"shared data folder {SHARED_DATA} is missing")
     return SHARED_DATA
+
+
+@pytest.fixture(scope="session")
+def data(shared_data) -> str:
+    """The calibration text, as a path string (what --dataset takes)."""
+    return str(shared_data / "calibration" / "groups_merged.txt")
+
+
+CALIBRATE_SAMPLES, CALIBRATE_SEQLEN = 2, 24  # tiny windows: a pass runs in seconds
+
+
+def calibrate(model_dir, data, out, options, base=None, *, samples=None, seqlen=None):
+    """`calibrate_job` of one pass (`options`) on samples x seqlen windows of `data`
+    (default CALIBRATE_SAMPLES x CALIBRATE_SEQLEN), written to `out`; its Artifact."""
+    from kvq.pipeline import CalibrationRequest, calibrate_job
+    from kvq.progress import Progress
+
+    request = CalibrationRequest(
+        passes=(options,), model_spec=str(model_dir), dataset=data, out=out,
+        samples=samples or CALIBRATE_SAMPLES, seqlen=seqlen or CALIBRATE_SEQLEN, base=base,
+    )  # fmt: skip
+    return calibrate_job(request, Progress())
+
+
+def calibration_windows(loaded, data):
+    """[CALIBRATE_SAMPLES, CALIBRATE_SEQLEN] token ids: the windows `calibrate` runs by
+    default."""
+    from kvq.pipeline import load_windows
+
+    return load_windows(loaded, data, CALIBRATE_SAMPLES, CALIBRATE_SEQLEN, 0, None).ids
 
 
 def nuq_key_state(bits: int, heads: int, d: int, fraction: float, seed: int = 0) -> dict:

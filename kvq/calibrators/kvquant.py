@@ -171,22 +171,11 @@ def fit_value_layer(
 
 
 def kvquant_policy(num_layers: int, opts: KVQuantOptions) -> CachePolicy:
-    key = QuantScheme(
-        format="nuq",
-        bits=opts.bits,
-        axis="channel",
-        lifetime="static",
-        outlier_fraction=opts.outliers,
-        qnorm=opts.qnorm,
-    )
-    value = QuantScheme(
-        format="nuq",
-        bits=opts.bits,
-        axis="token",
-        lifetime="dynamic",
-        outlier_fraction=opts.outliers,
-        qnorm=opts.qnorm,
-    )
+    def nuq(axis: str, lifetime: str) -> QuantScheme:  # K and V differ only here
+        return QuantScheme(format="nuq", bits=opts.bits, axis=axis, lifetime=lifetime,
+                           outlier_fraction=opts.outliers, qnorm=opts.qnorm)  # fmt: skip
+
+    key, value = nuq("channel", "static"), nuq("token", "dynamic")
     layer = LayerPolicy(key=key, value=value, key_stage=opts.key_stage, sink_tokens=opts.sink)
     return CachePolicy(name=f"kvquant-nuq{opts.bits}", layers=(layer,) * num_layers)
 

@@ -100,6 +100,58 @@ def _type_name(tp: Any) -> str:
     return " or ".join(getattr(a, "__name__", str(a)) for a in (typing.get_args(tp) or (tp,)))
 
 
+def check_range(
+    name: str,
+    value: float,
+    lo: float,
+    hi: float | None = None,
+    *,
+    open_lo: bool = False,
+    open_hi: bool = False,
+) -> None:
+    """Refuse `value` outside [lo, hi] (either end open; no hi: no upper bound) with one
+    line naming the option, e.g. "--percentile must be in (50, 100], got 10.0". NaN is
+    refused: every comparison with it is false."""
+    above = value > lo if open_lo else value >= lo
+    below = hi is None or (value < hi if open_hi else value <= hi)
+    if above and below:
+        return
+    if hi is None:
+        wanted = f"{'>' if open_lo else '>='} {_bound(lo)}"
+    else:
+        left, right = "(" if open_lo else "[", ")" if open_hi else "]"
+        wanted = f"in {left}{_bound(lo)}, {_bound(hi)}{right}"
+    raise KvqError(f"{name} must be {wanted}, got {value!r}")
+
+
+def check_choice(name: str, value: Any, choices: typing.Iterable[Any], suffix: str = "") -> None:
+    """Refuse `value` not among `choices` with one line that lists them, e.g. "--bits must
+    be 2, 3 or 4 for kvquant, got 5" (suffix " for kvquant")."""
+    choices = tuple(choices)
+    if value in choices:
+        return
+    *head, last = map(str, choices)
+    listed = f"{', '.join(head)} or {last}" if head else last
+    raise KvqError(f"{name} must be {listed}{suffix}, got {value!r}")
+
+
+def _bound(x: float) -> str:
+    """50.0 -> "50", 0.5 -> "0.5", 1_000_000 -> "1000000" (not 1e+06)."""
+    return str(int(x)) if float(x).is_integer() else str(x)
+
+
+def _check_layout(layout: str | None) -> None:
+    """A pass's --layout: None (its default, or the base's) or a calibration-free policy."""
+    if layout is not None:
+        named_policy(layout, 1)  # one line naming the known policies
+
+
+def _check_scale_method(method: str, percentile: float) -> None:
+    """--method and --percentile of the static-scale passes (kv-scales, act-scales)."""
+    check_choice("--method", method, SCALE_METHODS)
+    check_range("--percentile", percentile, 50, 100, open_lo=True)
+
+
 @dataclass(frozen=True)
 class ChannelScalesOptions(PassOptions):
     NAME: ClassVar[str] = "channel-scales"
@@ -117,14 +169,11 @@ class ChannelScalesOptions(PassOptions):
     )
 
     def __post_init__(self) -> None:
-        if self.bits not in (2, 3, 4, 8):
-            raise KvqError(f"--bits must be one of 2, 3, 4, 8, got {self.bits}")
-        if not 50.0 < self.clip_percentile <= 100.0:
-            raise KvqError(f"--clip-percentile must be in (50, 100], got {self.clip_percentile}")
-        if self.sink < 0:
-            raise KvqError(f"--sink must be >= 0, got {self.sink}")
-        if self.key_stage not in ("pre-rope", "post-rope"):
-            raise KvqError(f"--key-stage must be pre-rope or post-rope, got {self.key_stage!r}")
+        check_choice("--bits", self.bits, (2, 3, 4, 8))
+        check_range("--clip-percentile", self.clip_percentile, 50, 100, open_lo=True)
+        check_range("--sink", self.sink, 0)
+        check_choice("--key-stage", self.key_stage, ("pre-rope", "post-rope"))
+        # not check_range: on the command line 0 is allowed (it arrives here as None)
         if self.value_group is not None and not 0 < self.value_group <= MAX_GROUP:
             raise KvqError(f"--v-group must be in [0, {MAX_GROUP}], got {self.value_group}")
 
@@ -166,14 +215,10 @@ class KVQuantOptions(PassOptions):
     max_samples: int = field(default=200_000, metadata={"record": False})  # per codebook fit
 
     def __post_init__(self) -> None:
-        if self.bits not in (2, 3, 4):
-            raise KvqError(f"--bits must be 2, 3 or 4 for kvquant, got {self.bits}")
-        if not 0.0 <= self.outliers < 0.5:
-            raise KvqError(f"--outliers must be a fraction in [0, 0.5), got {self.outliers}")
-        if self.sink < 0:
-            raise KvqError(f"--sink must be >= 0, got {self.sink}")
-        if self.key_outliers not in ("fisher", "uniform"):
-            raise KvqError(f"key_outliers must be 'fisher' or 'uniform', got {self.key_outliers!r}")
+        check_choice("--bits", self.bits, (2, 3, 4), " for kvquant")
+        check_range("--outliers", self.outliers, 0, 0.5, open_hi=True)
+        check_range("--sink", self.sink, 0)
+        check_choice("key_outliers", self.key_outliers, ("fisher", "uniform"))
 
 
 KVFormat = Literal["fp8-e4m3", "fp8-e5m2", "int8"]
@@ -243,18 +288,9 @@ class KVScalesOptions(PassOptions):
 
     def __post_init__(self) -> None:
         parse_prefix_ids(self.prefix_ids)
-        if self.kv_format not in KV_FORMATS:
-            raise KvqError(
-                f"--format must be one of {', '.join(KV_FORMATS)}, got {self.kv_format!r}"
-            )
-        if self.granularity not in GRANULARITIES:
-            raise KvqError(f"--granularity must be tensor or head, got {self.granularity!r}")
-        if self.method not in SCALE_METHODS:
-            raise KvqError(
-                f"--method must be one of {', '.join(SCALE_METHODS)}, got {self.method!r}"
-            )
-        if not 50.0 < self.percentile <= 100.0:
-            raise KvqError(f"--percentile must be in (50, 100], got {self.percentile}")
+        check_choice("--format", self.kv_format, KV_FORMATS)
+        check_choice("--granularity", self.granularity, GRANULARITIES)
+        _check_scale_method(self.method, self.percentile)
         parse_skip_layers(self.skip_layers)
 
     @property
@@ -283,14 +319,8 @@ class ActScalesOptions(PassOptions):
 
     def __post_init__(self) -> None:
         parse_prefix_ids(self.prefix_ids)
-        if self.method not in SCALE_METHODS:
-            raise KvqError(
-                f"--method must be one of {', '.join(SCALE_METHODS)}, got {self.method!r}"
-            )
-        if not 50.0 < self.percentile <= 100.0:
-            raise KvqError(f"--percentile must be in (50, 100], got {self.percentile}")
-        if self.layout is not None:
-            named_policy(self.layout, 1)  # one line naming the known policies
+        _check_scale_method(self.method, self.percentile)
+        _check_layout(self.layout)
 
     @property
     def prefix(self) -> tuple[int, ...]:
@@ -312,12 +342,9 @@ class SmoothAttentionOptions(PassOptions):
     )
 
     def __post_init__(self) -> None:
-        for name in ("alpha", "beta"):
-            value = getattr(self, name)
-            if not 0.0 <= value <= 1.0:  # NaN fails too
-                raise KvqError(f"--{name} must be in [0, 1], got {value}")
-        if self.layout is not None:
-            named_policy(self.layout, 1)  # one line naming the known policies
+        check_range("--alpha", self.alpha, 0, 1)
+        check_range("--beta", self.beta, 0, 1)
+        _check_layout(self.layout)
 
 
 @dataclass(frozen=True)
@@ -338,16 +365,12 @@ class VQOptions(PassOptions):
     seed: int = 0  # k-means; the command line passes its --seed
 
     def __post_init__(self) -> None:
-        if self.bits not in (1, 2, 3, 4):
-            raise KvqError(f"--bits must be 1, 2, 3 or 4 for vq, got {self.bits}")
-        if self.dim not in (0, 2, 4):
-            raise KvqError(f"--dim must be 0, 2 or 4, got {self.dim}")
+        check_choice("--bits", self.bits, (1, 2, 3, 4), " for vq")
+        check_choice("--dim", self.dim, (0, 2, 4))
         if self.dim and 2 ** (self.bits * self.dim) > 4096:
             raise KvqError(f"--dim {self.dim} at {self.bits} bits needs over 4096 centroids")
-        if not 0.0 <= self.outliers < 0.5:
-            raise KvqError(f"--outliers must be a fraction in [0, 0.5), got {self.outliers}")
-        if self.sink < 0:
-            raise KvqError(f"--sink must be >= 0, got {self.sink}")
+        check_range("--outliers", self.outliers, 0, 0.5, open_hi=True)
+        check_range("--sink", self.sink, 0)
 
 
 # What `kvq calibrate auto --bits B` runs, from the measurements on Gemma 3 270M
@@ -376,8 +399,7 @@ class AutoOptions(PassOptions):
     seed: int = 0  # k-means; the command line passes its --seed
 
     def __post_init__(self) -> None:
-        if self.bits not in AUTO_CHOICES:
-            raise KvqError(f"--bits must be one of 2, 3, 4 for auto, got {self.bits}")
+        check_choice("--bits", self.bits, AUTO_CHOICES, " for auto")
 
     def chosen(self) -> VQOptions | KVQuantOptions:
         method, dim, mixed = AUTO_CHOICES[self.bits]
@@ -417,12 +439,9 @@ class PrefixQuantOptions(PassOptions):
     )
 
     def __post_init__(self) -> None:
-        if not self.eta > 1.0:  # NaN fails too
-            raise KvqError(f"--eta must be > 1 (a ratio to the median), got {self.eta}")
-        if not 1 <= self.max_tokens <= 64:
-            raise KvqError(f"--max-tokens must be in [1, 64], got {self.max_tokens}")
-        if self.layout is not None:
-            named_policy(self.layout, 1)
+        check_range("--eta (a ratio to the median)", self.eta, 1, open_lo=True)
+        check_range("--max-tokens", self.max_tokens, 1, 64)
+        _check_layout(self.layout)
 
 
 @dataclass(frozen=True)
@@ -451,14 +470,10 @@ class IntactKVOptions(PassOptions):
     def __post_init__(self) -> None:
         if not self.prefix.strip():
             raise KvqError("--prefix is empty: give bos, prefixquant or a text")
-        if not 1 <= self.steps <= 1_000_000:
-            raise KvqError(f"--steps must be in [1, 1000000], got {self.steps}")
-        if not 0.0 <= self.lr < 1.0:
-            raise KvqError(f"--lr must be in [0, 1), got {self.lr}")
-        if not self.clip > 0.0:
-            raise KvqError(f"clip must be > 0, got {self.clip}")
-        if self.loss not in ("mse", "relative"):
-            raise KvqError(f"--loss must be mse or relative, got {self.loss!r}")
+        check_range("--steps", self.steps, 1, 1_000_000)
+        check_range("--lr", self.lr, 0, 1, open_hi=True)
+        check_range("clip", self.clip, 0, open_lo=True)
+        check_choice("--loss", self.loss, ("mse", "relative"))
 
     @property
     def prefix_kind(self) -> str:

@@ -98,13 +98,7 @@ def write_artifact(artifact: Artifact, path: str | os.PathLike, *, overwrite: bo
     sibling and swapped in (`paths.swap_into_place`); on any exception,
     KeyboardInterrupt included, the sibling is removed and the old artifact stays.
     """
-    path = Path(os.path.abspath(path))  # so "." and "ART/" have a name to rename
-    paths.recover(path)
-    if os.path.lexists(path):
-        if not overwrite:
-            raise KvqError(f"{path} exists; pass --overwrite")
-        paths.check_replaceable(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    path = paths.claim(Path(path), overwrite, paths.check_replaceable)
 
     tensors = {name: _cpu_contiguous(t) for name, t in artifact.tensors.items()}
     manifest = replace(artifact.manifest, tensors=tensor_index(tensors))

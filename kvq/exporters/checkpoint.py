@@ -37,13 +37,7 @@ def write_checkpoint(
 ) -> Path:
     """save_pretrained(model, tokenizer) + `tensors` (added to the weights) + `edit_config`
     applied to config.json + JSON `files` (name -> content), swapped into `out`."""
-    out = Path(os.path.abspath(out))
-    paths.recover(out)
-    if os.path.lexists(out):
-        if not overwrite:
-            raise KvqError(f"{out} exists; pass --overwrite")
-        paths.check_export_replaceable(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
+    out = paths.claim(Path(out), overwrite, paths.check_export_replaceable)
     tmp = paths.sibling(out, "tmp")
     tmp.mkdir()
     old: Path | None = None

@@ -21,6 +21,7 @@ import json
 import os
 import secrets
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 from kvq.errors import KvqError
@@ -39,28 +40,28 @@ _MAX_MANIFEST_BYTES = 64 << 20
 # --- what a path is ------------------------------------------------------------------
 
 
+def _json_object(file: Path) -> dict | None:
+    """The JSON object in `file`, or None: missing, not a regular file, too large to be
+    kvq's (a path is only being recognised here), unreadable or not an object."""
+    try:
+        if not file.is_file() or file.stat().st_size > _MAX_MANIFEST_BYTES:
+            return None
+        data = json.loads(file.read_bytes())
+    except (OSError, ValueError, RecursionError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
 def is_artifact_dir(path: Path) -> bool:
     """True for a directory whose manifest.json is a kvq manifest (any schema version)."""
-    manifest = path / MANIFEST_FILE
-    try:
-        if not manifest.is_file() or manifest.stat().st_size > _MAX_MANIFEST_BYTES:
-            return False
-        data = json.loads(manifest.read_bytes())
-    except (OSError, ValueError, RecursionError):
-        return False
-    return isinstance(data, dict) and data.keys() >= _MANIFEST_KEYS
+    data = _json_object(path / MANIFEST_FILE)
+    return data is not None and data.keys() >= _MANIFEST_KEYS
 
 
 def is_export_dir(path: Path) -> bool:
     """True for a directory holding a kvq serving export's marker (`EXPORT_MARKER`)."""
-    marker = path / EXPORT_MARKER
-    try:
-        if not marker.is_file() or marker.stat().st_size > _MAX_MANIFEST_BYTES:
-            return False
-        data = json.loads(marker.read_bytes())
-    except (OSError, ValueError, RecursionError):
-        return False
-    return isinstance(data, dict) and "kvq_export" in data and "artifact" in data
+    data = _json_object(path / EXPORT_MARKER)
+    return data is not None and "kvq_export" in data and "artifact" in data
 
 
 def _inside(path: Path, folder: Path) -> bool:
@@ -226,6 +227,20 @@ def recover(path: Path) -> None:
         os.rename(old.pop(), path)
     for leftover in old + _leftovers(path, "tmp"):
         remove_tree(leftover)
+
+
+def claim(path: Path, overwrite: bool, check_replaceable: Callable[[Path], None]) -> Path:
+    """The absolute `path`, ready for `swap_into_place`: what a killed writer left beside
+    it recovered, an existing entry refused unless `overwrite` and `check_replaceable`
+    accepts it, its parent created."""
+    path = Path(os.path.abspath(path))  # so "." and "ART/" have a name to rename
+    recover(path)
+    if os.path.lexists(path):
+        if not overwrite:
+            raise KvqError(f"{path} exists; pass --overwrite")
+        check_replaceable(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return path
 
 
 def remove_tree(path: Path) -> None:

@@ -13,25 +13,9 @@ from kvq.calibrators.prefix_state import extract_prefix
 from kvq.errors import IncompatibleArtifact, KvqError
 from kvq.exporters.artifact import read_artifact, write_artifact
 from kvq.models.loading import load_model
-from kvq.pipeline import CalibrationRequest, calibrate_job, load_windows
-from kvq.progress import Progress
 from kvq.quant import kv_formats
 from kvq.quant.activations import input_scale_name
-
-SAMPLES, SEQLEN = 2, 24
-
-
-@pytest.fixture(scope="module")
-def data(shared_data):
-    return str(shared_data / "calibration" / "groups_merged.txt")
-
-
-def _calibrate(model_dir, data, out, options, base=None):
-    request = CalibrationRequest(
-        passes=(options,), model_spec=str(model_dir), dataset=data, out=out,
-        samples=SAMPLES, seqlen=SEQLEN, base=base,
-    )  # fmt: skip
-    return calibrate_job(request, Progress())
+from tests.conftest import calibrate, calibration_windows
 
 
 def _input_amax(model_dir, data, prefix=(), with_prefix_rows=False):
@@ -39,7 +23,7 @@ def _input_amax(model_dir, data, prefix=(), with_prefix_rows=False):
     over prefix + window (the window's BOS replaced by a prefix that starts with it), the
     prefix positions cut unless `with_prefix_rows`."""
     loaded = load_model(str(model_dir))
-    windows = load_windows(loaded, data, SAMPLES, SEQLEN, 0, None).ids
+    windows = calibration_windows(loaded, data)
     seqs = _served(windows, prefix)
     cut = 0 if with_prefix_rows else len(prefix)
     amax = {}
@@ -95,7 +79,7 @@ def test_prefix_positions_are_left_out(outlier_model_dir, data, tmp_path, prefix
     forward over prefix + window, prefix positions cut); with the outlier token's rows
     included they would be far wider."""
     ids = ",".join(map(str, prefix))
-    art = _calibrate(outlier_model_dir, data, tmp_path / "a", ActScalesOptions(prefix_ids=ids))
+    art = calibrate(outlier_model_dir, data, tmp_path / "a", ActScalesOptions(prefix_ids=ids))
     assert art.manifest.policy.prefix.token_ids == prefix
     without, _ = _input_amax(outlier_model_dir, data, prefix)
     included, _ = _input_amax(outlier_model_dir, data, prefix, with_prefix_rows=True)
@@ -112,9 +96,9 @@ def test_prefix_positions_are_left_out(outlier_model_dir, data, tmp_path, prefix
 def test_kv_scales_prefix_rows_exact_and_out_of_statistics(outlier_model_dir, data, tmp_path):
     prefix = (2, OUTLIER)
     options = KVScalesOptions("int8", "head", prefix_ids="2,7")
-    art = _calibrate(outlier_model_dir, data, tmp_path / "kv", options)
+    art = calibrate(outlier_model_dir, data, tmp_path / "kv", options)
     loaded = load_model(str(outlier_model_dir))
-    windows = load_windows(loaded, data, SAMPLES, SEQLEN, 0, None).ids
+    windows = calibration_windows(loaded, data)
     amax = {True: {}, False: {}}  # prefix rows included?
 
     def consume(layer, part, x):  # x [1, H, P + L', D], post-RoPE at served positions
@@ -145,8 +129,8 @@ def test_a_base_prefix_and_prefix_ids_on_a_plain_base_serve_the_same_rows(
     """act-scales --prefix-ids on a base without a prefix declares it on the base's layout
     (its state kept); act-scales on a base that declares it keeps it: same scales."""
     model_dir = tiny_model_dir("llama")
-    _calibrate(model_dir, data, tmp_path / "kv", KVScalesOptions("int8", "head"))
-    on_plain = _calibrate(
+    calibrate(model_dir, data, tmp_path / "kv", KVScalesOptions("int8", "head"))
+    on_plain = calibrate(
         model_dir, data, tmp_path / "a", ActScalesOptions(prefix_ids="2,9"), base=tmp_path / "kv"
     )
     kv = read_artifact(tmp_path / "kv")
@@ -154,10 +138,10 @@ def test_a_base_prefix_and_prefix_ids_on_a_plain_base_serve_the_same_rows(
         on_plain.manifest.policy.prefix
     )
     assert all(torch.equal(on_plain.tensors[n], t) for n, t in kv.tensors.items())
-    with_prefix = _calibrate(
+    with_prefix = calibrate(
         model_dir, data, tmp_path / "b", KVScalesOptions("int8", "head", prefix_ids="2,9")
     )
-    on_prefixed = _calibrate(model_dir, data, tmp_path / "c", ActScalesOptions(),
+    on_prefixed = calibrate(model_dir, data, tmp_path / "c", ActScalesOptions(),
                              base=tmp_path / "b")  # fmt: skip
     assert on_prefixed.manifest.policy == with_prefix.manifest.policy
     acts = [n for n in on_plain.tensors if tensor_kind(n) == "activation"]
@@ -167,7 +151,7 @@ def test_a_base_prefix_and_prefix_ids_on_a_plain_base_serve_the_same_rows(
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
 def test_absmax_scales_are_every_linear_inputs_maximum(family, tiny_model_dir, data, tmp_path):
     model_dir = tiny_model_dir(family)
-    art = _calibrate(model_dir, data, tmp_path / "a", ActScalesOptions("absmax"))
+    art = calibrate(model_dir, data, tmp_path / "a", ActScalesOptions("absmax"))
     amax, loaded = _input_amax(model_dir, data)
     assert set(amax) == set(loaded.adapter.decoder_linears())
     assert len(amax) == 7 * loaded.adapter.info.num_layers  # q k v o gate up down
@@ -191,19 +175,19 @@ def test_bad_prefix_ids_are_refused(text):
 def test_prefix_outside_the_vocabulary_writes_nothing(tiny_model_dir, data, tmp_path):
     out = tmp_path / "a"
     with pytest.raises(KvqError, match="outside the vocabulary"):
-        _calibrate(tiny_model_dir("llama"), data, out, ActScalesOptions(prefix_ids="99999"))
+        calibrate(tiny_model_dir("llama"), data, out, ActScalesOptions(prefix_ids="99999"))
     assert not out.exists()
 
 
 def test_chains_keep_activation_scales(tiny_model_dir, data, tmp_path):
     model_dir = tiny_model_dir("llama")
-    kv = _calibrate(model_dir, data, tmp_path / "kv", KVScalesOptions("int8", "head"))
-    both = _calibrate(model_dir, data, tmp_path / "both", ActScalesOptions(), base=tmp_path / "kv")
+    kv = calibrate(model_dir, data, tmp_path / "kv", KVScalesOptions("int8", "head"))
+    both = calibrate(model_dir, data, tmp_path / "both", ActScalesOptions(), base=tmp_path / "kv")
     assert both.manifest.policy == kv.manifest.policy  # act-scales keeps the base's cache
     acts = {n for n in both.tensors if tensor_kind(n) == "activation"}
     assert acts and all(torch.equal(both.tensors[n], kv.tensors[n]) for n in kv.tensors)
     # a policy pass on top replaces the cache policy but carries the activation scales
-    again = _calibrate(
+    again = calibrate(
         model_dir, data, tmp_path / "again", KVScalesOptions("fp8-e4m3"), base=tmp_path / "both"
     )
     assert {n for n in again.tensors if tensor_kind(n) == "activation"} == acts
@@ -221,7 +205,7 @@ def test_chains_keep_activation_scales(tiny_model_dir, data, tmp_path):
     ],
 )
 def test_tampered_activation_scales_are_refused(name, value, field, tiny_model_dir, data, tmp_path):
-    art = _calibrate(tiny_model_dir("llama"), data, tmp_path / "a", ActScalesOptions())
+    art = calibrate(tiny_model_dir("llama"), data, tmp_path / "a", ActScalesOptions())
     art.tensors[name] = value
     write_artifact(art, tmp_path / "b")  # re-hashed: only the value checks can refuse it
     with pytest.raises(IncompatibleArtifact, match=field.replace("[", r"\[")):

@@ -14,29 +14,24 @@ from kvq.calibrators.prefix_state import extract_prefix
 from kvq.exporters.artifact import Artifact, read_artifact, write_artifact
 from kvq.manifests.schema import manifest_from_json, manifest_to_json
 from kvq.models.loading import load_model
-from kvq.pipeline import CalibrationRequest, artifact_prefix, cache_for, calibrate_job
-from kvq.progress import Progress
+from kvq.pipeline import artifact_prefix, cache_for
 from kvq.quant.schemes import PrefixSpec
 from tests.cli.test_cli import _one_line_error, _run
+from tests.conftest import calibrate
 
 
 @pytest.fixture(scope="module")
-def setup(tiny_model_dir, shared_data, tmp_path_factory):
+def setup(tiny_model_dir, data, tmp_path_factory):
     """(model dir, dataset, kvquant base artifact, tmp folder) on tiny Gemma 3."""
     model_dir = tiny_model_dir("gemma3")
-    data = str(shared_data / "calibration" / "groups_merged.txt")
     tmp = tmp_path_factory.mktemp("intactkv")
     base = _calibrate(model_dir, data, tmp / "base", KVQuantOptions(bits=2, fisher=False))
     return model_dir, data, base, tmp
 
 
 def _calibrate(model_dir, data, out, options, base=None):
-    request = CalibrationRequest(
-        passes=(options,), model_spec=str(model_dir), dataset=data, out=out, samples=3,
-        seqlen=24, base=base,
-    )  # fmt: skip
-    calibrate_job(request, Progress())
-    return out
+    calibrate(model_dir, data, out, options, base, samples=3)
+    return out  # the folder: later passes take it as --base
 
 
 def test_zero_learning_rate_reproduces_the_exact_prefix_bit_for_bit(setup):

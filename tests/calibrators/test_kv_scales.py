@@ -10,32 +10,17 @@ from kvq.calibrators.options import KV_FORMATS, ChannelScalesOptions, KVScalesOp
 from kvq.errors import KvqError
 from kvq.exporters.artifact import read_artifact
 from kvq.models.loading import load_model
-from kvq.pipeline import CalibrationRequest, cache_for, calibrate_job, load_windows
-from kvq.progress import Progress
+from kvq.pipeline import cache_for
 from kvq.quant import kv_formats
 from kvq.quant.schemes import FULL_PRECISION
 from tests.cli.test_cli import _one_line_error, _run
-
-SAMPLES, SEQLEN = 2, 24
-
-
-@pytest.fixture(scope="module")
-def data(shared_data):
-    return str(shared_data / "calibration" / "groups_merged.txt")
-
-
-def _calibrate(model_dir, data, out, options, base=None):
-    request = CalibrationRequest(
-        passes=(options,), model_spec=str(model_dir), dataset=data, out=out,
-        samples=SAMPLES, seqlen=SEQLEN, base=base,
-    )  # fmt: skip
-    return calibrate_job(request, Progress())
+from tests.conftest import calibrate, calibration_windows
 
 
 def _observed_amax(model_dir, data, sink=0):
     """Per (layer, side) [H] absmax of the post-RoPE K and V the calibration windows make."""
     loaded = load_model(str(model_dir))
-    windows = load_windows(loaded, data, SAMPLES, SEQLEN, 0, None).ids
+    windows = calibration_windows(loaded, data)
     amax = {}
 
     def consume(layer, part, x):
@@ -58,7 +43,7 @@ def test_absmax_scales_are_the_observed_post_rope_maxima(
     fmt, granularity, tiny_model_dir, data, tmp_path
 ):
     model_dir = tiny_model_dir("llama")
-    art = _calibrate(model_dir, data, tmp_path / "A", KVScalesOptions(fmt, granularity))
+    art = calibrate(model_dir, data, tmp_path / "A", KVScalesOptions(fmt, granularity))
     amax = _observed_amax(model_dir, data)
     heads = art.manifest.architecture.num_kv_heads
     for (layer, part), m in amax.items():
@@ -75,11 +60,11 @@ def test_absmax_scales_are_the_observed_post_rope_maxima(
 def test_methods_clip_no_wider_than_absmax_and_mse_is_no_worse(tiny_model_dir, data, tmp_path):
     model_dir = tiny_model_dir("qwen2")
     arts = {
-        m: _calibrate(model_dir, data, tmp_path / m, KVScalesOptions("int8", "head", m, 99.0))
+        m: calibrate(model_dir, data, tmp_path / m, KVScalesOptions("int8", "head", m, 99.0))
         for m in ("absmax", "percentile", "mse")
     }
     loaded = load_model(str(model_dir))
-    windows = load_windows(loaded, data, SAMPLES, SEQLEN, 0, None).ids
+    windows = calibration_windows(loaded, data)
     rows = {}
 
     def consume(layer, part, x):
@@ -113,7 +98,7 @@ def test_skip_layers_keep_sliding_layers_in_16_bits(tiny_model_dir, data, tmp_pa
         if loaded.adapter.sliding_window(i) is not None
     ]
     assert 0 < len(sliding) < loaded.adapter.info.num_layers
-    art = _calibrate(model_dir, data, tmp_path / "A", KVScalesOptions(skip_layers="sliding"))
+    art = calibrate(model_dir, data, tmp_path / "A", KVScalesOptions(skip_layers="sliding"))
     for i, layer in enumerate(art.manifest.policy.layers):
         skipped = i in sliding
         assert (layer.key == FULL_PRECISION and layer.value == FULL_PRECISION) == skipped
@@ -123,19 +108,19 @@ def test_skip_layers_keep_sliding_layers_in_16_bits(tiny_model_dir, data, tmp_pa
         loaded.model(torch.randint(3, 200, (1, 8)), cache=cache)
     ledger = cache.nbytes()
     assert ledger.full_precision > 0 and ledger.codes > 0
-    listed = _calibrate(model_dir, data, tmp_path / "B", KVScalesOptions(skip_layers="0,1"))
+    listed = calibrate(model_dir, data, tmp_path / "B", KVScalesOptions(skip_layers="0,1"))
     assert listed.manifest.policy.layers[0].key == FULL_PRECISION
     with pytest.raises(KvqError, match="layer 99 does not exist"):
-        _calibrate(model_dir, data, tmp_path / "C", KVScalesOptions(skip_layers="0,99"))
+        calibrate(model_dir, data, tmp_path / "C", KVScalesOptions(skip_layers="0,99"))
 
 
 def test_a_base_sink_is_kept_exact_and_out_of_the_statistics(tiny_model_dir, data, tmp_path):
     model_dir = tiny_model_dir("llama")
-    base = _calibrate(
+    base = calibrate(
         model_dir, data, tmp_path / "A", ChannelScalesOptions(bits=8, sink=2, value_group=8)
     )
     assert base.manifest.policy.layers[0].sink_tokens == 2
-    art = _calibrate(model_dir, data, tmp_path / "B", KVScalesOptions(granularity="head"),
+    art = calibrate(model_dir, data, tmp_path / "B", KVScalesOptions(granularity="head"),
                      base=tmp_path / "A")  # fmt: skip
     assert all(layer.sink_tokens == 2 for layer in art.manifest.policy.layers)
     assert [p.method for p in art.manifest.passes] == ["channel-scales", "kv-scales"]
@@ -172,7 +157,7 @@ def test_cli_kv_scales_and_its_refusals(tiny_model_dir, data, tmp_path):
     assert art.manifest.passes[0].options["method"] == "mse"
     assert art.manifest.policy.layers[0].key.fp8_format == "e5m2"
     bad = _run("calibrate", "kv-scales", *args, "--format", "int4", "--out", tmp_path / "B")
-    _one_line_error(bad, "--format", "fp8-e4m3, fp8-e5m2, int8")
+    _one_line_error(bad, "--format", "fp8-e4m3, fp8-e5m2 or int8")
     bad = _run("calibrate", "kv-scales", *args, "--skip-layers", "x", "--out", tmp_path / "B")
     _one_line_error(bad, "--skip-layers")
     assert not (tmp_path / "B").exists()
@@ -194,7 +179,7 @@ def test_tampered_scales_with_forged_hashes_are_refused(
     from tests.cli.test_hardening import rehash
 
     art = tmp_path / "A"
-    _calibrate(tiny_model_dir("llama"), data, art, KVScalesOptions(granularity="head"))
+    calibrate(tiny_model_dir("llama"), data, art, KVScalesOptions(granularity="head"))
     name = "layers.1.value.scale"
     rehash(art, name, change(read_artifact(art).tensors[name]))
     _one_line_error(_run("inspect", art), "incompatible artifact", name, needle)

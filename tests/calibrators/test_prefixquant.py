@@ -35,9 +35,8 @@ def test_tokens_are_bos_then_the_most_frequent_outliers():
     assert choose_tokens(stats, eta=200.0, max_tokens=4, bos=2)[0] == (2,)  # none: BOS
 
 
-def test_statistic_is_max_over_channels_over_the_window_median(tiny_model_dir, shared_data):
+def test_statistic_is_max_over_channels_over_the_window_median(tiny_model_dir, data):
     loaded = load_model(str(tiny_model_dir("llama")))
-    data = str(shared_data / "calibration" / "groups_merged.txt")
     windows = load_windows(loaded, data, 2, 25, 0, None).ids
     stats = outlier_stats(loaded.adapter, windows, Progress())
     assert stats.ratios.shape == (2, loaded.adapter.info.num_layers, 25)
@@ -58,10 +57,7 @@ def test_eta_must_exceed_one(eta):
         PrefixQuantOptions(eta=eta)
 
 
-def test_cli_records_the_statistic_and_inspect_shows_the_tokens(
-    tiny_model_dir, shared_data, tmp_path
-):
-    data = shared_data / "calibration" / "groups_merged.txt"
+def test_cli_records_the_statistic_and_inspect_shows_the_tokens(tiny_model_dir, data, tmp_path):
     args = ["--model", tiny_model_dir("gemma3"), "--dataset", data, "--samples", 2, "--seqlen", 24]
     bad = _run("calibrate", "prefixquant", *args, "--eta", 1, "--out", tmp_path / "x")
     _one_line_error(bad, "--eta")
@@ -81,7 +77,7 @@ def test_cli_records_the_statistic_and_inspect_shows_the_tokens(
 
 
 def test_a_transformed_base_keeps_its_transform_down_the_prefix_chain(
-    tiny_model_dir, shared_data, tmp_path
+    tiny_model_dir, data, tmp_path
 ):
     """smoothattention -> prefixquant --base -> kv-scales --base: the transform is carried
     (not returned again as a new one), the prefix rows come from the smoothed model, and
@@ -90,7 +86,6 @@ def test_a_transformed_base_keeps_its_transform_down_the_prefix_chain(
     from kvq.exporters.artifact import read_artifact
     from kvq.pipeline import apply_transforms
 
-    data = shared_data / "calibration" / "groups_merged.txt"
     model_dir = tiny_model_dir("llama")
     args = ["--model", model_dir, "--dataset", data, "--samples", 2, "--seqlen", 24]
     chain = [("smoothattention", ()), ("prefixquant", ("--eta", 2.0)),
@@ -115,13 +110,12 @@ def test_a_transformed_base_keeps_its_transform_down_the_prefix_chain(
 
 
 def test_a_recipe_calibrates_static_scales_after_the_prefix_it_finds(
-    tiny_model_dir, shared_data, tmp_path
+    tiny_model_dir, data, tmp_path
 ):
     """prefixquant then kv-scales in one command: the second pass takes the first's
     declared prefix as a --base would, and gives the same artifact as the two commands."""
     from kvq.exporters.artifact import read_artifact
 
-    data = shared_data / "calibration" / "groups_merged.txt"
     model_dir = tiny_model_dir("gemma3")
     recipe = tmp_path / "r.yaml"
     recipe.write_text(

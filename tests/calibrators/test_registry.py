@@ -49,13 +49,13 @@ def test_every_registered_pass_has_small_settings_here():
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "gemma3"])
 @pytest.mark.parametrize("name", sorted(PASSES))
-def test_pass_fit_write_read_cache_decode(name, family, tiny_model_dir, shared_data, tmp_path):
+def test_pass_fit_write_read_cache_decode(name, family, tiny_model_dir, data, tmp_path):
     model_dir = tiny_model_dir(family)
     chain = (SMALL["channel-scales"],) if name in NEEDS_BASE else ()
     request = CalibrationRequest(
         passes=(*chain, SMALL[name]),
         model_spec=str(model_dir),
-        dataset=str(shared_data / "calibration" / "groups_merged.txt"),
+        dataset=data,
         out=tmp_path / "ART",
         samples=2,
         seqlen=24,
@@ -75,11 +75,8 @@ def test_pass_fit_write_read_cache_decode(name, family, tiny_model_dir, shared_d
     assert cache.nbytes().codes > 0  # real packed codes, not floats
 
 
-def test_a_chain_records_every_pass_and_drops_the_replaced_state(
-    tiny_model_dir, shared_data, tmp_path
-):
+def test_a_chain_records_every_pass_and_drops_the_replaced_state(tiny_model_dir, data, tmp_path):
     model_dir = str(tiny_model_dir("llama"))
-    data = str(shared_data / "calibration" / "groups_merged.txt")
     first = CalibrationRequest(
         passes=(KVQuantOptions(bits=3),), model_spec=model_dir, dataset=data,
         out=tmp_path / "A", samples=2, seqlen=24,
@@ -98,9 +95,8 @@ def test_a_chain_records_every_pass_and_drops_the_replaced_state(
     assert not any(n.startswith("fisher.") or n.endswith(".codebook") for n in chained.tensors)
 
 
-def test_cli_chain_with_base_and_its_refusals(tiny_model_dir, shared_data, tmp_path):
+def test_cli_chain_with_base_and_its_refusals(tiny_model_dir, data, tmp_path):
     model_dir = tiny_model_dir("llama")
-    data = shared_data / "calibration" / "groups_merged.txt"
     args = ["--model", model_dir, "--dataset", data, "--samples", 2, "--seqlen", 24]
     ok = _run("calibrate", "channel-scales", *args, "--v-group", 8, "--out", tmp_path / "A")
     assert ok.exit_code == 0, ok.stderr
@@ -135,10 +131,9 @@ passes:
 """
 
 
-def test_recipe_runs_a_chain(tiny_model_dir, shared_data, tmp_path):
+def test_recipe_runs_a_chain(tiny_model_dir, data, tmp_path):
     recipe = tmp_path / "r.yaml"
     recipe.write_text(RECIPE)
-    data = shared_data / "calibration" / "groups_merged.txt"
     result = _run(
         "calibrate", "recipe", recipe, "--model", tiny_model_dir("llama"), "--dataset", data,
         "--out", tmp_path / "ART",

@@ -15,30 +15,21 @@ from kvq.errors import KvqError
 from kvq.models.adapters import rope_partners
 from kvq.models.loading import load_model
 from kvq.pipeline import (
-    CalibrationRequest,
     apply_transforms,
     cache_for,
-    calibrate_job,
     load_windows,
 )
 from kvq.progress import Progress
 from tests.cli.test_cli import _one_line_error, _run
 from tests.cli.test_hardening import rehash
-from tests.conftest import make_tiny_model, tiny_tokenizer
+from tests.conftest import calibrate, make_tiny_model, tiny_tokenizer
 
 FAMILIES = ["llama", "qwen2", "gemma3"]
 
 
-def _data(shared_data):
-    return str(shared_data / "calibration" / "groups_merged.txt")
-
-
-def _smooth(model_dir, shared_data, out, *passes, base=None, samples=2, seqlen=24):
-    request = CalibrationRequest(
-        passes=passes or (SmoothAttentionOptions(),), model_spec=str(model_dir),
-        dataset=_data(shared_data), out=out, samples=samples, seqlen=seqlen, base=base,
-    )  # fmt: skip
-    return calibrate_job(request, Progress())
+def _smooth(model_dir, data, out, options=None, base=None, samples=2, seqlen=24):
+    options = options or SmoothAttentionOptions()
+    return calibrate(model_dir, data, out, options, base, samples=samples, seqlen=seqlen)
 
 
 @pytest.mark.parametrize("value", [-0.1, 1.5, math.nan])
@@ -68,18 +59,18 @@ def test_lambda_is_tied_within_pairs_and_one_where_a_pair_never_moved():
 @pytest.mark.parametrize("family", FAMILIES)
 @torch.no_grad()
 def test_folded_smoothing_keeps_the_logits_and_flattens_the_keys(
-    family, tiny_model_dir, shared_data, tmp_path, caplog
+    family, tiny_model_dir, data, tmp_path, caplog
 ):
     """No quantization: logits equal within fp32 rounding (Qwen2's biases, Gemma's (1 + w)
     q/k norms and sliding layers included), and the widest key channel comes closer to
     the median one."""
     model_dir = tiny_model_dir(family)
-    artifact = _smooth(model_dir, shared_data, tmp_path / "A", seqlen=32)
+    artifact = _smooth(model_dir, data, tmp_path / "A", seqlen=32)
     assert artifact.manifest.policy.name == "kv4-qserve"
     loaded = load_model(str(model_dir))
     ids = torch.randint(3, 500, (2, 40), generator=torch.Generator().manual_seed(1))
     before = loaded.model(ids).logits
-    windows = load_windows(loaded, _data(shared_data), 2, 32, 0, None).ids  # the calibration's
+    windows = load_windows(loaded, data, 2, 32, 0, None).ids  # the calibration's
     spread_before = key_channel_spread(loaded.adapter, windows, 1, Progress())
     weights = {n: p.clone() for n, p in loaded.model.named_parameters()}
     apply_transforms(loaded, artifact.tensors)
@@ -101,9 +92,9 @@ def test_folded_smoothing_keeps_the_logits_and_flattens_the_keys(
 
 @pytest.mark.slow
 @torch.no_grad()
-def test_folded_smoothing_keeps_the_real_gemma3_logits(shared_data, tmp_path):
+def test_folded_smoothing_keeps_the_real_gemma3_logits(data, tmp_path):
     """Gemma 3 270M, a short calibration and sequence so the suite stays fast."""
-    artifact = _smooth("gemma3-270m", shared_data, tmp_path / "A", samples=2, seqlen=64)
+    artifact = _smooth("gemma3-270m", data, tmp_path / "A", samples=2, seqlen=64)
     loaded = load_model("gemma3-270m")
     text = "The tower is 324 metres tall, about the same height as an 81-storey building."
     ids = loaded.tokenizer(text, return_tensors="pt").input_ids
@@ -116,13 +107,13 @@ def test_folded_smoothing_keeps_the_real_gemma3_logits(shared_data, tmp_path):
 
 
 def test_a_chain_calibrates_channel_scales_on_the_smoothed_keys(
-    tiny_model_dir, shared_data, tmp_path, caplog
+    tiny_model_dir, data, tmp_path, caplog
 ):
     model_dir = tiny_model_dir("qwen2")
-    _smooth(model_dir, shared_data, tmp_path / "A")
+    _smooth(model_dir, data, tmp_path / "A")
     options = ChannelScalesOptions(bits=4, key_stage="post-rope", value_group=8)
-    chained = _smooth(model_dir, shared_data, tmp_path / "B", options, base=tmp_path / "A")
-    plain = _smooth(model_dir, shared_data, tmp_path / "C", options)
+    chained = _smooth(model_dir, data, tmp_path / "B", options, base=tmp_path / "A")
+    plain = _smooth(model_dir, data, tmp_path / "C", options)
     assert [p.method for p in chained.manifest.passes] == ["smoothattention", "channel-scales"]
     assert "layers.0.smooth.lambda" in chained.tensors
     # the key ranges were measured on keys divided by lambda
@@ -139,12 +130,12 @@ def test_a_chain_calibrates_channel_scales_on_the_smoothed_keys(
 
 
 def test_cli_calibrate_then_run_eval_says_it_applies_the_smoothing(
-    tiny_model_dir, shared_data, tmp_path
+    tiny_model_dir, shared_data, data, tmp_path
 ):
     model_dir = tiny_model_dir("gemma3")
     art = tmp_path / "ART"
     result = _run(
-        "calibrate", "smoothattention", "--model", model_dir, "--dataset", _data(shared_data),
+        "calibrate", "smoothattention", "--model", model_dir, "--dataset", data,
         "--samples", 2, "--seqlen", 24, "--alpha", 0.4, "--beta", 0.1, "--out", art,
     )  # fmt: skip
     assert result.exit_code == 0, result.stderr
@@ -169,7 +160,7 @@ def test_cli_calibrate_then_run_eval_says_it_applies_the_smoothing(
     assert gen.exit_code == 0, gen.stderr
     assert "applied the artifact's model transforms: smooth" in gen.stderr
     other = _run(
-        "calibrate", "smoothattention", "--model", model_dir, "--dataset", _data(shared_data),
+        "calibrate", "smoothattention", "--model", model_dir, "--dataset", data,
         "--samples", 2, "--seqlen", 24, "--layout", "int8", "--out", tmp_path / "B",
     )  # fmt: skip
     assert other.exit_code == 0, other.stderr
@@ -179,8 +170,7 @@ def test_cli_calibrate_then_run_eval_says_it_applies_the_smoothing(
     )
 
 
-def test_refusals_are_one_line_and_write_nothing(tiny_model_dir, shared_data, tmp_path):
-    data = _data(shared_data)
+def test_refusals_are_one_line_and_write_nothing(tiny_model_dir, data, tmp_path):
     args = ["--dataset", data, "--samples", 2, "--seqlen", 24]
     for flag, value in (("--alpha", 1.5), ("--beta", -0.5)):
         result = _run("calibrate", "smoothattention", *args, flag, value, "--out", tmp_path / "x")
@@ -195,7 +185,7 @@ def test_refusals_are_one_line_and_write_nothing(tiny_model_dir, shared_data, tm
     )
     _one_line_error(result, "2 KV heads", "cannot be folded")
     # a base artifact made for another model
-    _smooth(tiny_model_dir("llama"), shared_data, tmp_path / "L")
+    _smooth(tiny_model_dir("llama"), data, tmp_path / "L")
     result = _run(
         "calibrate", "channel-scales", "--model", tiny_model_dir("qwen2"), *args,
         "--base", tmp_path / "L", "--out", tmp_path / "z",
@@ -214,9 +204,9 @@ def test_refusals_are_one_line_and_write_nothing(tiny_model_dir, shared_data, tm
         (lambda t: t.half(), "dtype"),
     ],
 )
-def test_tampered_lambdas_are_refused(tiny_model_dir, shared_data, tmp_path, change, needle):
+def test_tampered_lambdas_are_refused(tiny_model_dir, data, tmp_path, change, needle):
     art = tmp_path / "A"
-    _smooth(tiny_model_dir("llama"), shared_data, art)
+    _smooth(tiny_model_dir("llama"), data, art)
     name = "layers.1.smooth.lambda"
     rehash(art, name, change(safetensors.torch.load_file(art / "tensors.safetensors")[name]))
     _one_line_error(_run("inspect", art), "incompatible artifact", name, needle)

@@ -23,29 +23,24 @@ def model_dir(tiny_model_dir):
     return tiny_model_dir("gemma3")
 
 
-@pytest.fixture(scope="module")
-def calib(shared_data):
-    return shared_data / "calibration" / "groups_merged.txt"
-
-
-def _calibrate(pass_name, model_dir, calib, out, *extra):
-    args = ("calibrate", pass_name, "--model", model_dir, "--dataset", calib)
+def _calibrate(pass_name, model_dir, calib_txt, out, *extra):
+    args = ("calibrate", pass_name, "--model", model_dir, "--dataset", calib_txt)
     return _run(*args, "--samples", 2, "--seqlen", SEQLEN, "--out", out, *extra)
 
 
-def _eval(model_dir, calib, *extra):
-    return _run("run-eval", "--model", model_dir, "--dataset", calib, "--windows", 2,
+def _eval(model_dir, calib_txt, *extra):
+    return _run("run-eval", "--model", model_dir, "--dataset", calib_txt, "--windows", 2,
                 "--seqlen", SEQLEN, *extra)  # fmt: skip
 
 
-def _report(model_dir, calib, out, *extra):
-    result = _eval(model_dir, calib, *extra, "--json", out)
+def _report(model_dir, calib_txt, out, *extra):
+    result = _eval(model_dir, calib_txt, *extra, "--json", out)
     assert result.exit_code == 0, result.output + result.stderr
     return json.loads(out.read_text()), result
 
 
 @pytest.fixture(scope="module")
-def arts(model_dir, calib, tmp_path_factory):
+def arts(model_dir, calib_txt, tmp_path_factory):
     root = tmp_path_factory.mktemp("a8")
     made = {}
     for name, pass_name, extra in (
@@ -56,7 +51,7 @@ def arts(model_dir, calib, tmp_path_factory):
                                 "--base", root / "pq")),
         ("act-ids", "act-scales", ("--prefix-ids", "2,7")),
     ):  # fmt: skip
-        result = _calibrate(pass_name, model_dir, calib, root / name, *extra)
+        result = _calibrate(pass_name, model_dir, calib_txt, root / name, *extra)
         assert result.exit_code == 0, result.output + result.stderr
         made[name] = root / name
     return made
@@ -96,12 +91,12 @@ def test_a_prefix_base_passes_its_declared_prefix_on(arts, name, method, policy)
     assert prefix_rows and all(torch.equal(got[n], rows[n]) for n in prefix_rows)
 
 
-def test_prefix_ids_and_a_prefix_base_are_one_code_path(arts, model_dir, calib, tmp_path):
+def test_prefix_ids_and_a_prefix_base_are_one_code_path(arts, model_dir, calib_txt, tmp_path):
     """--prefix-ids with the base's token ids builds the same declared prefix (exact rows
     from the same model), so the same statistics and the same scales, bit for bit."""
     ids = _manifest(arts["pq"])["policy"]["_data"]["prefix"]["token_ids"]
     out = tmp_path / "kv-ids"
-    result = _calibrate("kv-scales", model_dir, calib, out, "--format", "int8",
+    result = _calibrate("kv-scales", model_dir, calib_txt, out, "--format", "int8",
                         "--granularity", "head", "--prefix-ids", ",".join(map(str, ids)))  # fmt: skip
     assert result.exit_code == 0, result.output + result.stderr
     a, b = read_artifact(out), read_artifact(arts["kv-pq"])
@@ -130,10 +125,10 @@ def test_inspect_and_export_manifest_accept_them(arts):
     ],
 )  # fmt: skip
 def test_run_eval_reports_activations_beside_the_cache(
-    arts, model_dir, calib, tmp_path, art, extra, mode
+    arts, model_dir, calib_txt, tmp_path, art, extra, mode
 ):
     source = ("--artifact", arts[art]) if art else ()
-    report, result = _report(model_dir, calib, tmp_path / "eval.json", *source, *extra)
+    report, result = _report(model_dir, calib_txt, tmp_path / "eval.json", *source, *extra)
     assert report["activations"]["mode"] == mode
     declared = _manifest(arts[art])["policy"]["_data"].get("prefix") if art else None
     if "--prefix-ids" in extra:
@@ -155,13 +150,13 @@ def test_run_eval_reports_activations_beside_the_cache(
 
 
 def test_an_fp16_cache_after_the_prefix_is_a_plain_forward_over_prefix_and_prompt(
-    arts, model_dir, calib, tmp_path
+    arts, model_dir, calib_txt, tmp_path
 ):
     """run-eval's baseline is the unquantized model over prefix + window: with an fp16 cache
     seeded with the exact prefix, only the cache's fp16 rounding separates the two; and
     --prefix-ids on a policy serves the very prefix the act-scales artifact declares."""
-    art, _ = _report(model_dir, calib, tmp_path / "a.json", "--artifact", arts["act-ids"])
-    ids, _ = _report(model_dir, calib, tmp_path / "b.json", "--policy", "fp16",
+    art, _ = _report(model_dir, calib_txt, tmp_path / "a.json", "--artifact", arts["act-ids"])
+    ids, _ = _report(model_dir, calib_txt, tmp_path / "b.json", "--policy", "fp16",
                      "--prefix-ids", "2,7")  # fmt: skip
     for report in (art, ids):
         assert report["tasks"]["kld"]["mean"] < 1e-5
@@ -178,13 +173,13 @@ def test_an_fp16_cache_after_the_prefix_is_a_plain_forward_over_prefix_and_promp
     torch.testing.assert_close(got, want, atol=5e-4, rtol=1e-3)
 
 
-def test_the_decode_protocol_serves_the_prefix_too(arts, model_dir, calib, tmp_path):
-    report, _ = _report(model_dir, calib, tmp_path / "d.json", "--artifact", arts["act-ids"],
+def test_the_decode_protocol_serves_the_prefix_too(arts, model_dir, calib_txt, tmp_path):
+    report, _ = _report(model_dir, calib_txt, tmp_path / "d.json", "--artifact", arts["act-ids"],
                         "--protocol", "decode", "--activations", "a8-static")  # fmt: skip
     users = SEQLEN - 1  # the prefix supplies BOS
     assert report["tasks"]["ppl"]["scored_tokens"] == 2 * (users - 1 - users // 2)
     assert report["prefix"] == [2, 7] and report["tasks"]["kld"]["mean"] > 0
-    plain, _ = _report(model_dir, calib, tmp_path / "p.json", "--artifact", arts["act-ids"],
+    plain, _ = _report(model_dir, calib_txt, tmp_path / "p.json", "--artifact", arts["act-ids"],
                        "--protocol", "decode")  # fmt: skip
     assert plain["tasks"]["kld"]["mean"] < 1e-5  # fp16 cache + exact prefix: a plain forward
 
@@ -218,10 +213,10 @@ def test_left_padded_and_unpadded_batches_agree_with_a8_and_a_prefix(arts, model
     assert cache.nbytes().prefix > 0
 
 
-def test_a8_dynamic_changes_the_figures(model_dir, calib, tmp_path):
+def test_a8_dynamic_changes_the_figures(model_dir, calib_txt, tmp_path):
     reports = []
     for mode in ("none", "a8-dynamic"):
-        report, _ = _report(model_dir, calib, tmp_path / f"{mode}.json", "--policy", "int8",
+        report, _ = _report(model_dir, calib_txt, tmp_path / f"{mode}.json", "--policy", "int8",
                             "--activations", mode)  # fmt: skip
         reports.append(report["tasks"])
     assert reports[0]["ppl"]["baseline"] == reports[1]["ppl"]["baseline"]
@@ -237,30 +232,32 @@ def test_a8_dynamic_changes_the_figures(model_dir, calib, tmp_path):
         (("--policy", "fp16", "--prefix-ids", "99999"), "outside the vocabulary"),
     ],
 )
-def test_run_eval_refuses_bad_input(model_dir, calib, tmp_path, extra, needle):
+def test_run_eval_refuses_bad_input(model_dir, calib_txt, tmp_path, extra, needle):
     out = tmp_path / "r.json"
-    result = _eval(model_dir, calib, *extra, "--json", out)
+    result = _eval(model_dir, calib_txt, *extra, "--json", out)
     _one_line_error(result, needle)
     assert not out.exists()
 
 
-def test_a8_static_without_scales_is_refused(model_dir, calib, tmp_path, arts):
+def test_a8_static_without_scales_is_refused(model_dir, calib_txt, tmp_path, arts):
     out = tmp_path / "r.json"
     art = arts["kv-pq"]
-    result = _eval(model_dir, calib, "--artifact", art, "--activations", "a8-static", "--json", out)
+    result = _eval(
+        model_dir, calib_txt, "--artifact", art, "--activations", "a8-static", "--json", out
+    )
     _one_line_error(result, "kvq calibrate act-scales")
     assert not out.exists()
 
 
-def test_a_second_prefix_is_refused(model_dir, calib, tmp_path, arts):
+def test_a_second_prefix_is_refused(model_dir, calib_txt, tmp_path, arts):
     out = tmp_path / "r.json"
-    result = _eval(model_dir, calib, "--artifact", arts["kv-pq"], "--prefix-ids", "2",
+    result = _eval(model_dir, calib_txt, "--artifact", arts["kv-pq"], "--prefix-ids", "2",
                    "--json", out)  # fmt: skip
     _one_line_error(result, "--prefix-ids", "declares its own prefix")
     assert not out.exists()
     for pass_name in ("kv-scales", "act-scales"):
         made = tmp_path / pass_name
-        result = _calibrate(pass_name, model_dir, calib, made, "--base", arts["pq"],
+        result = _calibrate(pass_name, model_dir, calib_txt, made, "--base", arts["pq"],
                             "--prefix-ids", "2,7")  # fmt: skip
         _one_line_error(result, "--prefix-ids", "already declares a prefix")
         assert not made.exists()
@@ -275,7 +272,7 @@ def _forge(art, out, change):
     return out
 
 
-def test_a_base_prefix_made_with_another_tokenizer_is_refused(model_dir, calib, tmp_path, arts):
+def test_a_base_prefix_made_with_another_tokenizer_is_refused(model_dir, calib_txt, tmp_path, arts):
     def other_tokenizer(d, manifest):
         spec = manifest.policy.prefix
         other = PrefixSpec(spec.token_ids, "0" * 64, spec.source)
@@ -284,12 +281,12 @@ def test_a_base_prefix_made_with_another_tokenizer_is_refused(model_dir, calib, 
     forged = _forge(arts["pq"], tmp_path / "forged", other_tokenizer)
     for pass_name in ("kv-scales", "act-scales"):
         out = tmp_path / pass_name
-        result = _calibrate(pass_name, model_dir, calib, out, "--base", forged)
+        result = _calibrate(pass_name, model_dir, calib_txt, out, "--base", forged)
         _one_line_error(result, "another tokenizer")
         assert not out.exists()
 
 
-def test_a_prefix_kept_only_in_the_pass_options_is_refused(model_dir, calib, tmp_path, arts):
+def test_a_prefix_kept_only_in_the_pass_options_is_refused(model_dir, calib_txt, tmp_path, arts):
     """Artifacts from before the prefix was declared state recorded --prefix-ids in the
     pass options only: served without it, their figures would be wrong; refused."""
 
@@ -298,20 +295,20 @@ def test_a_prefix_kept_only_in_the_pass_options_is_refused(model_dir, calib, tmp
 
     legacy = _forge(arts["act"], tmp_path / "legacy", undeclared)
     out = tmp_path / "r.json"
-    result = _eval(model_dir, calib, "--artifact", legacy, "--activations", "a8-static",
+    result = _eval(model_dir, calib_txt, "--artifact", legacy, "--activations", "a8-static",
                    "--json", out)  # fmt: skip
     _one_line_error(result, "--prefix-ids 2,7", "declares no prefix")
     assert not out.exists()
     made = tmp_path / "chained"
-    result = _calibrate("kv-scales", model_dir, calib, made, "--base", legacy)
+    result = _calibrate("kv-scales", model_dir, calib_txt, made, "--base", legacy)
     _one_line_error(result, "declares no prefix")
     assert not made.exists()
 
 
 @pytest.mark.parametrize("text", ["bos", "1,-2", ""])
-def test_calibrate_refuses_bad_prefix_ids(model_dir, calib, tmp_path, text):
+def test_calibrate_refuses_bad_prefix_ids(model_dir, calib_txt, tmp_path, text):
     out = tmp_path / "a"
-    result = _calibrate("act-scales", model_dir, calib, out, "--prefix-ids", text)
+    result = _calibrate("act-scales", model_dir, calib_txt, out, "--prefix-ids", text)
     if text == "":  # empty means no prefix
         assert result.exit_code == 0, result.output + result.stderr
         assert _manifest(out)["policy"]["_data"].get("prefix") is None
@@ -320,8 +317,8 @@ def test_calibrate_refuses_bad_prefix_ids(model_dir, calib, tmp_path, text):
     assert not out.exists()
 
 
-def test_calibrate_refuses_a_prefix_outside_the_vocabulary(model_dir, calib, tmp_path):
+def test_calibrate_refuses_a_prefix_outside_the_vocabulary(model_dir, calib_txt, tmp_path):
     out = tmp_path / "a"
-    result = _calibrate("kv-scales", model_dir, calib, out, "--prefix-ids", "2,999999")
+    result = _calibrate("kv-scales", model_dir, calib_txt, out, "--prefix-ids", "2,999999")
     _one_line_error(result, "outside the vocabulary")
     assert not out.exists()

@@ -3,32 +3,28 @@
 import json
 
 import pytest
-from typer.testing import CliRunner
 
-from kvq.cli.app import app
-from tests.cli.test_cli import _one_line_error
-
-runner = CliRunner()
+from tests.cli.test_cli import _one_line_error, _run
 
 
-def _run(*args):
-    return runner.invoke(app, [str(a) for a in args])
-
-
-@pytest.fixture(scope="module")
-def llama_dir(tiny_model_dir):
-    return tiny_model_dir("llama")
-
-
-@pytest.fixture(scope="module")
-def auto_artifact(llama_dir, shared_data, tmp_path_factory):
-    out = tmp_path_factory.mktemp("auto") / "a3"
-    calib = shared_data / "calibration" / "groups_merged.txt"
-    result = _run(
-        "calibrate", "auto", "--model", llama_dir, "--dataset", calib,
-        "--samples", 4, "--seqlen", 32, "--bits", 3, "--out", out,
+def _calibrate_auto(model_dir, calib_txt, out, bits, *extra, samples=4):
+    """`kvq calibrate auto --bits bits` on samples x 32 tokens of the calibration text."""
+    return _run(
+        "calibrate", "auto", "--model", model_dir, "--dataset", calib_txt, "--samples", samples,
+        "--seqlen", 32, "--bits", bits, "--out", out, *extra,
     )  # fmt: skip
+
+
+def _ok(result):
     assert result.exit_code == 0, result.output + result.stderr
+    return result
+
+
+@pytest.fixture(scope="module")
+def auto_artifact(llama_dir, calib_txt, tmp_path_factory):
+    """The 3-bit auto artifact of tiny Llama: every test here reads it, none changes it."""
+    out = tmp_path_factory.mktemp("auto") / "a3"
+    result = _ok(_calibrate_auto(llama_dir, calib_txt, out, 3))
     assert "auto3: vq3" in result.output  # the policy it chose, named in the output
     return out
 
@@ -47,27 +43,24 @@ def test_auto_records_its_choice_and_stays_within_the_bits(auto_artifact):
 
 def test_auto_artifact_evaluates_and_generates(auto_artifact, llama_dir, shared_data, tmp_path):
     report = tmp_path / "eval.json"
-    result = _run(
+    _ok(_run(
         "run-eval", "--model", llama_dir, "--artifact", auto_artifact, "--dataset",
         "wikitext2", "--data-dir", shared_data, "--windows", 2, "--seqlen", 32, "--json", report,
-    )  # fmt: skip
-    assert result.exit_code == 0, result.output + result.stderr
+    ))  # fmt: skip
     tasks = json.loads(report.read_text())["tasks"]
     # (a tiny model's 32 tokens do not amortise the static codebooks: no bytes bound here)
     assert tasks["ppl"]["quantized"] > 0 and tasks["bytes"]["kv_bytes_per_token"] > 0
-    result = _run(
+    result = _ok(_run(
         "generate", "--model", llama_dir, "--artifact", auto_artifact,
         "--prompt", "The cache", "--max-new-tokens", 4,
-    )  # fmt: skip
-    assert result.exit_code == 0, result.output + result.stderr
+    ))  # fmt: skip
     assert "4 new tokens in" in result.stderr
 
 
 def test_inspect_shows_the_chosen_method_and_each_layer_side_width(auto_artifact):
     manifest = json.loads((auto_artifact / "manifest.json").read_text())
     layers = manifest["policy"]["_data"]["layers"]
-    result = _run("inspect", auto_artifact)
-    assert result.exit_code == 0, result.output + result.stderr
+    result = _ok(_run("inspect", auto_artifact))
     out = " ".join(result.output.split())  # the table wraps long cells
     assert "auto (bits=3, method=vq:" in out
     keys = " ".join(str(layer["key"]["bits"]) for layer in layers)
@@ -86,12 +79,11 @@ def test_decode_protocol_is_the_same_on_the_triton_kernel_and_the_reference(
     tasks = {}
     for backend in ("reference", "triton"):
         report = tmp_path / f"{backend}.json"
-        result = _run(
+        _ok(_run(
             "run-eval", "--model", llama_dir, "--artifact", auto_artifact, "--data-dir",
             shared_data, "--windows", 1, "--seqlen", 20, "--protocol", "decode", "--tasks",
             "ppl,kld", "--backend", backend, "--json", report,
-        )  # fmt: skip
-        assert result.exit_code == 0, result.output + result.stderr
+        ))  # fmt: skip
         assert json.loads(report.read_text())["protocol"] == "decode"
         tasks[backend] = json.loads(report.read_text())["tasks"]
     ref, tri = tasks["reference"], tasks["triton"]
@@ -101,13 +93,12 @@ def test_decode_protocol_is_the_same_on_the_triton_kernel_and_the_reference(
 
 
 def test_a_base_artifact_of_another_model_is_one_line(
-    auto_artifact, tiny_model_dir, shared_data, tmp_path
+    auto_artifact, tiny_model_dir, calib_txt, tmp_path
 ):
-    calib = shared_data / "calibration" / "groups_merged.txt"
-    result = _run(
-        "calibrate", "auto", "--model", tiny_model_dir("gemma3"), "--dataset", calib,
-        "--samples", 2, "--seqlen", 32, "--base", auto_artifact, "--out", tmp_path / "x",
-    )  # fmt: skip
+    gemma = tiny_model_dir("gemma3")
+    result = _calibrate_auto(
+        gemma, calib_txt, tmp_path / "x", 3, "--base", auto_artifact, samples=2
+    )
     _one_line_error(result, "incompatible artifact", "identity.model_type", "llama")
     assert not (tmp_path / "x").exists()  # nothing half-written
 
@@ -115,7 +106,7 @@ def test_a_base_artifact_of_another_model_is_one_line(
 @pytest.mark.parametrize(
     "args,needle",
     [
-        (["auto", "--bits", "5"], "--bits must be one of 2, 3, 4"),
+        (["auto", "--bits", "5"], "--bits must be 2, 3 or 4 for auto"),
         (["vq", "--bits", "5"], "--bits must be 1, 2, 3 or 4"),
         (["vq", "--bits", "4", "--dim", "4"], "4096 centroids"),
         (["vq", "--dim", "3"], "--dim must be"),
@@ -130,26 +121,18 @@ def test_bad_options_are_one_line_before_loading(args, needle, llama_dir, tmp_pa
     assert needle in result.stderr and "Traceback" not in result.output
 
 
-def test_auto_runs_scalar_kvquant_where_the_table_says(
-    llama_dir, shared_data, tmp_path, monkeypatch
-):
+def test_auto_runs_scalar_kvquant_where_the_table_says(llama_dir, calib_txt, tmp_path, monkeypatch):
     from kvq.calibrators import options
 
     monkeypatch.setitem(options.AUTO_CHOICES, 2, ("kvquant", 0, False))
     out = tmp_path / "a2"
-    calib = shared_data / "calibration" / "groups_merged.txt"
-    result = _run(
-        "calibrate", "auto", "--model", llama_dir, "--dataset", calib,
-        "--samples", 4, "--seqlen", 32, "--bits", 2, "--out", out,
-    )  # fmt: skip
-    assert result.exit_code == 0, result.output + result.stderr
+    result = _ok(_calibrate_auto(llama_dir, calib_txt, out, 2))
     assert "auto2: kvquant-nuq2" in result.output
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["passes"][-1]["options"]["method"].startswith("kvquant:")
     layers = manifest["policy"]["_data"]["layers"]
     assert {(layer["key"]["format"], layer["key"]["bits"]) for layer in layers} == {("nuq", 2)}
-    result = _run(
-        "run-eval", "--model", llama_dir, "--artifact", out, "--dataset", calib,
+    _ok(_run(
+        "run-eval", "--model", llama_dir, "--artifact", out, "--dataset", calib_txt,
         "--windows", 2, "--seqlen", 32, "--tasks", "ppl,bytes",
-    )  # fmt: skip
-    assert result.exit_code == 0, result.output + result.stderr
+    ))  # fmt: skip

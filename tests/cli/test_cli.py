@@ -14,6 +14,12 @@ def _run(*args):
     return runner.invoke(app, [str(a) for a in args])
 
 
+def _quick_calibrate(model_dir, calib_txt, *extra):
+    """channel-scales on 1 x 16 tokens: a calibration that runs in a second (refusals, flags)."""
+    args = ["--model", model_dir, "--dataset", calib_txt, "--samples", 1, "--seqlen", 16]
+    return _run("calibrate", "channel-scales", *args, *extra)
+
+
 def _one_line_error(result, *needles):
     assert result.exit_code == 2, result.output
     # progress bars may precede it; the error itself is exactly one line, the last
@@ -23,16 +29,6 @@ def _one_line_error(result, *needles):
     assert "Traceback" not in result.output
     for n in needles:
         assert n in err, err
-
-
-@pytest.fixture(scope="module")
-def llama_dir(tiny_model_dir):
-    return tiny_model_dir("llama")
-
-
-@pytest.fixture(scope="module")
-def calib_txt(shared_data):
-    return shared_data / "calibration" / "groups_merged.txt"
 
 
 @pytest.fixture(scope="module")
@@ -71,21 +67,7 @@ def test_calibrate_writes_a_valid_artifact(artifact):
 
 
 def test_calibrate_refuses_to_overwrite(artifact, llama_dir, calib_txt):
-    result = _run(
-        "calibrate",
-        "channel-scales",
-        "--model",
-        llama_dir,
-        "--dataset",
-        calib_txt,
-        "--samples",
-        1,
-        "--seqlen",
-        16,
-        "--out",
-        artifact,
-    )
-    _one_line_error(result, "--overwrite")
+    _one_line_error(_quick_calibrate(llama_dir, calib_txt, "--out", artifact), "--overwrite")
 
 
 def test_export_manifest_writes_schema(artifact, tmp_path):

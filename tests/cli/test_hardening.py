@@ -21,19 +21,9 @@ import pytest
 import safetensors.torch
 import torch
 
-from tests.cli.test_cli import _one_line_error, _run
+from tests.cli.test_cli import _one_line_error, _quick_calibrate, _run
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture(scope="module")
-def llama_dir(tiny_model_dir):
-    return tiny_model_dir("llama")
-
-
-@pytest.fixture(scope="module")
-def calib_txt(shared_data):
-    return shared_data / "calibration" / "groups_merged.txt"
 
 
 @pytest.fixture(scope="module")
@@ -51,11 +41,6 @@ def art(made, tmp_path):
     return Path(shutil.copytree(made, tmp_path / "ART"))
 
 
-def calibrate(llama_dir, calib_txt, *extra):
-    args = ["--model", llama_dir, "--dataset", calib_txt, "--samples", 1, "--seqlen", 16]
-    return _run("calibrate", "channel-scales", *args, *extra)
-
-
 def files(folder: Path) -> dict[str, bytes]:
     return {str(p.relative_to(folder)): p.read_bytes() for p in folder.rglob("*") if p.is_file()}
 
@@ -69,7 +54,7 @@ def test_overwrite_never_replaces_a_users_folder(llama_dir, calib_txt, tmp_path)
     (ext / "manifest.json").write_text('{"manifest_version": 3, "name": "mine"}')
     (ext / "background.js").write_text("// mine")
     before = files(tmp_path)
-    result = calibrate(llama_dir, calib_txt, "--out", ext, "--overwrite")
+    result = _quick_calibrate(llama_dir, calib_txt, "--out", ext, "--overwrite")
     _one_line_error(result, "not a kvq artifact")
     assert "load model" not in result.stderr  # refused before any work
     assert files(tmp_path) == before
@@ -81,7 +66,9 @@ def test_overwrite_never_replaces_the_working_directory(
     (tmp_path / "mine.txt").write_text("mine")
     monkeypatch.chdir(tmp_path)
     for out in (".", ".."):
-        _one_line_error(calibrate(llama_dir, calib_txt, "--out", out, "--overwrite"), "working")
+        _one_line_error(
+            _quick_calibrate(llama_dir, calib_txt, "--out", out, "--overwrite"), "working"
+        )
     assert (tmp_path / "mine.txt").read_text() == "mine"
 
 
@@ -207,7 +194,7 @@ def test_manifest_strings_reach_the_terminal_as_data(art):
 
 
 def test_error_messages_escape_what_they_quote(llama_dir, calib_txt, tmp_path):
-    result = calibrate(llama_dir, calib_txt, "--out", tmp_path / "o", "--key-stage", HOSTILE)
+    result = _quick_calibrate(llama_dir, calib_txt, "--out", tmp_path / "o", "--key-stage", HOSTILE)
     _one_line_error(result, "--key-stage")
     assert "\x1b" not in result.stderr and "\u202e" not in result.stderr
 
@@ -268,7 +255,7 @@ def test_a_binary_wikitext_is_one_line(llama_dir, tmp_path):
     ],
 )
 def test_out_of_range_numbers_before_the_model(llama_dir, calib_txt, tmp_path, args, needle):
-    result = calibrate(llama_dir, calib_txt, "--out", tmp_path / "o", *args)
+    result = _quick_calibrate(llama_dir, calib_txt, "--out", tmp_path / "o", *args)
     _one_line_error(result, needle)
     assert "load model" not in result.stderr and not (tmp_path / "o").exists()
 

@@ -20,17 +20,11 @@ from kvq.exporters.artifact import Artifact, read_artifact, write_artifact
 from kvq.exporters.checkpoint import read_checkpoint_tensors
 from kvq.exporters.paths import EXPORT_MARKER
 from kvq.models.loading import load_model
-from kvq.pipeline import CalibrationRequest, calibrate_job
-from kvq.progress import Progress
 from kvq.quant.schemes import CachePolicy, LayerPolicy, QuantScheme
 from tests.cli.test_cli import _one_line_error, _run
+from tests.conftest import calibrate
 
 compressed_tensors = pytest.importorskip("compressed_tensors")
-
-
-@pytest.fixture(scope="module")
-def data(shared_data):
-    return str(shared_data / "calibration" / "groups_merged.txt")
 
 
 @pytest.fixture(scope="module")
@@ -38,12 +32,9 @@ def llama(tiny_model_dir):
     return tiny_model_dir("llama")
 
 
-def _calibrate(model_dir, data, out, options):
-    request = CalibrationRequest(
-        passes=(options,), model_spec=str(model_dir), dataset=data, out=out, samples=2, seqlen=24
-    )
-    calibrate_job(request, Progress())
-    return out
+def _calibrate(model_dir, data, out, options, base=None):
+    calibrate(model_dir, data, out, options, base)
+    return out  # the folder: exports and later passes take it
 
 
 @pytest.fixture(scope="module")
@@ -193,11 +184,7 @@ def test_what_the_target_cannot_represent_is_refused(
         else:
             opts = ChannelScalesOptions(sink=1, value_group=8)
             base = _calibrate(llama, data, tmp_path / "b", opts)
-        request = CalibrationRequest(
-            passes=(KVScalesOptions(),), model_spec=str(llama), dataset=data, out=art,
-            samples=2, seqlen=24, base=base,
-        )  # fmt: skip
-        calibrate_job(request, Progress())
+        _calibrate(llama, data, art, KVScalesOptions(), base)
     out = tmp_path / "ckpt"
     result = _run("export", "vllm", art, "--model", model, "--out", out)
     _one_line_error(result, "vLLM (compressed-tensors) cannot represent", *needles)

@@ -16,11 +16,6 @@ from tests.cli.test_cli import _one_line_error, _run
 from tests.conftest import make_tiny_model
 
 
-@pytest.fixture(scope="module")
-def data(shared_data):
-    return shared_data / "calibration" / "groups_merged.txt"
-
-
 def _map_file(tmp_path, family):
     """Layer 1 on disk (loaded at each forward), every other module on the CPU."""
     body = make_tiny_model(family).model

@@ -229,24 +229,14 @@ def test_static_per_channel_scheme_needs_its_tensors():
 
 
 @torch.no_grad()
-def test_triton_backend_matches_reference_in_the_model(model, monkeypatch):
+def test_triton_backend_matches_reference_in_the_model(model, triton_decode_diffs):
     """Prefill, then single-token decode steps with the interpreted Triton kernel.
 
     Each kernel call is compared with the reference on the same inputs. (End-to-end logits
     are not compared at INT4: a 1e-7 difference upstream can flip a rounding decision of a
     later layer's codes, which is quantization, not a kernel error.)
     """
-    from kvq.runtime.kernels import decode_attention as da
-
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    kernel, diffs = da.decode_attention_triton, []
-
-    def checked(query, segments, **kw):
-        out = kernel(query, segments, **kw)
-        diffs.append((out - da.decode_attention_reference(query, segments, **kw)).abs().max())
-        return out
-
-    monkeypatch.setattr(da, "decode_attention_triton", checked)
+    diffs = triton_decode_diffs
     ids = _ids(14, b=2, seed=3)
     cache = _cache(model, "int4", key_stage="pre-rope", sink_tokens=1)
     cache.backend = "triton"

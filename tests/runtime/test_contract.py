@@ -25,10 +25,10 @@ from transformers import DynamicCache
 from kvq.calibrators.options import ChannelScalesOptions, KVQuantOptions
 from kvq.exporters.artifact import read_artifact
 from kvq.models.loading import load_model
-from kvq.pipeline import CalibrationRequest, cache_for, calibrate_job
-from kvq.progress import Progress
+from kvq.pipeline import cache_for
 from kvq.quant.schemes import CachePolicy, LayerPolicy, named_policy
 from kvq.runtime.cache import QuantizedKVCache, build_cache
+from tests.conftest import calibrate
 
 FAMILIES = ["llama", "qwen2", "gemma3"]
 # named layouts (policy, sink tokens) and calibrated artifacts (pass options)
@@ -52,7 +52,7 @@ NEW = 6  # new tokens per generate call
 
 
 @pytest.fixture(scope="module")
-def setups(tiny_model_dir, shared_data, tmp_path_factory):
+def setups(tiny_model_dir, data, tmp_path_factory):
     """family -> (loaded model, {artifact layout: Artifact}), built once per module."""
     built = {}
 
@@ -63,15 +63,7 @@ def setups(tiny_model_dir, shared_data, tmp_path_factory):
             artifacts = {}
             for name, options in ARTIFACTS.items():
                 out = tmp_path_factory.mktemp(f"{family}-{name}") / "ART"
-                request = CalibrationRequest(
-                    passes=(options,),
-                    model_spec=str(model_dir),
-                    dataset=str(shared_data / "calibration" / "groups_merged.txt"),
-                    out=out,
-                    samples=2,
-                    seqlen=24,
-                )
-                calibrate_job(request, Progress())
+                calibrate(model_dir, data, out, options)
                 artifacts[name] = read_artifact(out)
             built[family] = (loaded, artifacts)
         return built[family]

@@ -176,20 +176,10 @@ def test_static_per_head_cache_counts_its_scales(model, fmt):
 
 @torch.no_grad()
 @pytest.mark.parametrize("fmt", ["e4m3", "int8"])
-def test_triton_append_and_decode_match_the_reference(model, fmt, monkeypatch):
+def test_triton_append_and_decode_match_the_reference(model, fmt, triton_decode_diffs):
     """Per-head static scales: Triton append writes the same bytes as the torch encode
     (layer 0), and every interpreted decode-kernel call matches the reference."""
-    from kvq.runtime.kernels import decode_attention as da
-
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    kernel, diffs = da.decode_attention_triton, []
-
-    def checked(query, segments, **kw):
-        out = kernel(query, segments, **kw)
-        diffs.append((out - da.decode_attention_reference(query, segments, **kw)).abs().max())
-        return out
-
-    monkeypatch.setattr(da, "decode_attention_triton", checked)
+    diffs = triton_decode_diffs
     ids = _ids(10, seed=3)
     stored = {}
     for backend in ("reference", "triton"):
@@ -204,18 +194,8 @@ def test_triton_append_and_decode_match_the_reference(model, fmt, monkeypatch):
 
 
 @torch.no_grad()
-def test_triton_decode_of_dynamic_fp8_matches_reference(model, monkeypatch):
-    from kvq.runtime.kernels import decode_attention as da
-
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    kernel, diffs = da.decode_attention_triton, []
-
-    def checked(query, segments, **kw):
-        out = kernel(query, segments, **kw)
-        diffs.append((out - da.decode_attention_reference(query, segments, **kw)).abs().max())
-        return out
-
-    monkeypatch.setattr(da, "decode_attention_triton", checked)
+def test_triton_decode_of_dynamic_fp8_matches_reference(model, triton_decode_diffs):
+    diffs = triton_decode_diffs
     ad = get_adapter(model)
     policy = named_policy("fp8-e4m3-dynamic", ad.info.num_layers, ad.info.head_dim)
     cache = build_cache(model, policy, {}, ad, "triton")

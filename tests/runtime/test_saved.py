@@ -9,25 +9,16 @@ from safetensors.torch import load_file, save_file
 import kvq
 from kvq.calibrators.options import KVQuantOptions
 from kvq.errors import KvqError
-from kvq.pipeline import CalibrationRequest, calibrate_job
-from kvq.progress import Progress
 from kvq.runtime.cache import QuantizedKVCache
+from tests.conftest import calibrate
 
 
 @pytest.fixture(scope="module")
-def llama(tiny_model_dir, shared_data, tmp_path_factory):
+def llama(tiny_model_dir, data, tmp_path_factory):
     """A kvq-loaded tiny Llama and a KVQuant artifact for it (sparse keys, two sinks)."""
     model_dir = tiny_model_dir("llama")
     out = tmp_path_factory.mktemp("kvquant") / "ART"
-    request = CalibrationRequest(
-        passes=(KVQuantOptions(bits=3, fisher=False, sink=2),),
-        model_spec=str(model_dir),
-        dataset=str(shared_data / "calibration" / "groups_merged.txt"),
-        out=out,
-        samples=2,
-        seqlen=24,
-    )
-    calibrate_job(request, Progress())
+    calibrate(model_dir, data, out, KVQuantOptions(bits=3, fisher=False, sink=2))
     model, _ = kvq.load_model(str(model_dir))
     return model, out
 
