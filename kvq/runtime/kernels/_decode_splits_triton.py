@@ -57,18 +57,25 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-# 4 code bytes in one register -> 8 fp16 (exponent bias, article 0x09D): PRMT spreads
-# bytes 0, 1 (then 2, 3) over the two halves of a register, one LOP3 each masks a nibble
-# and ORs in 0x6400, giving 1024 + low nibble and 1024 + 16 x high nibble as fp16 pairs
-_NIBBLES_ASM = tl.constexpr("""{
-.reg .b32 t0, t1;
-prmt.b32 t0, $4, 0, 0x4140;
-prmt.b32 t1, $4, 0, 0x4342;
-lop3.b32 $0, t0, 0x000F000F, 0x64006400, 0xea;
-lop3.b32 $1, t1, 0x000F000F, 0x64006400, 0xea;
-lop3.b32 $2, t0, 0x00F000F0, 0x64006400, 0xea;
-lop3.b32 $3, t1, 0x00F000F0, 0x64006400, 0xea;
-}""")
+LOW_NIBBLES, HIGH_NIBBLES = "0x000F000F", "0x00F000F0"
+
+
+def _nibbles_ptx(*masks: str) -> str:
+    """PTX: 4 code bytes in one register -> 4 fp16 per mask (exponent bias, article 0x09D):
+    PRMT spreads bytes 0, 1 (then 2, 3) over the two halves of a register, one LOP3 each
+    masks a nibble and ORs in 0x6400, giving 1024 + low nibble (1024 + 16 x high nibble)
+    as fp16 pairs; outputs $0, $1 per mask in order, the code word last."""
+    lines = [".reg .b32 t0, t1;"]
+    src = f"${2 * len(masks)}"
+    lines += [f"prmt.b32 t0, {src}, 0, 0x4140;", f"prmt.b32 t1, {src}, 0, 0x4342;"]
+    for i, mask in enumerate(masks):
+        for j in (0, 1):
+            lines.append(f"lop3.b32 ${2 * i + j}, t{j}, {mask}, 0x64006400, 0xea;")
+    return "{\n" + "\n".join(lines) + "\n}"
+
+
+# 4 code bytes -> 8 fp16: both planes
+_NIBBLES_ASM = tl.constexpr(_nibbles_ptx(LOW_NIBBLES, HIGH_NIBBLES))
 # 4 code bytes -> 4 fp16 1024 + byte
 _BYTES_ASM = tl.constexpr("""{
 .reg .b32 t0, t1;
@@ -716,20 +723,8 @@ def _rope_setup(q_row, r_ok, q_scale, amp, fk, HKV, C0: tl.constexpr, CW: tl.con
 
 # 4 code bytes -> the 4 low (high) nibbles as fp16 1024 + c (1024 + 16 c): one plane of
 # `_NIBBLES_ASM`, for a caller that finishes one plane before it decodes the other
-_LOW_NIBBLES_ASM = tl.constexpr("""{
-.reg .b32 t0, t1;
-prmt.b32 t0, $2, 0, 0x4140;
-prmt.b32 t1, $2, 0, 0x4342;
-lop3.b32 $0, t0, 0x000F000F, 0x64006400, 0xea;
-lop3.b32 $1, t1, 0x000F000F, 0x64006400, 0xea;
-}""")
-_HIGH_NIBBLES_ASM = tl.constexpr("""{
-.reg .b32 t0, t1;
-prmt.b32 t0, $2, 0, 0x4140;
-prmt.b32 t1, $2, 0, 0x4342;
-lop3.b32 $0, t0, 0x00F000F0, 0x64006400, 0xea;
-lop3.b32 $1, t1, 0x00F000F0, 0x64006400, 0xea;
-}""")
+_LOW_NIBBLES_ASM = tl.constexpr(_nibbles_ptx(LOW_NIBBLES))
+_HIGH_NIBBLES_ASM = tl.constexpr(_nibbles_ptx(HIGH_NIBBLES))
 
 
 @triton.jit
