@@ -271,11 +271,6 @@ def _key_fold(p) -> Tensor:
 _FOLDS: Memo = {}
 
 
-@functools.cache
-def _dummy(device: torch.device) -> Tensor:
-    return torch.zeros(1, device=device)
-
-
 @dataclass(frozen=True)
 class PlannedCall:
     """One call's launch, built without launching (the offline compile reads it too)."""
@@ -287,22 +282,26 @@ class PlannedCall:
     out_shape: tuple  # [B, H_q, Q, D]
     r_rows: int  # G x Q real query rows per work item
 
-    def with_splits(self, plan: SplitPlan, part: Tensor, out: Tensor) -> dict:
-        return {**self.args, "part": part, "out": out, "splits": plan.splits,
-                "DIRECT": plan.splits == 1}  # fmt: skip
+    def with_splits(self, plan: SplitPlan, part: Tensor | None, out: Tensor) -> dict:
+        """The arguments with the plan's splits: one split writes `out` itself (no
+        partial states: `part` None), more write `part` (`out`: the reduction's)."""
+        direct = plan.splits == 1
+        return {**self.args, "part": None if direct else part, "out": out if direct else None,
+                "splits": plan.splits, "DIRECT": direct}  # fmt: skip
 
 
 def planned_call(query: Tensor, segments, *, scaling: float, softcap: float | None,
                  half: bool, mask: Tensor | None = None,
                  rope: tuple[Tensor, Tensor] | None = None) -> PlannedCall:  # fmt: skip
     """The kernel arguments for this call (`planned_unsupported` returned None); `rope`:
-    the (cos, sin) tables [P, D/2] of pre-RoPE keys."""
+    the (cos, sin) tables [P, D/2] of pre-RoPE keys. None for what the kernel derives
+    from the layout or does not read (`_layout_strides`, absent segments and features):
+    no runtime argument."""
     b, hq, q_len, d = query.shape
     hkv = segments[0].key.data.shape[1]
     group = hq // hkv
-    dummy = _dummy(query.device)
     packed = next((s for s in segments if s.key.kind != "full"), None)
-    k_rowq, k_ng, k_off, kq = False, 1, dummy, (0, 0, 0)
+    k_rowq, k_ng, kq, k_off = False, 1, (None, None, None), None
     if packed is not None:
         kp = 2 if packed.key.bits == 4 else 1
         vp = 2 if packed.value.bits == 4 else 1
@@ -311,76 +310,90 @@ def planned_call(query: Tensor, segments, *, scaling: float, softcap: float | No
         k_rowq = packed.key.qaxis == "row"
         if k_rowq:  # per-row group key qparams, applied to the decoded key tile
             k_fold, k_off, kq, k_ng = _row_qparams(packed.key)
-            k_off = k_off if k_off is not None else dummy
+            kq = _layout_strides(kq, hkv, k_ng)
         else:
             k_fold = _key_fold(packed.key)
         v_scale, v_off, vq, ng = _row_qparams(packed.value)
-        v_has_off = v_off is not None
-        v_off = v_off if v_has_off else dummy
+        vq = _layout_strides(vq, hkv, ng)
         k_zero, v_zero = float(packed.key.zero), float(packed.value.zero)
     else:
-        kp, vp, bits, ng, v_has_off = 1, 1, 16, 1, False
-        k_fold = v_scale = v_off = dummy
-        vq, k_zero, v_zero = (0, 0, 0), 0.0, 0.0
+        kp, vp, bits, ng = 1, 1, 16, 1
+        k_fold = v_scale = v_off = None
+        vq, k_zero, v_zero = (None, None, None), 0.0, 0.0
         k_fp8 = v_fp8 = (0, 1.0)
     cfg = kernel_config(d, bits, k_rowq)
-    args = dict(q=query, sq_b=query.stride(0), sq_h=query.stride(1), sq_q=query.stride(2),
-                part=dummy, out=dummy)  # fmt: skip
+    sq_b, sq_h, sq_q = query.stride()[:3]
+    args = dict(q=query, sq_b=None if sq_b == hq * q_len * d else sq_b,
+                sq_h=None if sq_h == d else sq_h,
+                sq_q=None if q_len == 1 or sq_q == hq * d else sq_q, part=None, out=None)  # fmt: skip
     kinds, padded = [], 0
     for i in range(MAX_SEGMENTS):
         seg = segments[i] if i < len(segments) else None
         if seg is None or not seg.rows:
             kinds.append(0)
-            args.update({f"k{i}": dummy, f"v{i}": dummy, f"rows{i}": 0})
-            args.update({f"{n}{i}_{s}": 0 for n in "kv" for s in "bht"})
+            args.update({f"k{i}": None, f"v{i}": None, f"rows{i}": None})
+            args.update({f"{n}{i}_{s}": None for n in "kv" for s in "bht"})
             continue
-        kinds.append(1 if seg.key.kind == "full" else 2)
-        for n, p in (("k", seg.key), ("v", seg.value)):
-            args[f"{n}{i}"] = p.data
-            for s, st in zip("bht", p.data.stride()[:3], strict=True):
-                args[f"{n}{i}_{s}"] = st
-        args[f"rows{i}"] = seg.rows
+        full = seg.key.kind == "full"
+        kinds.append(1 if full else 2)
+        k_b, k_h, k_t = _layout_strides(seg.key.data.stride()[:3], hkv, d if full else d // kp)
+        v_b, v_h, v_t = _layout_strides(seg.value.data.stride()[:3], hkv, d if full else d // vp)
+        if v_h == k_h:  # the values' head stride is the keys'
+            v_h = None
+        args.update({f"k{i}": seg.key.data, f"v{i}": seg.value.data, f"k{i}_b": k_b,
+                     f"k{i}_h": k_h, f"k{i}_t": k_t, f"v{i}_b": v_b, f"v{i}_h": v_h,
+                     f"v{i}_t": v_t, f"rows{i}": seg.rows})  # fmt: skip
         padded += -(-seg.rows // cfg.block_t) * cfg.block_t
-    total = sum(s.rows for s in segments)
     if mask is not None:  # [B | 1, 1, Q, total] bool, read in place
-        args.update(mask=mask, m_b=mask.stride(0) if mask.shape[0] > 1 else 0,
-                    m_q=mask.stride(2) if q_len > 1 else 0)  # fmt: skip
+        args.update(mask=mask, m_b=mask.stride(0) if mask.shape[0] > 1 else None,
+                    m_q=mask.stride(2) if q_len > 1 else None)  # fmt: skip
     else:
-        args.update(mask=dummy, m_b=0, m_q=0)
+        args.update(mask=None, m_b=None, m_q=None)
     args.update(
         k_fold=k_fold, v_scale=v_scale, v_off=v_off, vq_b=vq[0], vq_h=vq[1], vq_t=vq[2],
         k_off=k_off, kq_b=kq[0], kq_h=kq[1], kq_t=kq[2], K_ROWQ=k_rowq, K_NG=k_ng,
-        K_HAS_OFF=k_rowq and packed.key.offset is not None,
-        HKV=hkv, total=total, splits=1, K_ZERO=k_zero, V_ZERO=v_zero, scaling=float(scaling),
-        softcap=float(softcap or 0.0), Q=q_len, G=group, R=max(16, next_pow2(group * q_len)),
+        K_HAS_OFF=k_off is not None,
+        HKV=hkv, splits=1, K_ZERO=k_zero, V_ZERO=v_zero, scaling=float(scaling),
+        softcap=float(softcap) if softcap else None, Q=q_len, G=group,
+        R=max(16, next_pow2(group * q_len)),
         D=d, BLOCK_T=cfg.block_t, KIND0=kinds[0], KIND1=kinds[1], KIND2=kinds[2], KP=kp,
-        VP=vp, NG=ng, V_HAS_OFF=v_has_off, K_FP8=k_fp8[0], V_FP8=v_fp8[0],
+        VP=vp, NG=ng, V_HAS_OFF=v_off is not None, K_FP8=k_fp8[0], V_FP8=v_fp8[0],
         K_FACTOR=k_fp8[1] if k_rowq else 1.0, V_FACTOR=v_fp8[1],
         K_WORDS=k_rowq and _words(packed.key), V_WORDS=packed is not None and _words(packed.value),
         HAS_SOFTCAP=bool(softcap), CAUSAL=q_len > 1, HALF=half, DIRECT=False,
         HAS_MASK=mask is not None,
         NUM_STAGES=cfg.num_stages, ASM=ASM and not interpreting() and query.device.type == "cuda",
     )  # fmt: skip
-    args.update(_rope_args(segments, rope, kp, half, dummy))
-    args.update(_nuq_args(packed, dummy), RQ=next_pow2(group * q_len))
+    args.update(_rope_args(segments, rope, kp, half))
+    args.update(_nuq_args(packed, hkv), RQ=next_pow2(group * q_len))
     return PlannedCall(args, cfg, b * hkv, padded, (b, hq, q_len, d), group * q_len)
 
 
-def _rope_args(segments, rope, planes: int, half: bool, dummy: Tensor) -> dict:
-    """Positions per segment and the unit table of pre-RoPE keys (`rope_planes`); dummies
+def _layout_strides(strides, hkv: int, row: int) -> tuple:
+    """(batch, head, row) strides of a [B, H_kv, T, ...] tensor as the kernel takes them:
+    None where the layout fixes the value (the kernel derives it, no runtime argument):
+    a row stride of `row` (contiguous rows), a batch stride of H_kv x the head stride
+    (under 2^31: the kernel multiplies in 32 bits)."""
+    sb, sh, st = strides
+    batch = None if sb == hkv * sh and sb < 2**31 else sb
+    return batch, sh, None if st == row else st
+
+
+def _rope_args(segments, rope, planes: int, half: bool) -> dict:
+    """Positions per segment and the unit table of pre-RoPE keys (`rope_planes`); None
     and ROPE* False where no segment holds any."""
     args = {}
     for i in range(MAX_SEGMENTS):
         seg = segments[i] if i < len(segments) else None
         pre = seg is not None and seg.rows > 0 and seg.key.pre_rope
-        pos = seg.positions if pre else dummy
-        args.update({f"pos{i}": pos, f"pos{i}_b": pos.stride(0) if pre else 0,
-                     f"pos{i}_t": pos.stride(1) if pre else 0, f"ROPE{i}": pre})  # fmt: skip
+        pos = seg.positions if pre else None
+        args.update({f"pos{i}": pos, f"pos{i}_b": pos.stride(0) if pre else None,
+                     f"pos{i}_t": pos.stride(1) if pre else None, f"ROPE{i}": pre})  # fmt: skip
     if any(args[f"ROPE{i}"] for i in range(MAX_SEGMENTS)):
         tab, amp = rope_planes(rope, planes, torch.float16 if half else torch.float32)
         args.update(rope_tab=tab, rope_amp=amp, rope_rows=tab.shape[0])
     else:
-        args.update(rope_tab=dummy, rope_amp=dummy, rope_rows=0)
+        args.update(rope_tab=None, rope_amp=None, rope_rows=None)
     return args
 
 
@@ -414,14 +427,13 @@ def rope_planes(
 _ROPE_PLANES: Memo = {}
 
 
-def _nuq_args(packed, dummy: Tensor) -> dict:
+def _nuq_args(packed, hkv: int) -> dict:
     """The kernel's NUQ arguments (K_LUT ... vs_t): codebook tables, the keys' flat
     exceptions (counts, first entries `_flat_starts`, channels, values) and the values'
-    slots; dummies where absent."""
-    out = dict(K_LUT=0, V_LUT=0, K_FLAT=False, V_SLOTS=0, k_tab=dummy, v_tab=dummy,
-               k_cnt=dummy, kc_b=0, kc_h=0, kc_t=0, k_first=dummy, kf_b=0, kf_h=0, kf_t=0,
-               k_eidx=dummy, k_eval=dummy, v_sidx=dummy, v_sval=dummy, vs_b=0, vs_h=0,
-               vs_t=0)  # fmt: skip
+    slots; None where absent (and for strides the layout fixes, `_layout_strides`)."""
+    names = ("k_tab", "v_tab", "k_cnt", "kc_b", "kc_h", "kc_t", "k_first", "kf_b", "kf_h",
+             "kf_t", "k_eidx", "k_eval", "v_sidx", "v_sval", "vs_b", "vs_h", "vs_t")  # fmt: skip
+    out = dict(K_LUT=0, V_LUT=0, K_FLAT=False, V_SLOTS=0, **dict.fromkeys(names))
     if packed is None:
         return out
     k, v = packed.key, packed.value
@@ -434,11 +446,15 @@ def _nuq_args(packed, dummy: Tensor) -> dict:
         first = _flat_starts(k.sparse_count)
         out.update(K_FLAT=True, k_cnt=k.sparse_count, k_first=first, k_eidx=k.sparse_index,
                    k_eval=k.sparse_value)  # fmt: skip
-        out.update(zip(("kc_b", "kc_h", "kc_t"), k.sparse_count.stride(), strict=True))
-        out.update(zip(("kf_b", "kf_h", "kf_t"), first.stride(), strict=True))
+        out.update(zip(("kc_b", "kc_h", "kc_t"), _layout_strides(k.sparse_count.stride(), hkv, 1),
+                       strict=True))  # fmt: skip
+        out.update(zip(("kf_b", "kf_h", "kf_t"), _layout_strides(first.stride(), hkv, 1),
+                       strict=True))  # fmt: skip
     if v.slot_index is not None and v.slot_index.shape[-1]:
-        out.update(V_SLOTS=v.slot_index.shape[-1], v_sidx=v.slot_index, v_sval=v.slot_value)
-        out.update(zip(("vs_b", "vs_h", "vs_t"), v.slot_index.stride()[:3], strict=True))
+        slots = v.slot_index.shape[-1]
+        out.update(V_SLOTS=slots, v_sidx=v.slot_index, v_sval=v.slot_value)
+        out.update(zip(("vs_b", "vs_h", "vs_t"),
+                       _layout_strides(v.slot_index.stride()[:3], hkv, slots), strict=True))  # fmt: skip
     return out
 
 
