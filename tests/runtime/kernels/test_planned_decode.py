@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import replace
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -447,9 +448,9 @@ def _count_launches(monkeypatch) -> list[str]:
     names = []
     launch = planned_decode._Launcher.launch
 
-    def counted(self, fn, grid, args, options):
+    def counted(self, fn, *rest):
         names.append(fn.__name__)
-        return launch(self, fn, grid, args, options)
+        return launch(self, fn, *rest)
 
     monkeypatch.setattr(planned_decode._Launcher, "launch", counted)
     return names
@@ -513,6 +514,91 @@ def test_one_call_costs_two_launches_no_sync_and_three_allocations(monkeypatch, 
 
 def _is_view(name: str) -> bool:
     return name in ("view", "reshape", "_unsafe_view", "as_strided", "expand", "slice", "select")
+
+
+def _same(x, y) -> bool:
+    """Equal argument values: tensors by what a launch reads (address, dtype, strides)."""
+    if isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor):
+        return (x.data_ptr(), x.dtype, x.stride()) == (y.data_ptr(), y.dtype, y.stride())
+    return type(x) is type(y) and x == y
+
+
+@pytest.mark.parametrize("kind", ["int4-channel", "nuq4"])
+def test_calls_of_one_layout_share_their_site(kind):
+    """A layer's next decode call (a new query, one more packed row: views of the same
+    buffers) fills the site its first call built instead of building the arguments again,
+    and gets the arguments a freshly built site gives; rows in a buffer of another
+    capacity (other strides) make another site."""
+    segs = _layer_segments(kind, 2, 2, 64, rows=150, seed=3)
+
+    def layer(rows, sink=segs[0]):
+        main = segs[1]
+        return [sink, Segment(main.key.narrow(0, rows), main.value.narrow(0, rows)), segs[2]]
+
+    kw = dict(scaling=0.125, softcap=None, half=False)
+    first = planned_decode.planned_call(torch.randn(2, 4, 1, 64), layer(140), **kw)
+    q = torch.randn(2, 4, 1, 64)
+    nxt = planned_decode.planned_call(q, layer(141), **kw)
+    assert nxt.site is first.site
+    assert nxt.args["q"] is q and nxt.args["rows1"] == 141 and first.args["rows1"] == 140
+    planned_decode._SITES.clear()
+    fresh = planned_decode.planned_call(q, layer(141), **kw)
+    assert fresh.site is not first.site
+    assert fresh.args.keys() == nxt.args.keys()
+    assert all(_same(fresh.args[n], v) for n, v in nxt.args.items()), nxt.args
+    wider = torch.zeros(2, 2, 8, 64)[:, :, :2]  # the sink rows in a buffer of 8
+    wider.copy_(segs[0].key.data)
+    sink = Segment(PackedRows("full", 64, wider), segs[0].value)
+    other = planned_decode.planned_call(q, layer(141, sink), **kw)
+    assert other.site is not fresh.site and other.args["k0_h"] == 8 * 64
+
+
+class _Interpreted:
+    """Stands in for a compiled kernel on this CPU machine: runs `fn` through the
+    interpreter with the values a compiled kernel's launch takes (every parameter, in
+    signature order); resources that fit 2 programs per SM."""
+
+    def __init__(self, fn, options):
+        self.fn, self.options = fn, options
+        self.metadata = SimpleNamespace(num_warps=options.get("num_warps", 4), shared=0)
+        self.n_regs = 255
+
+    def __getitem__(self, grid):
+        return lambda *values: self.fn[grid[:2]](*values, **self.options)
+
+
+@pytest.mark.parametrize("kind", ["int4-channel", "nuq4"])
+def test_the_compiled_path_passes_values_in_signature_order(monkeypatch, kind):
+    """The launcher's CUDA path — a compiled kernel per site and split specialisation,
+    launched with the call's values in signature order (the reduction's too), no binder —
+    with the interpreter standing in for the compiled kernels: successive calls of a layer
+    (rows growing across a split boundary, one split and several) give the reference's
+    attention, and compile once per specialisation."""
+    from kvq.runtime.kernels import _decode_splits_triton as kern
+
+    compiles = []
+
+    def warmup(fn):
+        def compile_(*, grid, **kwargs):
+            options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
+            assert list(kwargs) == list(fn.arg_names)  # every parameter, by name
+            compiles.append(fn.__name__)
+            return _Interpreted(fn, options)
+
+        return compile_
+
+    for fn in (kern.decode_splits_kernel, kern.combine_splits_kernel):
+        monkeypatch.setattr(fn, "warmup", warmup(fn), raising=False)
+    launcher = planned_decode._Launcher(torch.device("cpu"))
+    launcher.device, launcher.interpreted, launcher.sms = torch.device("cuda"), False, 2
+    monkeypatch.setattr(planned_decode, "_launcher", lambda device: launcher)
+    segs = _layer_segments(kind, 1, 1, 64, rows=300, seed=15)
+    q = torch.randn(1, 2, 1, 64)
+    for rows in (40, 41, 300):  # 1 split (the output written directly), then several
+        main = Segment(segs[1].key.narrow(0, rows), segs[1].value.narrow(0, rows))
+        _check(q, [segs[0], main, segs[2]])
+    assert compiles.count("decode_splits_kernel") == 2  # DIRECT, and splits of 2 .. 15
+    assert compiles.count("combine_splits_kernel") == 1
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
