@@ -991,7 +991,7 @@ def decode_splits_kernel(
     k1, v1, k1_b, k1_h, k1_t, v1_b, v1_h, v1_t, rows1,
     k2, v2, k2_b, k2_h, k2_t, v2_b, v2_h, v2_t, rows2,
     k_fold, v_scale, v_off, vq_b, vq_h, vq_t, k_off, kq_b, kq_h, kq_t,
-    mask, m_b, m_q, HKV: tl.constexpr, splits, scaling, softcap,
+    mask, m_b, m_q, HKV: tl.constexpr, splits, scaling, softcap, lengths,
     pos0, pos1, pos2, pos0_b, pos0_t, pos1_b, pos1_t, pos2_b, pos2_t, rope_tab, rope_amp,
     rope_rows,
     Q: tl.constexpr, G: tl.constexpr, R: tl.constexpr, D: tl.constexpr,
@@ -1038,7 +1038,14 @@ def decode_splits_kernel(
     V_SLOTS slots), batch strides of HKV x the head strides, the values' head stride of
     the keys', the query's strides of a [B, Q, H_q, D] or [B, H_q, 1, D] query; row
     counts of absent segments (0); pointers and strides of absent features (their
-    pointers stand in as q: never read)."""
+    pointers stand in as q: never read). lengths: None, or int32 [3] on the device, the
+    segments' row counts (rows0 ... rows2 None), read here: a launch whose rows change
+    on the device (CUDA graphs; the grid is fixed by the segments' capacity, and a split
+    past the rows reads no tile)."""
+    if lengths is not None:
+        rows0 = tl.load(lengths) if KIND0 != 0 else None
+        rows1 = tl.load(lengths + 1) if KIND1 != 0 else None
+        rows2 = tl.load(lengths + 2) if KIND2 != 0 else None
     sq_h = D if sq_h is None else sq_h
     sq_q = HKV * G * D if sq_q is None else sq_q
     sq_b = HKV * G * Q * D if sq_b is None else sq_b

@@ -332,7 +332,7 @@ class PlannedCall:
 # the tensors a call reads, in a fixed order (`_sources`); the sources whose strides may
 # change from one call to the next (a mask over a longer context, positions of a fresh
 # tensor) are read per call (`_Site.strides`), the others' are part of the layout
-SRC_Q, SRC_MASK, SRC_SEG, SRC_PACKED, SRC_ROPE = 0, 1, 2, 11, 23
+SRC_Q, SRC_MASK, SRC_SEG, SRC_PACKED, SRC_ROPE, SRC_LENGTHS = 0, 1, 2, 11, 23, 25
 PER_CALL_STRIDES = (SRC_MASK, SRC_SEG + 2, SRC_SEG + 5, SRC_SEG + 8)
 
 
@@ -399,13 +399,17 @@ _SITES_KEPT = 512  # a few layouts per layer of a model (the layout changes as t
 
 def planned_call(query: Tensor, segments, *, scaling: float, softcap: float | None,
                  half: bool, mask: Tensor | None = None,
-                 rope: tuple[Tensor, Tensor] | None = None) -> PlannedCall:  # fmt: skip
+                 rope: tuple[Tensor, Tensor] | None = None,
+                 lengths: Tensor | None = None) -> PlannedCall:  # fmt: skip
     """The kernel arguments for this call (`planned_unsupported` returned None); `rope`:
-    the (cos, sin) tables [P, D/2] of pre-RoPE keys. Per call: the tensors it reads
-    (`_sources`, derived ones from their caches) and its layout key; the rest comes from
-    the site of that layout (`_site`, built by the first call of a layout)."""
+    the (cos, sin) tables [P, D/2] of pre-RoPE keys; `lengths`: None, or the segments'
+    row counts on the device (int32 [MAX_SEGMENTS], `run_planned`). Per call: the
+    tensors it reads (`_sources`, derived ones from their caches) and its layout key; the
+    rest comes from the site of that layout (`_site`, built by the first call of a
+    layout)."""
     rows = [s.key.data.shape[2] for s in segments]
     src = _sources(query, segments, rows, mask, rope, half)
+    src.append(lengths)
     key = _layout_key(query, segments, rows, src, scaling, softcap, half)
     site = _SITES.get(key)
     if site is None:
@@ -540,13 +544,15 @@ def _site(query: Tensor, segments, src: list, *, scaling: float, softcap: float 
             continue
         full = seg.key.kind == "full"
         kinds.append(1 if full else 2)
+        on_device = src[SRC_LENGTHS] is not None  # the kernel reads the rows from `lengths`
         k_b, k_h, k_t = _layout_strides(seg.key.data.stride()[:3], hkv, d if full else d // kp)
         v_b, v_h, v_t = _layout_strides(seg.value.data.stride()[:3], hkv, d if full else d // vp)
         if v_h == k_h:  # the values' head stride is the keys'
             v_h = None
         args.update({f"k{i}": _Src(SRC_SEG + 3 * i), f"v{i}": _Src(SRC_SEG + 3 * i + 1),
                      f"k{i}_b": k_b, f"k{i}_h": k_h, f"k{i}_t": k_t, f"v{i}_b": v_b,
-                     f"v{i}_h": v_h, f"v{i}_t": v_t, f"rows{i}": _Rows(i)})  # fmt: skip
+                     f"v{i}_h": v_h, f"v{i}_t": v_t,
+                     f"rows{i}": None if on_device else _Rows(i)})  # fmt: skip
     if mask is not None:  # [B | 1, 1, Q, total] bool, read in place
         args.update(mask=_Src(SRC_MASK), m_b=_Stride(SRC_MASK, 0) if mask.shape[0] > 1 else None,
                     m_q=_Stride(SRC_MASK, 2) if q_len > 1 else None)  # fmt: skip
@@ -556,7 +562,8 @@ def _site(query: Tensor, segments, src: list, *, scaling: float, softcap: float 
         k_fold=k_fold, v_scale=v_scale, v_off=v_off, vq_b=vq[0], vq_h=vq[1], vq_t=vq[2],
         k_off=k_off, kq_b=kq[0], kq_h=kq[1], kq_t=kq[2], K_ROWQ=k_rowq, K_NG=k_ng,
         K_HAS_OFF=k_off is not None,
-        HKV=hkv, splits=1, K_ZERO=k_zero, V_ZERO=v_zero, scaling=float(scaling),
+        HKV=hkv, splits=1, lengths=None if src[SRC_LENGTHS] is None else _Src(SRC_LENGTHS),
+        K_ZERO=k_zero, V_ZERO=v_zero, scaling=float(scaling),
         softcap=float(softcap) if softcap else None, Q=q_len, G=group,
         R=max(16, next_pow2(group * q_len)),
         D=d, BLOCK_T=cfg.block_t, KIND0=kinds[0], KIND1=kinds[1], KIND2=kinds[2], KP=kp,
@@ -679,12 +686,20 @@ def _nuq_args(packed, src: list, hkv: int) -> dict:
 
 def run_planned(query: Tensor, segments, *, scaling: float, softcap: float | None,
                 half: bool, mask: Tensor | None = None,
-                rope: tuple[Tensor, Tensor] | None = None) -> Tensor:  # fmt: skip
-    """[B, H_q, Q, D] float32: one decode launch (and one reduction when it splits)."""
+                rope: tuple[Tensor, Tensor] | None = None,
+                lengths: Tensor | None = None) -> Tensor:  # fmt: skip
+    """[B, H_q, Q, D] float32: one decode launch (and one reduction when it splits).
+
+    lengths: None, or int32 [MAX_SEGMENTS] on the device, the row counts of the segments
+    (each at most its rows here, which are then its capacity: the buffer a cache writes
+    into): the kernel reads them, and the plan (grid, splits) follows the capacities, so
+    a call captured in a CUDA graph replays over rows written since (a split past the
+    rows reads nothing). A mask's columns are the counted rows end to end (its width:
+    the capacities' sum); positions span the capacities."""
     from kvq.runtime.kernels import _decode_splits_triton as kern
 
     call = planned_call(query, segments, scaling=scaling, softcap=softcap, half=half, mask=mask,
-                        rope=rope)  # fmt: skip
+                        rope=rope, lengths=lengths)  # fmt: skip
     launcher = _launcher(query.device)
     plan = launcher.plan(call)
     out = torch.empty(call.out_shape, device=query.device)

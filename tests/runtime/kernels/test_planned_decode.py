@@ -601,6 +601,70 @@ def test_the_compiled_path_passes_values_in_signature_order(monkeypatch, kind):
     assert compiles.count("combine_splits_kernel") == 1
 
 
+def _counted(segs, counts):
+    """The segments cut to `counts` rows each (what the device counts say they hold)."""
+    return [
+        Segment(s.key.narrow(0, n), s.value.narrow(0, n)) for s, n in zip(segs, counts, strict=True)
+    ]
+
+
+@pytest.mark.parametrize("kind, masked", [("int4-channel", False), ("int4-channel", True),
+                                          ("nuq4", False)])  # fmt: skip
+def test_row_counts_on_the_device_drive_the_kernel(kind, masked):
+    """Segments that are a cache's buffers (their rows: the capacity) with the row counts
+    in a device tensor: the kernel attends over the counted rows only (the reference over
+    those rows: sink, main and residual rows each at their own count, causal query rows,
+    a sliding-window mask over the counted rows end to end in a buffer as wide as the
+    capacities), and the launch stays the same while
+    the counts move, as a CUDA graph replays it: one site, one plan."""
+    b, d = 2, 64
+    segs = _to(_layer_segments(kind, b, 2, d, rows=300, sink=2, residual=16, seed=16), DEVICE)
+    q = torch.randn(b, 4, 2 if masked else 1, d, device=DEVICE)
+    half = attention._dot_mode(q.device) != "ieee"
+    calls = []
+    for counts in ([2, 150, 5], [2, 151, 6], [1, 300, 0]):
+        lengths = torch.tensor(counts, dtype=torch.int32, device=DEVICE)
+        mask = None
+        total = sum(counts)
+        if masked:  # a sliding window over the counted rows end to end, 318 columns wide
+            mask = torch.zeros(b, 1, 2, 318, dtype=torch.bool)
+            mask[..., :total] = _window_mask(b, 2, total, window=100)
+            mask = mask.to(DEVICE)
+        out = planned_decode.run_planned(q, segs, scaling=0.125, softcap=None, half=half,
+                                         mask=mask, lengths=lengths)  # fmt: skip
+        counted = _counted(segs, counts)
+        ref_mask = None if mask is None else mask[..., :total]
+        ref = decode_attention_reference(q, counted, scaling=0.125, mask=ref_mask)
+        assert (out - ref).abs().max().item() < ATOL, counts
+        call = planned_decode.planned_call(q, segs, scaling=0.125, softcap=None, half=half,
+                                           mask=mask, lengths=lengths)  # fmt: skip
+        calls.append(call)
+    assert len({id(c.site) for c in calls}) == 1 and len({c.rows for c in calls}) == 1
+    assert calls[0].args["rows1"] is None and calls[0].args["lengths"] is not None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_decode_step_with_device_row_counts_replays_over_new_rows():
+    """A call over a cache's buffers with the row counts on the device, captured in a CUDA
+    graph, replays over rows written after the capture: moving the counts on the device is
+    all a step needs (no host value in the launch changes)."""
+    segs = _to(_layer_segments("int4-channel", 4, 2, 128, rows=4000, seed=10), "cuda")
+    q = torch.randn(4, 8, 1, 128, device="cuda")
+    lengths = torch.tensor([2, 3000, 1], dtype=torch.int32, device="cuda")
+    kw = dict(scaling=128**-0.5, softcap=None, half=True, lengths=lengths)
+    planned_decode.run_planned(q, segs, **kw)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = planned_decode.run_planned(q, segs, **kw)
+    for counts in ([2, 3000, 2], [2, 3064, 5]):
+        lengths.copy_(torch.tensor(counts, dtype=torch.int32))
+        graph.replay()
+        torch.cuda.synchronize()
+        eager = decode_attention_triton(q, _counted(segs, counts), scaling=128**-0.5)
+        torch.testing.assert_close(out, eager, atol=2e-3, rtol=0)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_a_decode_call_captures_in_a_cuda_graph():
     """Plan, launches and buffers need nothing from the host that changes inside a bucket:
