@@ -512,6 +512,28 @@ def test_one_call_costs_two_launches_no_sync_and_three_allocations(monkeypatch, 
     assert allocations <= 3, ops
 
 
+def test_a_call_with_device_row_counts_costs_the_same(monkeypatch):
+    """With the row counts on the device (`run_planned(lengths=...)`) a call launches the
+    decode kernel and the reduction, allocates their outputs and never reads the counts
+    on the host."""
+    segs = _to(_layer_segments("int4-channel", 4, 2, 64, rows=300, seed=9), DEVICE)
+    q = torch.randn(4, 8, 1, 64, device=DEVICE)
+    lengths = torch.tensor([2, 250, 3], dtype=torch.int32, device=DEVICE)
+    call = dict(scaling=0.125, softcap=None, half=False, lengths=lengths)
+    planned_decode.run_planned(q, segs, **call)  # warm
+    names = []
+    monkeypatch.setattr(
+        planned_decode._Launcher, "launch", lambda self, fn, *a: names.append(fn.__name__)
+    )
+    with _Ops() as mode:
+        planned_decode.run_planned(q, segs, **call)
+    ops = mode.ops
+    compute = {n: c for n, c in ops.items() if n not in ALLOCATING and not _is_view(n)}
+    assert names == ["decode_splits_kernel", "combine_splits_kernel"]
+    assert sum(ops[n] for n in SYNCING) == 0 and not compute, ops
+    assert sum(ops[n] for n in ALLOCATING) <= 3, ops
+
+
 def _is_view(name: str) -> bool:
     return name in ("view", "reshape", "_unsafe_view", "as_strided", "expand", "slice", "select")
 
