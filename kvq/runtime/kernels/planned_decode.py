@@ -32,6 +32,7 @@ and num_stages tiles of raw codes in flight (`kernel_config`).
 from __future__ import annotations
 
 import functools
+import inspect
 import os
 from dataclasses import dataclass, field
 
@@ -576,8 +577,10 @@ def _site(query: Tensor, segments, src: list, *, scaling: float, softcap: float 
     )  # fmt: skip
     args.update(_rope_args(segments, src))
     args.update(_nuq_args(packed, src, hkv), RQ=next_pow2(group * q_len))
-    names = tuple(kern.decode_splits_kernel.arg_names)
-    template = tuple(args[n] for n in names)
+    # every parameter: the ones left out here take the kernel's defaults
+    params = inspect.signature(kern.decode_splits_kernel.fn).parameters
+    names = tuple(params)
+    template = tuple(args[n] if n in args else params[n].default for n in names)
     marked = list(enumerate(template))
     return _Site(
         names=names,
