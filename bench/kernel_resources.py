@@ -19,7 +19,11 @@ min(1, issue bound, latency bound) x the plan's wave fill, where the issue bound
 warp-instructions per SM per clock over the instructions per row (times the row's
 bytes), and the latency bound Little's law over the bytes in flight (LATENCY_S). An
 upper bound from the binary alone: it does not see dependency stalls, bank conflicts
-or the reduction. `--survey` also prints the general kernel's whole tuner table.
+or the reduction. Planned launches also report `runtime_args`, the arguments the launch
+passes at run time (parameters Triton does not bind as constexprs), for the traced call
+(the packed rows alone) and, as `runtime_args_layer`, for a layer's call (sink rows, the
+packed rows, a residual window). `--survey` also prints the general kernel's whole tuner
+table.
 """
 
 from __future__ import annotations
@@ -34,8 +38,10 @@ import torch
 
 from kvq.runtime.kernels import _decode_attention_triton as kern
 from kvq.runtime.kernels import decode_attention as da
+from kvq.runtime.kernels.decode_attention import Segment
 from kvq.runtime.kernels.launch_plan import plan_splits
-from kvq.runtime.kernels.offline import compile_offline
+from kvq.runtime.kernels.offline import compile_offline, runtime_arguments
+from kvq.runtime.packed import PackedRows
 
 try:  # the planned path (absent before it existed: then every format takes the survey)
     from kvq.runtime.kernels import planned_decode as planned
@@ -194,18 +200,40 @@ def planned_row(query, seg, hkv: int, row_bytes: float) -> tuple[dict, dict]:
     call = planned.planned_call(query, [seg], scaling=d**-0.5, softcap=None, half=True,
                                 rope=rope)  # fmt: skip
     fn = splits_kern.decode_splits_kernel
-    args = {**call.args, "part": torch.empty(1), "out": torch.empty(1), "splits": 8, "ASM": ASM}
+    # several splits: partial states in `part` (`out` is the reduction's: None here)
+    args = {**call.args, "part": torch.empty(1), "out": None, "splits": 8, "ASM": ASM}
     opts = call.config.options()
     # every parameter by name: runtime ones follow constexprs in the signature
     res = compile_offline(fn, (), args, options=opts)
+    layer = planned.planned_call(query, layer_segments(seg), scaling=d**-0.5, softcap=None,
+                                 half=True, rope=rope)  # fmt: skip
+    layer_args = {**layer.args, "part": torch.empty(1), "out": None, "splits": 8, "ASM": ASM}
     plan = plan_splits(TARGET_BATCH * hkv, TARGET_CONTEXT, sms=SMS,
                        programs_per_sm=res.programs_per_sm, block_t=call.config.block_t)  # fmt: skip
     row = model(res, call.config.block_t, opts["num_warps"], _stages(res, opts), row_bytes,
                 plan.fill)  # fmt: skip
+    row["runtime_args"] = runtime_arguments(fn, args)
+    row["runtime_args_layer"] = runtime_arguments(fn, layer_args)
     picked = {"BLOCK_T": call.config.block_t, **opts, "registers": res.registers,
               "shared_bytes": res.shared_bytes, "loop_instructions": res.loop_instructions,
               "loop_async_copies": res.loop_async_copies, "plan": plan.as_dict()}  # fmt: skip
     return row, picked
+
+
+def layer_segments(main) -> list:
+    """What a layer hands attention around its packed rows `main`: 4 sink rows and a
+    residual window of 16 rows in a buffer of 64 (full precision, fp16; pre-RoPE keys
+    with their positions where the main rows' are)."""
+    b, hkv, t = main.key.data.shape[:3]
+    d = main.key.head_dim
+    pos = torch.arange(t + 68).expand(b, -1)
+    buf = torch.randn(2, b, hkv, 68, d).half()
+    out = []
+    for lo, hi in ((0, 4), (4, 20)):
+        key = PackedRows("full", d, buf[0][:, :, lo:hi], pre_rope=main.key.pre_rope)
+        value = PackedRows("full", d, buf[1][:, :, lo:hi])
+        out.append(Segment(key, value, pos[:, t + lo : t + hi] if main.key.pre_rope else None))
+    return [out[0], main, out[1]]
 
 
 def _old_fill(hkv: int, programs_per_sm: int) -> float:

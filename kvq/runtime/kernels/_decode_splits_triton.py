@@ -983,7 +983,7 @@ def _segment_loop(
     return m_i, l_i, acc_lo, acc_hi
 
 
-@triton.jit(do_not_specialize=["rows0", "rows1", "rows2", "total"])
+@triton.jit(do_not_specialize=["rows0", "rows1", "rows2"])
 def decode_splits_kernel(
     q, sq_b, sq_h, sq_q,
     part, out,
@@ -991,7 +991,7 @@ def decode_splits_kernel(
     k1, v1, k1_b, k1_h, k1_t, v1_b, v1_h, v1_t, rows1,
     k2, v2, k2_b, k2_h, k2_t, v2_b, v2_h, v2_t, rows2,
     k_fold, v_scale, v_off, vq_b, vq_h, vq_t, k_off, kq_b, kq_h, kq_t,
-    mask, m_b, m_q, HKV, total, splits, scaling, softcap,
+    mask, m_b, m_q, HKV: tl.constexpr, splits, scaling, softcap, lengths,
     pos0, pos1, pos2, pos0_b, pos0_t, pos1_b, pos1_t, pos2_b, pos2_t, rope_tab, rope_amp,
     rope_rows,
     Q: tl.constexpr, G: tl.constexpr, R: tl.constexpr, D: tl.constexpr,
@@ -1030,7 +1030,73 @@ def decode_splits_kernel(
     keys only). K_FLAT: the keys' flat exact exceptions, count k_cnt [B, H_kv, T] and
     first entry k_first (strides kc_*, kf_*) of each row into k_eidx (channels) and k_eval
     (values); V_SLOTS: the values' exceptions per row, slots v_sidx, v_sval
-    [B, H_kv, T, V_SLOTS] (strides vs_*; channel D: unused)."""
+    [B, H_kv, T, V_SLOTS] (strides vs_*; channel D: unused).
+
+    None for an argument (Triton binds it as a constexpr: no runtime argument) where the
+    host's layout fixes its value (`planned_decode._layout_strides`): row strides of
+    contiguous rows (D elements, D / KP or D / VP bytes of codes, NG or K_NG groups,
+    V_SLOTS slots), batch strides of HKV x the head strides, the values' head stride of
+    the keys', the query's strides of a [B, Q, H_q, D] or [B, H_q, 1, D] query; row
+    counts of absent segments (0); pointers and strides of absent features (their
+    pointers stand in as q: never read). lengths: None, or int32 [3] on the device, the
+    segments' row counts (rows0 ... rows2 None), read here: a launch whose rows change
+    on the device (CUDA graphs; the grid is fixed by the segments' capacity, and a split
+    past the rows reads no tile)."""
+    if lengths is not None:
+        rows0 = tl.load(lengths) if KIND0 != 0 else None
+        rows1 = tl.load(lengths + 1) if KIND1 != 0 else None
+        rows2 = tl.load(lengths + 2) if KIND2 != 0 else None
+    sq_h = D if sq_h is None else sq_h
+    sq_q = HKV * G * D if sq_q is None else sq_q
+    sq_b = HKV * G * Q * D if sq_b is None else sq_b
+    rows0 = 0 if rows0 is None else rows0
+    rows1 = 0 if rows1 is None else rows1
+    rows2 = 0 if rows2 is None else rows2
+    total = rows0 + rows1 + rows2
+    softcap = 0.0 if softcap is None else softcap
+    k_fold = q if k_fold is None else k_fold
+    k_off = q if k_off is None else k_off
+    kq_h = 0 if kq_h is None else kq_h
+    kq_b = HKV * kq_h if kq_b is None else kq_b
+    kq_t = K_NG if kq_t is None else kq_t
+    v_scale = q if v_scale is None else v_scale
+    v_off = q if v_off is None else v_off
+    vq_h = 0 if vq_h is None else vq_h
+    vq_b = HKV * vq_h if vq_b is None else vq_b
+    vq_t = NG if vq_t is None else vq_t
+    mask = q if mask is None else mask
+    m_b = 0 if m_b is None else m_b
+    m_q = 0 if m_q is None else m_q
+    pos0 = q if pos0 is None else pos0
+    pos1 = q if pos1 is None else pos1
+    pos2 = q if pos2 is None else pos2
+    pos0_b = 0 if pos0_b is None else pos0_b
+    pos1_b = 0 if pos1_b is None else pos1_b
+    pos2_b = 0 if pos2_b is None else pos2_b
+    pos0_t = 1 if pos0_t is None else pos0_t
+    pos1_t = 1 if pos1_t is None else pos1_t
+    pos2_t = 1 if pos2_t is None else pos2_t
+    rope_tab = q if rope_tab is None else rope_tab
+    rope_amp = q if rope_amp is None else rope_amp
+    rope_rows = 0 if rope_rows is None else rope_rows
+    k_tab = q if k_tab is None else k_tab
+    v_tab = q if v_tab is None else v_tab
+    k_cnt = q if k_cnt is None else k_cnt
+    kc_h = 0 if kc_h is None else kc_h
+    kc_b = HKV * kc_h if kc_b is None else kc_b
+    kc_t = 1 if kc_t is None else kc_t
+    k_first = q if k_first is None else k_first
+    kf_h = 0 if kf_h is None else kf_h
+    kf_b = HKV * kf_h if kf_b is None else kf_b
+    kf_t = 1 if kf_t is None else kf_t
+    k_eidx = q if k_eidx is None else k_eidx
+    k_eval = q if k_eval is None else k_eval
+    v_sidx = q if v_sidx is None else v_sidx
+    v_sval = q if v_sval is None else v_sval
+    vs_h = 0 if vs_h is None else vs_h
+    vs_b = HKV * vs_h if vs_b is None else vs_b
+    vs_t = V_SLOTS if vs_t is None else vs_t
+
     bh = tl.program_id(0)
     split = tl.program_id(1)
     b = (bh // HKV).to(tl.int64)  # batch offsets of a long cache pass 2^31 bytes
@@ -1117,6 +1183,11 @@ def decode_splits_kernel(
            v_sval + b * vs_b + h * vs_h, vs_t, v_tab, _lut_words(k_tab, K_MODE),
            _lut_words(v_tab, V_MODE))  # fmt: skip
     if KIND0 != 0:
+        k0_t = (D if KIND0 == 1 else D // KP) if k0_t is None else k0_t
+        v0_t = (D if KIND0 == 1 else D // VP) if v0_t is None else v0_t
+        v0_h = k0_h if v0_h is None else v0_h
+        k0_b = HKV * k0_h if k0_b is None else k0_b
+        v0_b = HKV * v0_h if v0_b is None else v0_b
         kp = k0 + b * k0_b + h * k0_h
         vp = v0 + b * v0_b + h * v0_h
         state = _segment_loop(
@@ -1130,6 +1201,11 @@ def decode_splits_kernel(
             K_MODE, V_MODE, K_FLAT, V_SLOTS, nuq,
         )  # fmt: skip
     if KIND1 != 0:
+        k1_t = (D if KIND1 == 1 else D // KP) if k1_t is None else k1_t
+        v1_t = (D if KIND1 == 1 else D // VP) if v1_t is None else v1_t
+        v1_h = k1_h if v1_h is None else v1_h
+        k1_b = HKV * k1_h if k1_b is None else k1_b
+        v1_b = HKV * v1_h if v1_b is None else v1_b
         kp = k1 + b * k1_b + h * k1_h
         vp = v1 + b * v1_b + h * v1_h
         state = _segment_loop(
@@ -1143,6 +1219,11 @@ def decode_splits_kernel(
             K_MODE, V_MODE, K_FLAT, V_SLOTS, nuq,
         )  # fmt: skip
     if KIND2 != 0:
+        k2_t = (D if KIND2 == 1 else D // KP) if k2_t is None else k2_t
+        v2_t = (D if KIND2 == 1 else D // VP) if v2_t is None else v2_t
+        v2_h = k2_h if v2_h is None else v2_h
+        k2_b = HKV * k2_h if k2_b is None else k2_b
+        v2_b = HKV * v2_h if v2_b is None else v2_b
         kp = k2 + b * k2_b + h * k2_h
         vp = v2 + b * v2_b + h * v2_h
         state = _segment_loop(

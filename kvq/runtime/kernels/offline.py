@@ -146,6 +146,21 @@ def compile_offline(
     )
 
 
+def runtime_arguments(fn, kwargs: dict, *, arch: int = 90) -> int:
+    """How many arguments a launch of `fn` with these keyword arguments (every parameter
+    by name) passes to the GPU at run time: the parameters Triton's binder does not bind
+    as constexprs (annotated ones, None, integers equal to 1), as `JITFunction.run`
+    binds them for sm_`arch`."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import make_backend
+    from triton.runtime.jit import create_function_from_signature
+
+    backend = make_backend(GPUTarget("cuda", arch, 32))
+    binder = create_function_from_signature(fn.signature, fn.params, backend)
+    _, specialization, _ = binder(**kwargs)
+    return sum(1 for kind, *_ in specialization if kind != "constexpr")
+
+
 def _tool(name: str) -> str:
     """A CUDA binary tool that the triton wheel ships (no CUDA toolkit needed)."""
     import triton

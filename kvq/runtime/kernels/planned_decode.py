@@ -12,11 +12,15 @@ or before it (rotated in the tile loop at each row's position,
 table, `rope_planes`; not yet for NUQ codes), with or without a mask over the rows
 (sliding windows, padding: read in place, one byte per row and tile) — and
 `decode_attention.decode_path` sends everything else to the general kernel. What the
-host does per call: checks, a cached plan
-(splits from the compiled kernel's occupancy, `launch_plan.plan_splits`), two
-allocations (partial states and output; one when a single split writes the output
-itself) and the launches through a launcher cached per specialisation, which binds
-the arguments without Triton's per-call binder. NUQ4 keys with exceptions also need
+host does per call: checks; the tensors it reads and their layout key, which finds the
+site of that layout (`_Site`: every constexpr, the strides the layout fixes — passed as
+None where the kernel derives them, about 20 runtime arguments for KV4 — and the compiled
+kernels, built by a layer's first call of that layout), whose template the call fills
+with its tensors and row counts; a cached plan (splits from the compiled kernel's
+occupancy, `launch_plan.plan_splits`), two allocations (partial states and output; one
+when a single split writes the output itself) and the launches of the site's compiled
+kernel, without Triton's per-call binder (bench/planned_host.py: about 30 us of Python
+per call, 125 before the sites). NUQ4 keys with exceptions also need
 each row's first flat entry, a prefix sum of the counts (`_flat_starts`), cached per
 contents of the count rows: recomputed (3 small ops) only on a call after they changed.
 
@@ -28,8 +32,9 @@ and num_stages tiles of raw codes in flight (`kernel_config`).
 from __future__ import annotations
 
 import functools
+import inspect
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -271,116 +276,354 @@ def _key_fold(p) -> Tensor:
 _FOLDS: Memo = {}
 
 
-@functools.cache
-def _dummy(device: torch.device) -> Tensor:
-    return torch.zeros(1, device=device)
+@dataclass(frozen=True)
+class PlannedCall:
+    """One call's launch, built without launching (the offline compile reads it too): the
+    layer's `_Site` and this call's values of the kernel parameters."""
+
+    site: _Site
+    values: list  # every kernel parameter's value, in the signature's order
+    rows: int  # tile-padded rows per work item over all segments
+
+    @property
+    def args(self) -> dict:
+        """Every kernel parameter by name, constexprs included."""
+        return dict(zip(self.site.names, self.values, strict=True))
+
+    @property
+    def config(self) -> KernelConfig:
+        return self.site.config
+
+    @property
+    def work(self) -> int:  # batch x KV heads
+        return self.site.work
+
+    @property
+    def out_shape(self) -> tuple:  # [B, H_q, Q, D]
+        return self.site.out_shape
+
+    @property
+    def r_rows(self) -> int:  # G x Q real query rows per work item
+        return self.site.r_rows
+
+    def with_splits(self, plan: SplitPlan, part: Tensor | None, out: Tensor) -> dict:
+        """The arguments by name with the plan's splits (`launch_values`)."""
+        return dict(zip(self.site.names, self.launch_values(plan, part, out), strict=True))
+
+    def launch_values(self, plan: SplitPlan, part: Tensor | None, out: Tensor) -> list:
+        """The values with the plan's splits: one split writes `out` itself (no partial
+        states: `part` None), more write `part` (`out`: the reduction's)."""
+        values = list(self.values)
+        direct = plan.splits == 1
+        i = self.site.launch_slots
+        values[i[0]], values[i[1]] = (None, out) if direct else (part, None)
+        values[i[2]], values[i[3]] = plan.splits, direct
+        return values
+
+    def kernel_key(self, splits: int) -> tuple:
+        """What Triton specialises this launch on beyond the site's layout: DIRECT, the
+        split count and the strides read per call (== 1, divisibility by 16)."""
+        v = self.values
+        per_call = tuple(
+            (v[i] == 1, v[i] & 15 == 0, v[i] >> 31 == 0) for i, _, _ in self.site.strides
+        )
+        return (splits == 1, splits & 15 == 0, per_call)
+
+
+# the tensors a call reads, in a fixed order (`_sources`); the sources whose strides may
+# change from one call to the next (a mask over a longer context, positions of a fresh
+# tensor) are read per call (`_Site.strides`), the others' are part of the layout
+SRC_Q, SRC_MASK, SRC_SEG, SRC_PACKED, SRC_ROPE, SRC_LENGTHS = 0, 1, 2, 11, 23, 25
+PER_CALL_STRIDES = (SRC_MASK, SRC_SEG + 2, SRC_SEG + 5, SRC_SEG + 8)
 
 
 @dataclass(frozen=True)
-class PlannedCall:
-    """One call's launch, built without launching (the offline compile reads it too)."""
+class _Src:
+    """Marker in a site's template: the call's source tensor `index`."""
 
-    args: dict  # every kernel parameter by name, constexprs included
+    index: int
+
+
+@dataclass(frozen=True)
+class _Stride:
+    """Marker: the stride along `dim` of the call's source tensor `index`."""
+
+    index: int
+    dim: int
+
+
+@dataclass(frozen=True)
+class _Rows:
+    """Marker: the row count of the call's segment `segment`."""
+
+    segment: int
+
+
+@dataclass
+class _Site:
+    """What a layer's decode calls share while its layout stays (cached per
+    `_layout_key`): every constexpr, the strides its layout fixes, the configuration, and
+    where each call's values go — its tensors, row counts and per-call strides — so a
+    call fills a list instead of building the arguments; plus the compiled kernels of
+    its specialisations (`_Launcher`)."""
+
+    names: tuple  # the kernel's parameters, in signature order
+    template: tuple  # their values; None where a call fills them in
+    tensors: tuple  # (parameter index, source index)
+    strides: tuple  # (parameter index, source index, dim)
+    rows_at: tuple  # (parameter index, segment index)
+    launch_slots: tuple  # parameter index of part, out, splits, DIRECT
     config: KernelConfig
-    work: int  # batch x KV heads
-    rows: int  # tile-padded rows per work item over all segments
-    out_shape: tuple  # [B, H_q, Q, D]
-    r_rows: int  # G x Q real query rows per work item
+    work: int
+    out_shape: tuple
+    r_rows: int
+    r_pad: int  # R: query rows per program
+    kernels: dict = field(default_factory=dict)  # kernel_key -> compiled kernel (CUDA)
+    per_sm: int | None = None  # resident programs per SM of the compiled kernel
 
-    def with_splits(self, plan: SplitPlan, part: Tensor, out: Tensor) -> dict:
-        return {**self.args, "part": part, "out": out, "splits": plan.splits,
-                "DIRECT": plan.splits == 1}  # fmt: skip
+    def values(self, src: list, rows: list) -> list:
+        """A call's values: the template with its tensors `src`, their per-call strides and
+        the segments' row counts `rows` filled in."""
+        out = list(self.template)
+        for i, j in self.tensors:
+            out[i] = src[j]
+        for i, j, dim in self.strides:
+            out[i] = src[j].stride(dim)
+        for i, j in self.rows_at:
+            out[i] = rows[j]
+        return out
+
+
+_SITES: dict = {}
+_SITES_KEPT = 512  # a few layouts per layer of a model (the layout changes as the cache grows)
 
 
 def planned_call(query: Tensor, segments, *, scaling: float, softcap: float | None,
                  half: bool, mask: Tensor | None = None,
-                 rope: tuple[Tensor, Tensor] | None = None) -> PlannedCall:  # fmt: skip
+                 rope: tuple[Tensor, Tensor] | None = None,
+                 lengths: Tensor | None = None) -> PlannedCall:  # fmt: skip
     """The kernel arguments for this call (`planned_unsupported` returned None); `rope`:
-    the (cos, sin) tables [P, D/2] of pre-RoPE keys."""
+    the (cos, sin) tables [P, D/2] of pre-RoPE keys; `lengths`: None, or the segments'
+    row counts on the device (int32 [MAX_SEGMENTS], `run_planned`). Per call: the
+    tensors it reads (`_sources`, derived ones from their caches) and its layout key; the
+    rest comes from the site of that layout (`_site`, built by the first call of a
+    layout)."""
+    rows = [s.key.data.shape[2] for s in segments]
+    src = _sources(query, segments, rows, mask, rope, half)
+    src.append(lengths)
+    key = _layout_key(query, segments, rows, src, scaling, softcap, half)
+    site = _SITES.get(key)
+    if site is None:
+        if len(_SITES) >= _SITES_KEPT:
+            _SITES.pop(next(iter(_SITES)))
+        site = _SITES[key] = _site(query, segments, src, scaling=scaling, softcap=softcap,
+                                   half=half)  # fmt: skip
+    block_t = site.config.block_t
+    padded = sum(-(-n // block_t) for n in rows) * block_t
+    return PlannedCall(site, site.values(src, rows), padded)
+
+
+def _sources(query: Tensor, segments, rows: list, mask: Tensor | None, rope, half: bool) -> list:
+    """Every tensor the call reads, None where absent: query, mask; per segment slot (3)
+    its keys, values and positions (pre-RoPE keys); the packed segment's key qparams
+    (`_key_fold` of static ones, else per-row scales and offsets), value scales and
+    offsets, NUQ tables (`nuq_table`), the keys' flat exceptions (counts, first entries
+    `_flat_starts`, channels, values), the values' slots; the RoPE unit table and
+    amplitudes (`rope_planes`)."""
+    src = [query, mask]
+    packed, pre = None, False
+    for i in range(MAX_SEGMENTS):
+        if i >= len(segments) or not rows[i]:
+            src += (None, None, None)
+            continue
+        seg = segments[i]
+        if seg.key.kind != "full":
+            packed = seg
+        pre = pre or seg.key.pre_rope
+        src += (seg.key.data, seg.value.data, seg.positions if seg.key.pre_rope else None)
+    if packed is None:
+        src += (None,) * 12
+    else:
+        k, v = packed.key, packed.value
+        if k.qaxis == "row":
+            src += (k.scale, k.offset)
+        else:
+            src += (_key_fold(k), None)
+        src += (v.scale, v.offset, nuq_table(k.table) if _nuq(k) else None,
+                nuq_table(v.table) if _nuq(v) else None)  # fmt: skip
+        if k.sparse_count is not None and k.sparse_index.numel():
+            src += (k.sparse_count, _flat_starts(k.sparse_count), k.sparse_index,
+                    k.sparse_value)  # fmt: skip
+        else:
+            src += (None,) * 4
+        if v.slot_index is not None and v.slot_index.shape[-1]:
+            src += (v.slot_index, v.slot_value)
+        else:
+            src += (None, None)
+    if pre:
+        planes = 2 if packed is not None and packed.key.bits == 4 else 1
+        src += rope_planes(rope, planes, torch.float16 if half else torch.float32)
+    else:
+        src += (None, None)
+    return src
+
+
+def _layout_key(query: Tensor, segments, rows: list, src: list, scaling: float, softcap,
+                half: bool) -> tuple:  # fmt: skip
+    """What the site of a call depends on: the call's scalars; each segment's codes (kind,
+    width, zero, key stage; the packed one's qparams axes and groups, fp8 formats, NUQ,
+    value slots); each source tensor's dtype, 16-byte alignment and strides (but those read
+    per call, `PER_CALL_STRIDES`); the RoPE table's positions. (The other extents follow
+    from the query's shape and the codes: `planned_unsupported` checked them.)"""
+    key = [query.shape, query.device, scaling, softcap, half, len(segments)]
+    for seg, n in zip(segments, rows, strict=True):
+        k, v = seg.key, seg.value
+        key.append((n > 0, k.kind, k.bits, k.zero, k.pre_rope, v.kind, v.bits, v.zero))
+        if k.kind != "full":
+            slots = None if v.slot_index is None else v.slot_index.shape[-1]
+            key.append((k.scale.shape[-1], v.scale.shape[-1], k.scale.dim(), v.scale.dim(),
+                        _fp8(k), _fp8(v), _nuq(k), _nuq(v), slots))  # fmt: skip
+    if src[SRC_MASK] is not None:
+        key.append(src[SRC_MASK].shape[0])
+    if src[SRC_ROPE] is not None:
+        key.append(src[SRC_ROPE].shape[0])
+    for i, t in enumerate(src):
+        if t is None:
+            key.append(None)
+        elif i in PER_CALL_STRIDES:
+            key.append((t.dtype, t.data_ptr() & 15))
+        else:
+            key.append((t.dtype, t.data_ptr() & 15, t.stride()))
+    return tuple(key)
+
+
+def _site(query: Tensor, segments, src: list, *, scaling: float, softcap: float | None,
+          half: bool) -> _Site:  # fmt: skip
+    """The site of this call's layout: every kernel parameter, None for what the kernel
+    derives from the layout or does not read (`_layout_strides`, absent segments and
+    features: no runtime argument), markers for what each call fills in."""
+    from kvq.runtime.kernels import _decode_splits_triton as kern
+
     b, hq, q_len, d = query.shape
     hkv = segments[0].key.data.shape[1]
     group = hq // hkv
-    dummy = _dummy(query.device)
+    mask = src[SRC_MASK]
     packed = next((s for s in segments if s.key.kind != "full"), None)
-    k_rowq, k_ng, k_off, kq = False, 1, dummy, (0, 0, 0)
+    k_rowq, k_ng, kq, k_off = False, 1, (None, None, None), None
     if packed is not None:
         kp = 2 if packed.key.bits == 4 else 1
         vp = 2 if packed.value.bits == 4 else 1
         bits = packed.key.bits
         k_fp8, v_fp8 = _fp8(packed.key), _fp8(packed.value)
         k_rowq = packed.key.qaxis == "row"
+        k_fold = _Src(SRC_PACKED)
         if k_rowq:  # per-row group key qparams, applied to the decoded key tile
-            k_fold, k_off, kq, k_ng = _row_qparams(packed.key)
-            k_off = k_off if k_off is not None else dummy
-        else:
-            k_fold = _key_fold(packed.key)
-        v_scale, v_off, vq, ng = _row_qparams(packed.value)
-        v_has_off = v_off is not None
-        v_off = v_off if v_has_off else dummy
+            _, off, kq, k_ng = _row_qparams(packed.key)
+            kq = _layout_strides(kq, hkv, k_ng)
+            k_off = None if off is None else _Src(SRC_PACKED + 1)
+        _, off, vq, ng = _row_qparams(packed.value)
+        vq = _layout_strides(vq, hkv, ng)
+        v_scale, v_off = _Src(SRC_PACKED + 2), None if off is None else _Src(SRC_PACKED + 3)
         k_zero, v_zero = float(packed.key.zero), float(packed.value.zero)
     else:
-        kp, vp, bits, ng, v_has_off = 1, 1, 16, 1, False
-        k_fold = v_scale = v_off = dummy
-        vq, k_zero, v_zero = (0, 0, 0), 0.0, 0.0
+        kp, vp, bits, ng = 1, 1, 16, 1
+        k_fold = v_scale = v_off = None
+        vq, k_zero, v_zero = (None, None, None), 0.0, 0.0
         k_fp8 = v_fp8 = (0, 1.0)
     cfg = kernel_config(d, bits, k_rowq)
-    args = dict(q=query, sq_b=query.stride(0), sq_h=query.stride(1), sq_q=query.stride(2),
-                part=dummy, out=dummy)  # fmt: skip
-    kinds, padded = [], 0
+    sq_b, sq_h, sq_q = query.stride()[:3]
+    args = dict(q=_Src(SRC_Q), sq_b=None if sq_b == hq * q_len * d else sq_b,
+                sq_h=None if sq_h == d else sq_h,
+                sq_q=None if q_len == 1 or sq_q == hq * d else sq_q, part=None, out=None)  # fmt: skip
+    kinds = []
     for i in range(MAX_SEGMENTS):
         seg = segments[i] if i < len(segments) else None
         if seg is None or not seg.rows:
             kinds.append(0)
-            args.update({f"k{i}": dummy, f"v{i}": dummy, f"rows{i}": 0})
-            args.update({f"{n}{i}_{s}": 0 for n in "kv" for s in "bht"})
+            args.update({f"k{i}": None, f"v{i}": None, f"rows{i}": None})
+            args.update({f"{n}{i}_{s}": None for n in "kv" for s in "bht"})
             continue
-        kinds.append(1 if seg.key.kind == "full" else 2)
-        for n, p in (("k", seg.key), ("v", seg.value)):
-            args[f"{n}{i}"] = p.data
-            for s, st in zip("bht", p.data.stride()[:3], strict=True):
-                args[f"{n}{i}_{s}"] = st
-        args[f"rows{i}"] = seg.rows
-        padded += -(-seg.rows // cfg.block_t) * cfg.block_t
-    total = sum(s.rows for s in segments)
+        full = seg.key.kind == "full"
+        kinds.append(1 if full else 2)
+        on_device = src[SRC_LENGTHS] is not None  # the kernel reads the rows from `lengths`
+        k_b, k_h, k_t = _layout_strides(seg.key.data.stride()[:3], hkv, d if full else d // kp)
+        v_b, v_h, v_t = _layout_strides(seg.value.data.stride()[:3], hkv, d if full else d // vp)
+        if v_h == k_h:  # the values' head stride is the keys'
+            v_h = None
+        args.update({f"k{i}": _Src(SRC_SEG + 3 * i), f"v{i}": _Src(SRC_SEG + 3 * i + 1),
+                     f"k{i}_b": k_b, f"k{i}_h": k_h, f"k{i}_t": k_t, f"v{i}_b": v_b,
+                     f"v{i}_h": v_h, f"v{i}_t": v_t,
+                     f"rows{i}": None if on_device else _Rows(i)})  # fmt: skip
     if mask is not None:  # [B | 1, 1, Q, total] bool, read in place
-        args.update(mask=mask, m_b=mask.stride(0) if mask.shape[0] > 1 else 0,
-                    m_q=mask.stride(2) if q_len > 1 else 0)  # fmt: skip
+        args.update(mask=_Src(SRC_MASK), m_b=_Stride(SRC_MASK, 0) if mask.shape[0] > 1 else None,
+                    m_q=_Stride(SRC_MASK, 2) if q_len > 1 else None)  # fmt: skip
     else:
-        args.update(mask=dummy, m_b=0, m_q=0)
+        args.update(mask=None, m_b=None, m_q=None)
     args.update(
         k_fold=k_fold, v_scale=v_scale, v_off=v_off, vq_b=vq[0], vq_h=vq[1], vq_t=vq[2],
         k_off=k_off, kq_b=kq[0], kq_h=kq[1], kq_t=kq[2], K_ROWQ=k_rowq, K_NG=k_ng,
-        K_HAS_OFF=k_rowq and packed.key.offset is not None,
-        HKV=hkv, total=total, splits=1, K_ZERO=k_zero, V_ZERO=v_zero, scaling=float(scaling),
-        softcap=float(softcap or 0.0), Q=q_len, G=group, R=max(16, next_pow2(group * q_len)),
+        K_HAS_OFF=k_off is not None,
+        HKV=hkv, splits=1, lengths=None if src[SRC_LENGTHS] is None else _Src(SRC_LENGTHS),
+        K_ZERO=k_zero, V_ZERO=v_zero, scaling=float(scaling),
+        softcap=float(softcap) if softcap else None, Q=q_len, G=group,
+        R=max(16, next_pow2(group * q_len)),
         D=d, BLOCK_T=cfg.block_t, KIND0=kinds[0], KIND1=kinds[1], KIND2=kinds[2], KP=kp,
-        VP=vp, NG=ng, V_HAS_OFF=v_has_off, K_FP8=k_fp8[0], V_FP8=v_fp8[0],
+        VP=vp, NG=ng, V_HAS_OFF=v_off is not None, K_FP8=k_fp8[0], V_FP8=v_fp8[0],
         K_FACTOR=k_fp8[1] if k_rowq else 1.0, V_FACTOR=v_fp8[1],
         K_WORDS=k_rowq and _words(packed.key), V_WORDS=packed is not None and _words(packed.value),
         HAS_SOFTCAP=bool(softcap), CAUSAL=q_len > 1, HALF=half, DIRECT=False,
         HAS_MASK=mask is not None,
         NUM_STAGES=cfg.num_stages, ASM=ASM and not interpreting() and query.device.type == "cuda",
     )  # fmt: skip
-    args.update(_rope_args(segments, rope, kp, half, dummy))
-    args.update(_nuq_args(packed, dummy), RQ=next_pow2(group * q_len))
-    return PlannedCall(args, cfg, b * hkv, padded, (b, hq, q_len, d), group * q_len)
+    args.update(_rope_args(segments, src))
+    args.update(_nuq_args(packed, src, hkv), RQ=next_pow2(group * q_len))
+    # every parameter: the ones left out here take the kernel's defaults
+    params = inspect.signature(kern.decode_splits_kernel.fn).parameters
+    names = tuple(params)
+    template = tuple(args[n] if n in args else params[n].default for n in names)
+    marked = list(enumerate(template))
+    return _Site(
+        names=names,
+        template=tuple(None if isinstance(v, _Src | _Stride | _Rows) else v for v in template),
+        tensors=tuple((i, v.index) for i, v in marked if isinstance(v, _Src)),
+        strides=tuple((i, v.index, v.dim) for i, v in marked if isinstance(v, _Stride)),
+        rows_at=tuple((i, v.segment) for i, v in marked if isinstance(v, _Rows)),
+        launch_slots=tuple(names.index(n) for n in ("part", "out", "splits", "DIRECT")),
+        config=cfg,
+        work=b * hkv,
+        out_shape=(b, hq, q_len, d),
+        r_rows=group * q_len,
+        r_pad=args["R"],
+    )
 
 
-def _rope_args(segments, rope, planes: int, half: bool, dummy: Tensor) -> dict:
-    """Positions per segment and the unit table of pre-RoPE keys (`rope_planes`); dummies
-    and ROPE* False where no segment holds any."""
+def _layout_strides(strides, hkv: int, row: int) -> tuple:
+    """(batch, head, row) strides of a [B, H_kv, T, ...] tensor as the kernel takes them:
+    None where the layout fixes the value (the kernel derives it, no runtime argument):
+    a row stride of `row` (contiguous rows), a batch stride of H_kv x the head stride
+    (under 2^31: the kernel multiplies in 32 bits)."""
+    sb, sh, st = strides
+    batch = None if sb == hkv * sh and sb < 2**31 else sb
+    return batch, sh, None if st == row else st
+
+
+def _rope_args(segments, src: list) -> dict:
+    """Positions per segment (read per call: their batch stride) and the unit table of
+    pre-RoPE keys (`rope_planes`, in `src`); None and ROPE* False where no segment holds
+    any."""
     args = {}
     for i in range(MAX_SEGMENTS):
-        seg = segments[i] if i < len(segments) else None
-        pre = seg is not None and seg.rows > 0 and seg.key.pre_rope
-        pos = seg.positions if pre else dummy
-        args.update({f"pos{i}": pos, f"pos{i}_b": pos.stride(0) if pre else 0,
-                     f"pos{i}_t": pos.stride(1) if pre else 0, f"ROPE{i}": pre})  # fmt: skip
-    if any(args[f"ROPE{i}"] for i in range(MAX_SEGMENTS)):
-        tab, amp = rope_planes(rope, planes, torch.float16 if half else torch.float32)
-        args.update(rope_tab=tab, rope_amp=amp, rope_rows=tab.shape[0])
+        pos = src[SRC_SEG + 3 * i + 2]
+        pre = pos is not None
+        args.update({f"pos{i}": _Src(SRC_SEG + 3 * i + 2) if pre else None,
+                     f"pos{i}_b": _Stride(SRC_SEG + 3 * i + 2, 0) if pre else None,
+                     f"pos{i}_t": _Stride(SRC_SEG + 3 * i + 2, 1) if pre else None,
+                     f"ROPE{i}": pre})  # fmt: skip
+    tab = src[SRC_ROPE]
+    if tab is not None:
+        args.update(rope_tab=_Src(SRC_ROPE), rope_amp=_Src(SRC_ROPE + 1), rope_rows=tab.shape[0])
     else:
-        args.update(rope_tab=dummy, rope_amp=dummy, rope_rows=0)
+        args.update(rope_tab=None, rope_amp=None, rope_rows=None)
     return args
 
 
@@ -414,67 +657,84 @@ def rope_planes(
 _ROPE_PLANES: Memo = {}
 
 
-def _nuq_args(packed, dummy: Tensor) -> dict:
+def _nuq_args(packed, src: list, hkv: int) -> dict:
     """The kernel's NUQ arguments (K_LUT ... vs_t): codebook tables, the keys' flat
-    exceptions (counts, first entries `_flat_starts`, channels, values) and the values'
-    slots; dummies where absent."""
-    out = dict(K_LUT=0, V_LUT=0, K_FLAT=False, V_SLOTS=0, k_tab=dummy, v_tab=dummy,
-               k_cnt=dummy, kc_b=0, kc_h=0, kc_t=0, k_first=dummy, kf_b=0, kf_h=0, kf_t=0,
-               k_eidx=dummy, k_eval=dummy, v_sidx=dummy, v_sval=dummy, vs_b=0, vs_h=0,
-               vs_t=0)  # fmt: skip
+    exceptions (counts, first entries, channels, values) and the values' slots, from
+    `src`; None where absent (and for strides the layout fixes, `_layout_strides`)."""
+    names = ("k_tab", "v_tab", "k_cnt", "kc_b", "kc_h", "kc_t", "k_first", "kf_b", "kf_h",
+             "kf_t", "k_eidx", "k_eval", "v_sidx", "v_sval", "vs_b", "vs_h", "vs_t")  # fmt: skip
+    out = dict(K_LUT=0, V_LUT=0, K_FLAT=False, V_SLOTS=0, **dict.fromkeys(names))
     if packed is None:
         return out
-    k, v = packed.key, packed.value
-    out.update(K_LUT=_nuq(k), V_LUT=_nuq(v))
-    if _nuq(k):
-        out["k_tab"] = nuq_table(k.table)
-    if _nuq(v):
-        out["v_tab"] = nuq_table(v.table)
-    if k.sparse_count is not None and k.sparse_index.numel():
-        first = _flat_starts(k.sparse_count)
-        out.update(K_FLAT=True, k_cnt=k.sparse_count, k_first=first, k_eidx=k.sparse_index,
-                   k_eval=k.sparse_value)  # fmt: skip
-        out.update(zip(("kc_b", "kc_h", "kc_t"), k.sparse_count.stride(), strict=True))
-        out.update(zip(("kf_b", "kf_h", "kf_t"), first.stride(), strict=True))
-    if v.slot_index is not None and v.slot_index.shape[-1]:
-        out.update(V_SLOTS=v.slot_index.shape[-1], v_sidx=v.slot_index, v_sval=v.slot_value)
-        out.update(zip(("vs_b", "vs_h", "vs_t"), v.slot_index.stride()[:3], strict=True))
+    at = SRC_PACKED + 4  # k_tab, v_tab, k_cnt, k_first, k_eidx, k_eval, v_sidx, v_sval
+    k_tab, v_tab, count, first, _, _, slot_index, _ = src[at : at + 8]
+    out.update(K_LUT=_nuq(packed.key), V_LUT=_nuq(packed.value))
+    out.update(
+        k_tab=None if k_tab is None else _Src(at), v_tab=None if v_tab is None else _Src(at + 1)
+    )
+    if count is not None:
+        out.update(K_FLAT=True, k_cnt=_Src(at + 2), k_first=_Src(at + 3), k_eidx=_Src(at + 4),
+                   k_eval=_Src(at + 5))  # fmt: skip
+        out.update(zip(("kc_b", "kc_h", "kc_t"), _layout_strides(count.stride(), hkv, 1),
+                       strict=True))  # fmt: skip
+        out.update(zip(("kf_b", "kf_h", "kf_t"), _layout_strides(first.stride(), hkv, 1),
+                       strict=True))  # fmt: skip
+    if slot_index is not None:
+        slots = slot_index.shape[-1]
+        out.update(V_SLOTS=slots, v_sidx=_Src(at + 6), v_sval=_Src(at + 7))
+        out.update(zip(("vs_b", "vs_h", "vs_t"),
+                       _layout_strides(slot_index.stride()[:3], hkv, slots), strict=True))  # fmt: skip
     return out
 
 
 def run_planned(query: Tensor, segments, *, scaling: float, softcap: float | None,
                 half: bool, mask: Tensor | None = None,
-                rope: tuple[Tensor, Tensor] | None = None) -> Tensor:  # fmt: skip
-    """[B, H_q, Q, D] float32: one decode launch (and one reduction when it splits)."""
+                rope: tuple[Tensor, Tensor] | None = None,
+                lengths: Tensor | None = None) -> Tensor:  # fmt: skip
+    """[B, H_q, Q, D] float32: one decode launch (and one reduction when it splits).
+
+    lengths: None, or int32 [MAX_SEGMENTS] on the device, the row counts of the segments
+    (each at most its rows here, which are then its capacity: the buffer a cache writes
+    into): the kernel reads them, and the plan (grid, splits) follows the capacities, so
+    a call captured in a CUDA graph replays over rows written since (a split past the
+    rows reads nothing). A mask's columns are the counted rows end to end (its width:
+    the capacities' sum); positions span the capacities."""
     from kvq.runtime.kernels import _decode_splits_triton as kern
 
     call = planned_call(query, segments, scaling=scaling, softcap=softcap, half=half, mask=mask,
-                        rope=rope)  # fmt: skip
+                        rope=rope, lengths=lengths)  # fmt: skip
     launcher = _launcher(query.device)
     plan = launcher.plan(call)
     out = torch.empty(call.out_shape, device=query.device)
+    site, options = call.site, call.config.options()
     if plan.splits == 1:
-        launcher.launch(kern.decode_splits_kernel, (call.work, 1), call.with_splits(plan, out, out),
-                        call.config.options())  # fmt: skip
+        launcher.launch(kern.decode_splits_kernel, (call.work, 1),
+                        call.launch_values(plan, None, out), options, site.kernels,
+                        call.kernel_key(1))  # fmt: skip
         return out
-    r_pad, d = call.args["R"], call.args["D"]
+    r_pad, d = site.r_pad, query.shape[-1]
     part = torch.empty((call.work, plan.splits, r_pad, d + 2), device=query.device)
     launcher.launch(kern.decode_splits_kernel, (call.work, plan.splits),
-                    call.with_splits(plan, part, out), call.config.options())  # fmt: skip
-    combine = dict(part=part, out=out, S=plan.splits, R=r_pad, D=d, GQ=call.r_rows,
-                   BLOCK_S=16, BLOCK_D=next_pow2(d))  # fmt: skip
-    launcher.launch(kern.combine_splits_kernel, (call.work, call.r_rows), combine, {})
+                    call.launch_values(plan, part, out), options, site.kernels,
+                    call.kernel_key(plan.splits))  # fmt: skip
+    combine = [part, out, plan.splits, r_pad, d, call.r_rows, 16, next_pow2(d)]
+    key = ("combine", plan.splits & 15 == 0, r_pad, d, call.r_rows)
+    launcher.launch(kern.combine_splits_kernel, (call.work, call.r_rows), combine, {},
+                    launcher.compiled, key)  # fmt: skip
     return out
 
 
 class _Launcher:
-    """Launches by keyword (a dict of every parameter): under the interpreter through
-    `kernel[grid]`; on CUDA through the compiled kernel of the arguments'
-    specialisation, cached, so a call binds no arguments in Python beyond its key."""
+    """Launches with every parameter's value in signature order: under the interpreter
+    through `kernel[grid]`; on CUDA through the compiled kernel of the launch's
+    specialisation, cached under a key the caller computes (the decode kernel's: its
+    site's, `PlannedCall.kernel_key`), so a call binds no arguments in Python."""
 
     def __init__(self, device: torch.device):
         self.device = device
         self.compiled: dict = {}
+        # the kernels run through the interpreter (the process's setting, read once)
+        self.interpreted = device.type != "cuda" or interpreting()
         if device.type == "cuda":
             props = torch.cuda.get_device_properties(device)
             self.sms = props.multi_processor_count
@@ -487,53 +747,35 @@ class _Launcher:
         per_sm = INTERPRETER_PROGRAMS_PER_SM
         min_rows = call.config.block_t
         if self.device.type == "cuda":
-            compiled = self._compiled(kern.decode_splits_kernel, call.args, call.config.options())
-            per_sm = resident_programs(compiled)
-            min_rows = None
+            site = call.site
+            if site.per_sm is None:  # the occupancy of the launch that splits (2 here)
+                split = SplitPlan(call.work, call.rows, call.config.block_t, 2, 1, 1)
+                query = call.values[0]  # the first parameter
+                part = torch.empty(1, device=query.device)  # float32, like the launches'
+                values = call.launch_values(split, part, None)
+                kernel = self._compiled(kern.decode_splits_kernel, values, call.config.options(),
+                                        site.kernels, call.kernel_key(2))  # fmt: skip
+                site.per_sm = resident_programs(kernel)
+            per_sm, min_rows = site.per_sm, None
         kw = {} if min_rows is None else {"min_rows": min_rows}
         return plan_splits(call.work, call.rows, sms=self.sms, programs_per_sm=per_sm,
                            block_t=call.config.block_t, **kw)  # fmt: skip
 
-    def launch(self, fn, grid, args: dict, options: dict) -> None:
-        if self.device.type != "cuda" or interpreting():
-            fn[grid](**args, **options)
+    def launch(self, fn, grid, values: list, options: dict, cache: dict, key) -> None:
+        """fn[grid](*values) with `options`; `key` (with the options) names its compiled
+        kernel in `cache`."""
+        if self.interpreted:
+            fn[grid](*values, **options)
             return
-        compiled = self._compiled(fn, args, options)
-        compiled[(*grid, 1)](*[args[p.name] for p in fn.params])
+        self._compiled(fn, values, options, cache, key)[(*grid, 1)](*values)
 
-    def _compiled(self, fn, args: dict, options: dict):
-        key = (_spec_key(fn, args), *options.values())
-        hit = self.compiled.get(key)
+    def _compiled(self, fn, values: list, options: dict, cache: dict, key):
+        key = (key, *options.values())
+        hit = cache.get(key)
         if hit is None:
-            hit = fn.warmup(**args, **options, grid=(1,))
-            self.compiled[key] = hit
+            args = dict(zip(fn.arg_names, values, strict=True))
+            hit = cache[key] = fn.warmup(**args, **options, grid=(1,))
         return hit
-
-
-@functools.cache
-def _params(fn) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """(constexpr names, names Triton specialises at run time) of a kernel: the row counts
-    (`do_not_specialize`) change every step and are left out."""
-    consts = tuple(p.name for p in fn.params if p.is_constexpr)
-    runtime = tuple(p.name for p in fn.params if not p.is_constexpr and not p.do_not_specialize)
-    return consts, runtime
-
-
-def _spec_key(fn, args: dict) -> tuple:
-    """What Triton specialises a launch on: the constexpr values; per tensor its dtype and
-    16-byte alignment; per integer == 1, divisibility by 16 and width (finer is harmless).
-    One pass over plain values: this runs on every launch."""
-    consts, runtime = _params(fn)
-    spec = []
-    for name in runtime:
-        v = args[name]
-        if isinstance(v, Tensor):
-            spec.append((v.dtype, v.data_ptr() & 15 == 0))
-        elif type(v) is int:
-            spec.append((v == 1, v & 15 == 0, v >> 31))
-        else:
-            spec.append(type(v))
-    return (fn, tuple(args[n] for n in consts), tuple(spec))
 
 
 def resident_programs(compiled) -> int:

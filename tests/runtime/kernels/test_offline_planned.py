@@ -86,10 +86,26 @@ def _row_bytes(seg: Segment) -> float:
     return total / (b * hkv * t)
 
 
+def _layer(main: Segment) -> list[Segment]:
+    """A layer's call around packed rows `main`: 4 sink rows, then a residual window of 16
+    rows in a buffer of 64 (fp16; pre-RoPE keys with positions where main's are)."""
+    b, hkv, t = main.key.data.shape[:3]
+    d, pre = main.key.head_dim, main.key.pre_rope
+    buf = torch.randn(2, b, hkv, 68, d).half()
+    pos = torch.arange(t + 68).expand(b, -1)
+    sink, recent = (
+        Segment(PackedRows("full", d, buf[0][:, :, lo:hi], pre_rope=pre),
+                PackedRows("full", d, buf[1][:, :, lo:hi]),
+                pos[:, t + lo : t + hi] if pre else None)
+        for lo, hi in ((0, 4), (4, 20))
+    )  # fmt: skip
+    return [sink, main, recent]
+
+
 def _compile(case: str) -> dict:
     from kvq.runtime.kernels import _decode_splits_triton as kern
     from kvq.runtime.kernels import planned_decode
-    from kvq.runtime.kernels.offline import compile_offline
+    from kvq.runtime.kernels.offline import compile_offline, runtime_arguments
 
     b, hkv, d, hq = CASES[case]
     if case.startswith("fp8"):
@@ -107,12 +123,18 @@ def _compile(case: str) -> dict:
     call = planned_decode.planned_call(query, [seg], scaling=d**-0.5, softcap=None, half=True,
                                        rope=rope)  # fmt: skip
     fn = kern.decode_splits_kernel
-    args = {**call.args, "part": torch.empty(1), "out": torch.empty(1), "splits": 8}
+    # several splits: partial states in `part` (`out` is the reduction's)
+    args = {**call.args, "part": torch.empty(1), "out": None, "splits": 8}
     args["ASM"] = planned_decode.ASM  # as compiled for CUDA
     # every parameter by name: runtime ones follow constexprs in the signature
     res = compile_offline(fn, (), args, options=call.config.options())
+    layer = planned_decode.planned_call(query, _layer(seg), scaling=d**-0.5, softcap=None,
+                                        half=True, rope=rope)  # fmt: skip
     return {
         **res.as_dict(),
+        "runtime_args_layer": runtime_arguments(
+            fn, {**layer.args, "part": torch.empty(1), "splits": 8}
+        ),  # fmt: skip
         "sass": dict(res.sass),
         "loop": dict(res.loop),
         "block_t": call.config.block_t,
@@ -213,6 +235,16 @@ def test_pre_rope_kv4_loops_per_row(compiled):
     res, r = compiled["kv4-pre-gemma"]
     assert _per_row(res, r) <= 95, (_per_row(res, r), res.loop.most_common(12))
     assert res.warps_per_sm >= 8, res.as_dict()
+
+
+def test_a_layer_call_binds_few_runtime_arguments(compiled):
+    """A layer's call (sink rows, packed rows, residual window) passes at most 25 arguments
+    at run time for KV4 and fp8 (of 117 parameters: strides the layout fixes, absent
+    segments and features are None, which Triton binds as constexprs), at most 32 with
+    pre-RoPE keys or NUQ exceptions (positions, tables, exception arrays)."""
+    for case, (_, r) in compiled.items():
+        limit = 25 if case in ("kv4-llama", "kv4-gemma", "fp8-llama") else 32
+        assert r["runtime_args_layer"] <= limit, (case, r["runtime_args_layer"])
 
 
 def test_plan_at_the_compiled_occupancy_fills_the_waves(compiled):

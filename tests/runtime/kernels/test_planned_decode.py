@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import replace
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -447,9 +448,9 @@ def _count_launches(monkeypatch) -> list[str]:
     names = []
     launch = planned_decode._Launcher.launch
 
-    def counted(self, fn, grid, args, options):
+    def counted(self, fn, *rest):
         names.append(fn.__name__)
-        return launch(self, fn, grid, args, options)
+        return launch(self, fn, *rest)
 
     monkeypatch.setattr(planned_decode._Launcher, "launch", counted)
     return names
@@ -511,8 +512,179 @@ def test_one_call_costs_two_launches_no_sync_and_three_allocations(monkeypatch, 
     assert allocations <= 3, ops
 
 
+def test_a_call_with_device_row_counts_costs_the_same(monkeypatch):
+    """With the row counts on the device (`run_planned(lengths=...)`) a call launches the
+    decode kernel and the reduction, allocates their outputs and never reads the counts
+    on the host."""
+    segs = _to(_layer_segments("int4-channel", 4, 2, 64, rows=300, seed=9), DEVICE)
+    q = torch.randn(4, 8, 1, 64, device=DEVICE)
+    lengths = torch.tensor([2, 250, 3], dtype=torch.int32, device=DEVICE)
+    call = dict(scaling=0.125, softcap=None, half=False, lengths=lengths)
+    planned_decode.run_planned(q, segs, **call)  # warm
+    names = []
+    monkeypatch.setattr(
+        planned_decode._Launcher, "launch", lambda self, fn, *a: names.append(fn.__name__)
+    )
+    with _Ops() as mode:
+        planned_decode.run_planned(q, segs, **call)
+    ops = mode.ops
+    compute = {n: c for n, c in ops.items() if n not in ALLOCATING and not _is_view(n)}
+    assert names == ["decode_splits_kernel", "combine_splits_kernel"]
+    assert sum(ops[n] for n in SYNCING) == 0 and not compute, ops
+    assert sum(ops[n] for n in ALLOCATING) <= 3, ops
+
+
 def _is_view(name: str) -> bool:
     return name in ("view", "reshape", "_unsafe_view", "as_strided", "expand", "slice", "select")
+
+
+def _same(x, y) -> bool:
+    """Equal argument values: tensors by what a launch reads (address, dtype, strides)."""
+    if isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor):
+        return (x.data_ptr(), x.dtype, x.stride()) == (y.data_ptr(), y.dtype, y.stride())
+    return type(x) is type(y) and x == y
+
+
+@pytest.mark.parametrize("kind", ["int4-channel", "nuq4"])
+def test_calls_of_one_layout_share_their_site(kind):
+    """A layer's next decode call (a new query, one more packed row: views of the same
+    buffers) fills the site its first call built instead of building the arguments again,
+    and gets the arguments a freshly built site gives; rows in a buffer of another
+    capacity (other strides) make another site."""
+    segs = _layer_segments(kind, 2, 2, 64, rows=150, seed=3)
+
+    def layer(rows, sink=segs[0]):
+        main = segs[1]
+        return [sink, Segment(main.key.narrow(0, rows), main.value.narrow(0, rows)), segs[2]]
+
+    kw = dict(scaling=0.125, softcap=None, half=False)
+    first = planned_decode.planned_call(torch.randn(2, 4, 1, 64), layer(140), **kw)
+    q = torch.randn(2, 4, 1, 64)
+    nxt = planned_decode.planned_call(q, layer(141), **kw)
+    assert nxt.site is first.site
+    assert nxt.args["q"] is q and nxt.args["rows1"] == 141 and first.args["rows1"] == 140
+    planned_decode._SITES.clear()
+    fresh = planned_decode.planned_call(q, layer(141), **kw)
+    assert fresh.site is not first.site
+    assert fresh.args.keys() == nxt.args.keys()
+    assert all(_same(fresh.args[n], v) for n, v in nxt.args.items()), nxt.args
+    wider = torch.zeros(2, 2, 8, 64)[:, :, :2]  # the sink rows in a buffer of 8
+    wider.copy_(segs[0].key.data)
+    sink = Segment(PackedRows("full", 64, wider), segs[0].value)
+    other = planned_decode.planned_call(q, layer(141, sink), **kw)
+    assert other.site is not fresh.site and other.args["k0_h"] == 8 * 64
+
+
+class _Interpreted:
+    """Stands in for a compiled kernel on this CPU machine: runs `fn` through the
+    interpreter with the values a compiled kernel's launch takes (every parameter, in
+    signature order); resources that fit 2 programs per SM."""
+
+    def __init__(self, fn, options):
+        self.fn, self.options = fn, options
+        self.metadata = SimpleNamespace(num_warps=options.get("num_warps", 4), shared=0)
+        self.n_regs = 255
+
+    def __getitem__(self, grid):
+        return lambda *values: self.fn[grid[:2]](*values, **self.options)
+
+
+@pytest.mark.parametrize("kind", ["int4-channel", "nuq4"])
+def test_the_compiled_path_passes_values_in_signature_order(monkeypatch, kind):
+    """The launcher's CUDA path — a compiled kernel per site and split specialisation,
+    launched with the call's values in signature order (the reduction's too), no binder —
+    with the interpreter standing in for the compiled kernels: successive calls of a layer
+    (rows growing across a split boundary, one split and several) give the reference's
+    attention, and compile once per specialisation."""
+    from kvq.runtime.kernels import _decode_splits_triton as kern
+
+    compiles = []
+
+    def warmup(fn):
+        def compile_(*, grid, **kwargs):
+            options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
+            assert list(kwargs) == list(fn.arg_names)  # every parameter, by name
+            compiles.append(fn.__name__)
+            return _Interpreted(fn, options)
+
+        return compile_
+
+    for fn in (kern.decode_splits_kernel, kern.combine_splits_kernel):
+        monkeypatch.setattr(fn, "warmup", warmup(fn), raising=False)
+    launcher = planned_decode._Launcher(torch.device("cpu"))
+    launcher.device, launcher.interpreted, launcher.sms = torch.device("cuda"), False, 2
+    monkeypatch.setattr(planned_decode, "_launcher", lambda device: launcher)
+    segs = _layer_segments(kind, 1, 1, 64, rows=300, seed=15)
+    q = torch.randn(1, 2, 1, 64)
+    for rows in (40, 41, 300):  # 1 split (the output written directly), then several
+        main = Segment(segs[1].key.narrow(0, rows), segs[1].value.narrow(0, rows))
+        _check(q, [segs[0], main, segs[2]])
+    assert compiles.count("decode_splits_kernel") == 2  # DIRECT, and splits of 2 .. 15
+    assert compiles.count("combine_splits_kernel") == 1
+
+
+def _counted(segs, counts):
+    """The segments cut to `counts` rows each (what the device counts say they hold)."""
+    return [
+        Segment(s.key.narrow(0, n), s.value.narrow(0, n)) for s, n in zip(segs, counts, strict=True)
+    ]
+
+
+@pytest.mark.parametrize("kind, masked", [("int4-channel", False), ("int4-channel", True),
+                                          ("nuq4", False)])  # fmt: skip
+def test_row_counts_on_the_device_drive_the_kernel(kind, masked):
+    """Segments that are a cache's buffers (their rows: the capacity) with the row counts
+    in a device tensor: the kernel attends over the counted rows only (the reference over
+    those rows: sink, main and residual rows each at their own count, causal query rows,
+    a sliding-window mask over the counted rows end to end in a buffer as wide as the
+    capacities), and the launch stays the same while
+    the counts move, as a CUDA graph replays it: one site, one plan."""
+    b, d = 2, 64
+    segs = _to(_layer_segments(kind, b, 2, d, rows=300, sink=2, residual=16, seed=16), DEVICE)
+    q = torch.randn(b, 4, 2 if masked else 1, d, device=DEVICE)
+    half = attention._dot_mode(q.device) != "ieee"
+    calls = []
+    for counts in ([2, 150, 5], [2, 151, 6], [1, 300, 0]):
+        lengths = torch.tensor(counts, dtype=torch.int32, device=DEVICE)
+        mask = None
+        total = sum(counts)
+        if masked:  # a sliding window over the counted rows end to end, 318 columns wide
+            mask = torch.zeros(b, 1, 2, 318, dtype=torch.bool)
+            mask[..., :total] = _window_mask(b, 2, total, window=100)
+            mask = mask.to(DEVICE)
+        out = planned_decode.run_planned(q, segs, scaling=0.125, softcap=None, half=half,
+                                         mask=mask, lengths=lengths)  # fmt: skip
+        counted = _counted(segs, counts)
+        ref_mask = None if mask is None else mask[..., :total]
+        ref = decode_attention_reference(q, counted, scaling=0.125, mask=ref_mask)
+        assert (out - ref).abs().max().item() < ATOL, counts
+        call = planned_decode.planned_call(q, segs, scaling=0.125, softcap=None, half=half,
+                                           mask=mask, lengths=lengths)  # fmt: skip
+        calls.append(call)
+    assert len({id(c.site) for c in calls}) == 1 and len({c.rows for c in calls}) == 1
+    assert calls[0].args["rows1"] is None and calls[0].args["lengths"] is not None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_decode_step_with_device_row_counts_replays_over_new_rows():
+    """A call over a cache's buffers with the row counts on the device, captured in a CUDA
+    graph, replays over rows written after the capture: moving the counts on the device is
+    all a step needs (no host value in the launch changes)."""
+    segs = _to(_layer_segments("int4-channel", 4, 2, 128, rows=4000, seed=10), "cuda")
+    q = torch.randn(4, 8, 1, 128, device="cuda")
+    lengths = torch.tensor([2, 3000, 1], dtype=torch.int32, device="cuda")
+    kw = dict(scaling=128**-0.5, softcap=None, half=True, lengths=lengths)
+    planned_decode.run_planned(q, segs, **kw)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = planned_decode.run_planned(q, segs, **kw)
+    for counts in ([2, 3000, 2], [2, 3064, 5]):
+        lengths.copy_(torch.tensor(counts, dtype=torch.int32))
+        graph.replay()
+        torch.cuda.synchronize()
+        eager = decode_attention_triton(q, _counted(segs, counts), scaling=128**-0.5)
+        torch.testing.assert_close(out, eager, atol=2e-3, rtol=0)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
