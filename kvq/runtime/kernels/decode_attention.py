@@ -298,13 +298,17 @@ def decode_attention_triton(
     mask: Tensor | None = None,
     softcap: float | None = None,
     chunk_rows: int | None = None,
+    path: DecodePath | None = None,
 ) -> Tensor:
-    """Same contract as `decode_attention_reference`; `chunk_rows` is unused here."""
+    """Same contract as `decode_attention_reference`; `chunk_rows` is unused here. `path`:
+    the Triton kernel `decode_path` chose for this call (its checks are not run again)."""
     total = _check(query, segments, rope, mask)
-    reason = triton_unsupported(query, segments, mask)
-    if reason:
-        raise KvqError(f"triton decode attention: {reason}")
-    if triton_path(query, segments, mask).kernel == "planned":
+    if path is None:
+        reason = triton_unsupported(query, segments, mask)
+        if reason:
+            raise KvqError(f"triton decode attention: {reason}")
+        path = triton_path(query, segments, mask)
+    if path.kernel == "planned":
         from kvq.runtime.kernels import planned_decode
 
         half = _dot_mode(query.device) != "ieee"
@@ -724,10 +728,10 @@ def decode_attention(
     masks) run on the reference; an explicit "triton" refuses them instead.
     """
     _check(query, segments, rope, mask)
-    if decode_path(query, segments, mask, backend=backend).kernel != "reference":
-        # (which Triton kernel: decided again there, a few microseconds of Python)
+    path = decode_path(query, segments, mask, backend=backend)
+    if path.kernel != "reference":  # routing checks once per call: passed on
         return decode_attention_triton(
-            query, segments, scaling=scaling, rope=rope, mask=mask, softcap=softcap
+            query, segments, scaling=scaling, rope=rope, mask=mask, softcap=softcap, path=path
         )
     return decode_attention_reference(
         query, segments, scaling=scaling, rope=rope, mask=mask, softcap=softcap
