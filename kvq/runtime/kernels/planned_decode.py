@@ -9,7 +9,8 @@ per-head) or per-row grouped key qparams and per-row grouped or per-head value q
 NUQ's exact exceptions (the keys' flat entries, the values' slots), keys stored after RoPE
 or before it (rotated in the tile loop at each row's position,
 `_decode_splits_triton._rope_scores`, from a unit table in plane order cached per RoPE
-table, `rope_planes`; not yet for NUQ codes), with or without a mask over the rows
+table, `rope_planes`; NUQ keys with their exceptions too, KVQuant's stored layout), with or
+without a mask over the rows
 (sliding windows, padding: read in place, one byte per row and tile) — and
 `decode_attention.decode_path` sends everything else to the general kernel. What the
 host does per call: checks, a cached plan
@@ -62,7 +63,8 @@ class KernelConfig:
         return {"num_warps": self.num_warps, "num_stages": self.num_stages}
 
 
-def kernel_config(head_dim: int, bits: int, key_rows: bool = False) -> KernelConfig:
+def kernel_config(head_dim: int, bits: int, key_rows: bool = False,
+                  rope_lut: bool = False) -> KernelConfig:  # fmt: skip
     """Launch configuration per shape bucket (head_dim, code bits; `key_rows`, whether key
     qparams are per row, no longer changes it): 64-row tiles, 4 warps, 2 tiles of raw codes
     in flight, where that compiles without spilling. Picked from the sm_90 compile
@@ -76,7 +78,13 @@ def kernel_config(head_dim: int, bits: int, key_rows: bool = False) -> KernelCon
     pre-RoPE keys, same configuration: 184 registers, 8 warps, 47 per row at head_dim 128
     (32-row tiles: 136 registers, 12 warps, but 63 per row); 255 registers, 8 warps, 85
     per row at head_dim 256 (the columns rotate in two chunks; 8 warps per program: 100
-    per row)."""
+    per row). `rope_lut`: NUQ4 keys before RoPE (KVQuant's layout, levels x per-channel
+    scale + centre rotated in the loop): at head_dim 256 the per-channel normaliser held
+    per column leaves no room for 4 warps (255 registers and a 552 B spill, 151 per row),
+    so 8 warps share the state: 255 registers, no spill, 171 per row (general kernel:
+    426); at head_dim 128, 4 warps: 245 registers, 8 warps per SM, 87 per row (252)."""
+    if rope_lut and head_dim >= 256:
+        return KernelConfig(64, 8, 2)
     if bits == 8 and head_dim >= 256:
         return KernelConfig(32, 4, 2)
     return KernelConfig(64, 4, 2)
@@ -148,8 +156,6 @@ def _packed_unsupported(seg, d: int) -> str | None:
         return "value slots: values must share the channels' layout"
     if _nuq(k) and k.qaxis not in ("channel", "head"):
         return "NUQ keys with per-row normalisers"
-    if _nuq(k) and k.pre_rope:  # the rotation path decodes affine / fp8 keys only
-        return "pre-RoPE NUQ keys use the general kernel"
     if k.qaxis not in ("channel", "head"):
         reason = _row_groups_unsupported(k, d)
         if reason:
@@ -323,7 +329,8 @@ def planned_call(query: Tensor, segments, *, scaling: float, softcap: float | No
         k_fold = v_scale = v_off = dummy
         vq, k_zero, v_zero = (0, 0, 0), 0.0, 0.0
         k_fp8 = v_fp8 = (0, 1.0)
-    cfg = kernel_config(d, bits, k_rowq)
+    cfg = kernel_config(d, bits, k_rowq, packed is not None and packed.key.pre_rope
+                        and _nuq(packed.key))  # fmt: skip
     args = dict(q=query, sq_b=query.stride(0), sq_h=query.stride(1), sq_q=query.stride(2),
                 part=dummy, out=dummy)  # fmt: skip
     kinds, padded = [], 0
@@ -377,10 +384,14 @@ def _rope_args(segments, rope, planes: int, half: bool, dummy: Tensor) -> dict:
         args.update({f"pos{i}": pos, f"pos{i}_b": pos.stride(0) if pre else 0,
                      f"pos{i}_t": pos.stride(1) if pre else 0, f"ROPE{i}": pre})  # fmt: skip
     if any(args[f"ROPE{i}"] for i in range(MAX_SEGMENTS)):
-        tab, amp = rope_planes(rope, planes, torch.float16 if half else torch.float32)
-        args.update(rope_tab=tab, rope_amp=amp, rope_rows=tab.shape[0])
+        dtype = torch.float16 if half else torch.float32
+        tab, amp = rope_planes(rope, planes, dtype)
+        tab1, amp1 = rope_planes(rope, 1, dtype)  # full-precision keys: channel order
+        args.update(rope_tab=tab, rope_amp=amp, rope_rows=tab.shape[0], rope_tab1=tab1,
+                    rope_amp1=amp1)  # fmt: skip
     else:
-        args.update(rope_tab=dummy, rope_amp=dummy, rope_rows=0)
+        args.update(rope_tab=dummy, rope_amp=dummy, rope_rows=0, rope_tab1=dummy,
+                    rope_amp1=dummy)  # fmt: skip
     return args
 
 
