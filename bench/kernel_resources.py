@@ -294,7 +294,13 @@ def markdown(rows: list[dict]) -> str:
     """The targets as a markdown table, one line per (shape, format, call)."""
     head = ("| shape | format | call | spill B | registers | warps/SM | instr/row | I2F in loop "
             "| MMA | KB in flight/SM | predicted HBM share | path |")  # fmt: skip
-    lines = [head, "|" + "---|" * 12]
+    lines = ["# Decode launch at batch 16 x 32K, sm_90 compile (no GPU)", "",
+             "`PYTHONPATH=$PWD:$PWD/bench python bench/kernel_resources.py --json F --md F` "
+             "(static model in the module doc). call: `packed`, the packed segment alone; "
+             "`layer`, the whole-layer call of a pre-RoPE layout (sink + packed + residual "
+             "rows; instr/row of its packed loop). nuq4: KVQuant NUQ4 as stored (pre-RoPE "
+             "keys, ~1% exceptions, value slots); nuq4-post: the same with post-RoPE keys.",
+             "", head, "|" + "---|" * 12]  # fmt: skip
     for r in rows:
         path = "planned" if r["config"].get("plan") else "general"
         lines.append(
