@@ -22,8 +22,15 @@ upper bound from the binary alone: it does not see dependency stalls, bank confl
 or the reduction. Planned launches also report `runtime_args`, the arguments the launch
 passes at run time (parameters Triton does not bind as constexprs), for the traced call
 (the packed rows alone) and, as `runtime_args_layer`, for a layer's call (sink rows, the
-packed rows, a residual window). `--survey` also prints the general kernel's whole tuner
-table.
+packed rows, a residual window: `layer_segments`). `--survey` also prints the general
+kernel's whole tuner table.
+
+The pre-RoPE layouts (LAYER_FORMATS: KV4 of a channel-scales artifact, KVQuant's NUQ4)
+are also compiled as a whole-layer call (`call` "layer": full-precision pre-RoPE sink and
+residual rows around the packed ones, one launch, as `make demo` decodes Gemma 3): its
+spill, registers and resident warps are the kernel's, its instructions per row those of
+the packed segment's loop (the loop closest in size to the packed call's). `--md FILE`
+writes the table as markdown.
 """
 
 from __future__ import annotations
@@ -38,10 +45,8 @@ import torch
 
 from kvq.runtime.kernels import _decode_attention_triton as kern
 from kvq.runtime.kernels import decode_attention as da
-from kvq.runtime.kernels.decode_attention import Segment
 from kvq.runtime.kernels.launch_plan import plan_splits
 from kvq.runtime.kernels.offline import compile_offline, runtime_arguments
-from kvq.runtime.packed import PackedRows
 
 try:  # the planned path (absent before it existed: then every format takes the survey)
     from kvq.runtime.kernels import planned_decode as planned
@@ -52,6 +57,8 @@ SHAPES = {"llama-7b-like": (32, 8, 128), "gemma3-270m": (4, 1, 256)}
 FORMATS = ("kv4", "kv4-token", "kv4-pre", "kv8", "fp8", "nuq4", "nuq4-post", "vq3", "vq2")
 ROWS = 256  # cached rows of the traced call (a multiple of 16, as long contexts are)
 BATCH = 16
+LAYER_FORMATS = ("kv4-pre", "nuq4")  # pre-RoPE keys: their whole-layer call compiled too
+SINK_ROWS, RESIDUAL_ROWS = 4, 64  # full-precision rows around the packed ones in that call
 
 
 def segment(fmt: str, shape: str):
@@ -172,8 +179,13 @@ def targets(shapes, formats) -> list[dict]:
             seg = segment(fmt, shape)
             row_bytes = bytes_per_row(seg)
             query = torch.randn(BATCH, hq, 1, d)
+            calls = []  # (call, figures, configuration)
             if planned is not None and planned.planned_unsupported(query, [seg], None) is None:
-                row, picked = planned_row(query, seg, hkv, row_bytes)
+                row, picked, alone = planned_row(query, [seg], hkv, row_bytes)
+                calls.append(("packed", row, picked))
+                if fmt in LAYER_FORMATS:
+                    segs = layer_segments(seg)
+                    calls.append(("layer", *planned_row(query, segs, hkv, row_bytes, alone)[:2]))
             else:
                 args, consts = launch(fmt, shape, da.DOT_PRECISION)
                 row, picked = None, None
@@ -185,19 +197,46 @@ def targets(shapes, formats) -> list[dict]:
                                  row_bytes, fill)  # fmt: skip
                     if row is None or cand["predicted_hbm_share"] > row["predicted_hbm_share"]:
                         row, picked = cand, {**cfg, "registers": res.registers}
-            out.append({"format": fmt, "shape": shape, **row, "config": picked})
-            print(json.dumps(out[-1]), flush=True)
+                calls.append(("packed", row, picked))
+            for name, row, picked in calls:
+                out.append({"format": fmt, "shape": shape, "call": name, **row, "config": picked})
+                print(json.dumps(out[-1]), flush=True)
     return out
 
 
-def planned_row(query, seg, hkv: int, row_bytes: float) -> tuple[dict, dict]:
-    """The planned path's launch (`planned_decode`) compiled for sm_90 and its plan at
-    TARGET_BATCH x TARGET_CONTEXT with the occupancy that compile achieves."""
+def layer_segments(seg) -> list:
+    """A layer's decode call around the packed segment `seg`: SINK_ROWS and RESIDUAL_ROWS
+    full-precision (fp16) rows before and after it (views of buffers with room for 64
+    more rows, as a cache holds them), keys pre-RoPE like `seg`'s, positions one after
+    another."""
+    from kvq.runtime.kernels.decode_attention import Segment
+    from kvq.runtime.packed import PackedRows
+
+    b, hkv, t = seg.key.data.shape[:3]
+    d = seg.key.head_dim
+
+    def full(n, start):
+        k, v = (PackedRows("full", d, torch.randn(b, hkv, n + 64, d).half()[:, :, :n], pre_rope=pre)
+                for pre in (seg.key.pre_rope, False))  # fmt: skip
+        return Segment(k, v, torch.arange(start, start + n).expand(b, n))
+
+    main = Segment(seg.key, seg.value, torch.arange(SINK_ROWS, SINK_ROWS + t).expand(b, t))
+    return [full(SINK_ROWS, 0), main, full(RESIDUAL_ROWS, SINK_ROWS + t)]
+
+
+def planned_row(query, segs, hkv: int, row_bytes: float, alone=None) -> tuple:
+    """(figures, configuration, resources) of the planned path's launch
+    (`planned_decode`) over `segs`, compiled for sm_90, and its plan at TARGET_BATCH x
+    TARGET_CONTEXT with the occupancy that compile achieves. `alone`: the resources of the
+    packed segment's call alone; then the loop figures are those of the loop of this
+    compile closest to its loop in size (the packed segment's, among one loop per
+    segment)."""
     from kvq.runtime.kernels import _decode_splits_triton as splits_kern
 
     d = query.shape[-1]
-    rope = gpu_decode.rope_tables(ROWS, "cpu") if seg.key.pre_rope else None
-    call = planned.planned_call(query, [seg], scaling=d**-0.5, softcap=None, half=True,
+    pre = any(s.key.pre_rope for s in segs)
+    rope = gpu_decode.rope_tables(sum(s.rows for s in segs), "cpu") if pre else None
+    call = planned.planned_call(query, segs, scaling=d**-0.5, softcap=None, half=True,
                                 rope=rope)  # fmt: skip
     fn = splits_kern.decode_splits_kernel
     # several splits: partial states in `part` (`out` is the reduction's: None here)
@@ -205,35 +244,29 @@ def planned_row(query, seg, hkv: int, row_bytes: float) -> tuple[dict, dict]:
     opts = call.config.options()
     # every parameter by name: runtime ones follow constexprs in the signature
     res = compile_offline(fn, (), args, options=opts)
-    layer = planned.planned_call(query, layer_segments(seg), scaling=d**-0.5, softcap=None,
-                                 half=True, rope=rope)  # fmt: skip
-    layer_args = {**layer.args, "part": torch.empty(1), "out": None, "splits": 8, "ASM": ASM}
+    compiled = res
+    if alone is not None:
+        size = alone.loop_instructions
+        packed_loop = min(res.loops, key=lambda body: abs(sum(body.values()) - size))
+        res = dataclasses.replace(res, loop=packed_loop)
     plan = plan_splits(TARGET_BATCH * hkv, TARGET_CONTEXT, sms=SMS,
                        programs_per_sm=res.programs_per_sm, block_t=call.config.block_t)  # fmt: skip
     row = model(res, call.config.block_t, opts["num_warps"], _stages(res, opts), row_bytes,
                 plan.fill)  # fmt: skip
     row["runtime_args"] = runtime_arguments(fn, args)
-    row["runtime_args_layer"] = runtime_arguments(fn, layer_args)
+    if len(segs) == 1:  # the same packed rows in a layer's call: its runtime arguments
+        around = layer_segments(segs[0])
+        rope = gpu_decode.rope_tables(sum(s.rows for s in around), "cpu") if pre else None
+        layer = planned.planned_call(query, around, scaling=d**-0.5, softcap=None, half=True,
+                                     rope=rope)  # fmt: skip
+        layer_args = {**layer.args, "part": torch.empty(1), "out": None, "splits": 8, "ASM": ASM}
+        row["runtime_args_layer"] = runtime_arguments(fn, layer_args)
     picked = {"BLOCK_T": call.config.block_t, **opts, "registers": res.registers,
               "shared_bytes": res.shared_bytes, "loop_instructions": res.loop_instructions,
               "loop_async_copies": res.loop_async_copies, "plan": plan.as_dict()}  # fmt: skip
-    return row, picked
-
-
-def layer_segments(main) -> list:
-    """What a layer hands attention around its packed rows `main`: 4 sink rows and a
-    residual window of 16 rows in a buffer of 64 (full precision, fp16; pre-RoPE keys
-    with their positions where the main rows' are)."""
-    b, hkv, t = main.key.data.shape[:3]
-    d = main.key.head_dim
-    pos = torch.arange(t + 68).expand(b, -1)
-    buf = torch.randn(2, b, hkv, 68, d).half()
-    out = []
-    for lo, hi in ((0, 4), (4, 20)):
-        key = PackedRows("full", d, buf[0][:, :, lo:hi], pre_rope=main.key.pre_rope)
-        value = PackedRows("full", d, buf[1][:, :, lo:hi])
-        out.append(Segment(key, value, pos[:, t + lo : t + hi] if main.key.pre_rope else None))
-    return [out[0], main, out[1]]
+    if alone is not None:  # every segment's loop, instructions per iteration
+        picked["segment_loops"] = [sum(body.values()) for body in compiled.loops]
+    return row, picked, compiled
 
 
 def _old_fill(hkv: int, programs_per_sm: int) -> float:
@@ -254,6 +287,7 @@ def main() -> None:
     ap.add_argument("--formats", nargs="+", default=list(FORMATS), choices=list(FORMATS))
     ap.add_argument("--dots", default="tf32", choices=da.DOT_MODES)
     ap.add_argument("--json", help="write the item-5 targets per (format, shape) here")
+    ap.add_argument("--md", help="write them as a markdown table here")
     ap.add_argument("--survey", action="store_true",
                     help="also compile every autotuner configuration (the table)")  # fmt: skip
     args = ap.parse_args()
@@ -265,6 +299,32 @@ def main() -> None:
                        "hbm_bytes_per_s": HBM_BYTES_PER_S, "latency_s": LATENCY_S,
                        "batch": TARGET_BATCH, "context": TARGET_CONTEXT},
                        "rows": rows, "survey": survey_rows}, f, indent=1)  # fmt: skip
+    if args.md:
+        with open(args.md, "w") as f:
+            f.write(markdown(rows))
+
+
+def markdown(rows: list[dict]) -> str:
+    """The targets as a markdown table, one line per (shape, format, call)."""
+    head = ("| shape | format | call | spill B | registers | warps/SM | instr/row | I2F in loop "
+            "| MMA | KB in flight/SM | predicted HBM share | path |")  # fmt: skip
+    lines = ["# Decode launch at batch 16 x 32K, sm_90 compile (no GPU)", "",
+             "`PYTHONPATH=$PWD:$PWD/bench python bench/kernel_resources.py --json F --md F` "
+             "(static model in the module doc). call: `packed`, the packed segment alone; "
+             "`layer`, the whole-layer call of a pre-RoPE layout (sink + packed + residual "
+             "rows; instr/row of its packed loop). nuq4: KVQuant NUQ4 as stored (pre-RoPE "
+             "keys, ~1% exceptions, value slots); nuq4-post: the same with post-RoPE keys.",
+             "", head, "|" + "---|" * 12]  # fmt: skip
+    for r in rows:
+        path = "planned" if r["config"].get("plan") else "general"
+        lines.append(
+            f"| {r['shape']} | {r['format']} | {r.get('call', 'packed')} | {r['spill_bytes']} "
+            f"| {r['config']['registers']} | {r['warps_per_sm']} "
+            f"| {r['loop_instructions_per_row']} | {r['int_to_float_in_loop']} "
+            f"| {r['mma_instructions']} | {r['bytes_in_flight_per_sm'] / 1024:.1f} "
+            f"| {r['predicted_hbm_share']} | {path} |"
+        )
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":

@@ -526,20 +526,30 @@ def _word_levels(words, tab, lut, LUT: tl.constexpr):
 
 @triton.jit
 def _key_exceptions(scores, rows, row_ok, k_ptr, k_t, nuq, OP: tl.constexpr,
-                    PRECISION: tl.constexpr):  # fmt: skip
+                    PRECISION: tl.constexpr, ROPE: tl.constexpr = False, rope=None,
+                    D: tl.constexpr = 0, KP: tl.constexpr = 1):  # fmt: skip
     """Scores [R, BT] plus the flat key exceptions of the tile's rows (KVQuant's ~1% exact
     keys): entry e of row t replaces channel idx, so its score moves by q[idx] x (exact -
     decoded), decoded = level[code] x scale[idx] + offset[idx] as the dense dot saw it
     (the clipped code at idx, read back from the row's codes). A small pass per tile over
     the tile's most entries in a row: [BT] loads of the entries and the codes, one
     [RQ, BT] gather of the real query rows per entry (RQ: G x Q padded). nuq: the kernel's
-    NUQ pointers (`decode_splits_kernel`)."""
+    NUQ pointers (`decode_splits_kernel`).
+
+    ROPE: keys stored before RoPE (KVQuant's layout), rope = (positions [BT], unit table,
+    amplitude; `planned_decode.rope_planes`): the correction delta at channel c rotates
+    with its partner channel c -/+ D/2, so it moves the score by delta x a_f (cos q[c] +/-
+    sin q[partner]) at the row's position (f = c mod D/2, + below D/2): a second query
+    gather and two table gathers per entry."""
     tab, cnt_ptr, cnt_t, first_ptr, first_t, e_idx, e_val = nuq[:7]
     fk, fkb, q_row, q_scale = nuq[7], nuq[8], nuq[9], nuq[10]
     cnt = tl.load(cnt_ptr + rows * cnt_t, mask=row_ok, other=0).to(tl.int32)  # [BT]
     first = tl.load(first_ptr + rows * first_t, mask=row_ok, other=0)  # [BT]
     RQ: tl.constexpr = q_row.shape[0]
     corr = tl.zeros([RQ, scores.shape[1]], tl.float32)
+    if ROPE:
+        pos, rope_tab, amp = rope
+        trow = rope_tab + pos * D  # [BT]: each row's table row (cos, then sin)
     for e in range(0, tl.max(cnt, axis=0)):
         has = e < cnt
         idx = tl.load(e_idx + first + e, mask=has, other=0).to(tl.int32)
@@ -550,6 +560,8 @@ def _key_exceptions(scores, rows, row_ok, k_ptr, k_t, nuq, OP: tl.constexpr,
         o = tl.load(fkb + idx, mask=has, other=0.0)
         delta = tl.where(has, exact - (level * s + o), 0.0)  # [BT]
         qv = tl.load(q_row[:, None] + idx[None, :], mask=has[None, :], other=0.0)
+        if ROPE:
+            qv = _rotated_query(qv, idx, has, q_row, trow, amp, D, KP)
         corr += qv.to(tl.float32) * delta[None, :]
     # added through the tensor cores (identity x corrections): the scores keep the dot's
     # register layout, where an elementwise add would move the softmax to the loads' one
@@ -557,6 +569,25 @@ def _key_exceptions(scores, rows, row_ok, k_ptr, k_t, nuq, OP: tl.constexpr,
     eye = (tl.arange(0, R)[:, None] == tl.arange(0, R)[None, :]).to(OP)
     corr = _pad_rows(corr * q_scale, R).to(OP)
     return tl.dot(eye, corr, acc=scores, input_precision=PRECISION)
+
+
+@triton.jit
+def _rotated_query(qv, idx, has, q_row, trow, amp, D: tl.constexpr, KP: tl.constexpr):
+    """[RQ, BT] the query's weight on a pre-RoPE key's channel idx [BT] once the key is
+    rotated: a_f (cos q[idx] + sin q[idx + D/2]) below D/2, a_f (cos q[idx] - sin
+    q[idx - D/2]) above, at table rows trow (f = idx mod D/2, its table column in plane
+    order: (f mod KP) x D / (2 KP) + f / KP). qv: q[idx]."""
+    H: tl.constexpr = D // 2
+    f = idx % H
+    upper = idx >= H
+    col = (f % KP) * (H // KP) + f // KP
+    a = tl.load(amp + col, mask=has, other=0.0)
+    c = tl.load(trow + col, mask=has, other=0.0).to(tl.float32) * a
+    s = tl.load(trow + H + col, mask=has, other=0.0).to(tl.float32) * a
+    s = tl.where(upper, -s, s)
+    partner = tl.where(upper, idx - H, idx + H)
+    qp = tl.load(q_row[:, None] + partner[None, :], mask=has[None, :], other=0.0)
+    return qv.to(tl.float32) * c[None, :] + qp.to(tl.float32) * s[None, :]
 
 
 @triton.jit
@@ -718,7 +749,7 @@ def _rope_setup(q_row, r_ok, q_scale, amp, fk, HKV, C0: tl.constexpr, CW: tl.con
             s_hi2 = tl.load(fk + D // 2 + ch + 1).to(OP)
             b_hi2 = tl.load(fk + HKV * D + D // 2 + ch + 1).to(OP)
         rk = (s_lo1, b_lo1, s_lo2, b_lo2, s_hi1, b_hi1, s_hi2, b_hi2)
-    return (qa_lo1, qa_lo2, qa_hi1, qa_hi2), rk
+    return (qa_lo1.to(OP), qa_lo2.to(OP), qa_hi1.to(OP), qa_hi2.to(OP)), rk
 
 
 # 4 code bytes -> the 4 low (high) nibbles as fp16 1024 + c (1024 + 16 c): one plane of
@@ -765,8 +796,8 @@ def _rope_dot(scores, qa1, qa2, k1, k2, tab, trow, p0, run, col0: tl.constexpr,
     s = tl.load(at + D // 2)
     r1 = k1 * c - k2 * s
     r2 = k2 * c + k1 * s
-    qc = tl.where(run, tl.load(tab + p0 * D + col).to(tl.float32), 1.0)
-    qs = tl.where(run, tl.load(tab + p0 * D + D // 2 + col).to(tl.float32), 0.0)
+    qc = tl.where(run, tl.load(tab + p0 * D + col).to(OP), 1.0)
+    qs = tl.where(run, tl.load(tab + p0 * D + D // 2 + col).to(OP), 0.0)
     q1 = (qa1 * qc[None, :] + qa2 * qs[None, :]).to(OP)
     q2 = (qa2 * qc[None, :] - qa1 * qs[None, :]).to(OP)
     scores = tl.dot(q1, tl.trans(r1), scores, input_precision=PRECISION)
@@ -777,9 +808,11 @@ def _rope_dot(scores, qa1, qa2, k1, k2, tab, trow, p0, run, col0: tl.constexpr,
 def _rope_chunk(scores, rq, rk, k_ptr, k_t, t, t_ok, tab, trow, p0, run, C0: tl.constexpr,
                 CW: tl.constexpr, K_ZERO: tl.constexpr, FULL: tl.constexpr, KP: tl.constexpr,
                 D: tl.constexpr, OP: tl.constexpr, PRECISION: tl.constexpr, ASM: tl.constexpr,
-                K_FP8: tl.constexpr):  # fmt: skip
+                K_FP8: tl.constexpr, LUT: tl.constexpr = 0, ltab=None,
+                lut=None):  # fmt: skip
     """`_rope_dot` over columns [C0, C0 + CW) of each plane of full-precision keys or codes
-    with static qparams (rq, rk: that chunk's, `_rope_setup`), one plane at a time."""
+    with static qparams (rq, rk: that chunk's, `_rope_setup`), one plane at a time. LUT:
+    4-bit codebook codes (`_rope_lut_chunk`; ltab, lut the table)."""
     HW: tl.constexpr = D // KP // 2
     qa_lo1, qa_lo2, qa_hi1, qa_hi2 = rq
     s_lo1, b_lo1, s_lo2, b_lo2, s_hi1, b_hi1, s_hi2, b_hi2 = rk
@@ -802,6 +835,9 @@ def _rope_chunk(scores, rq, rk, k_ptr, k_t, t, t_ok, tab, trow, p0, run, C0: tl.
         if KP == 2:
             scores = _rope_dot(scores, qa_hi1, qa_hi2, o1, o2, tab, trow, p0, run, HW + C0, D,
                                OP, PRECISION)  # fmt: skip
+    elif LUT:  # codebook levels x scale + centre
+        scores = _rope_lut_chunk(scores, rq, rk, row, ok, j, tab, trow, p0, run, C0, KP, D,
+                                 OP, PRECISION, LUT, ltab, lut)  # fmt: skip
     else:  # bytes j of each half: (code - zero) x scale + bias
         raw1 = tl.load(row + j[None, :], mask=ok, other=0)
         raw2 = tl.load(row + (HW + j)[None, :], mask=ok, other=0)
@@ -817,6 +853,30 @@ def _rope_chunk(scores, rq, rk, k_ptr, k_t, t, t_ok, tab, trow, p0, run, C0: tl.
             scores = _rope_dot(scores, qa_hi1, qa_hi2, k1, k2, tab, trow, p0, run, HW + C0, D,
                                OP, PRECISION)  # fmt: skip
     return scores
+
+
+@triton.jit
+def _rope_lut_chunk(scores, rq, rk, row, ok, j, tab, trow, p0, run, C0: tl.constexpr,
+                    KP: tl.constexpr, D: tl.constexpr, OP: tl.constexpr,
+                    PRECISION: tl.constexpr, LUT: tl.constexpr, ltab, lut):  # fmt: skip
+    """`_rope_chunk` of 4-bit codebook (NUQ) keys: the levels of bytes j of each half
+    (`_lut_planes`: both planes of a byte at once) with the static per-channel normaliser
+    applied (level x scale + centre, KVQuant's pre-RoPE key) before they rotate."""
+    HW: tl.constexpr = D // KP // 2
+    qa_lo1, qa_lo2, qa_hi1, qa_hi2 = rq
+    s_lo1, b_lo1, s_lo2, b_lo2, s_hi1, b_hi1, s_hi2, b_hi2 = rk
+    raw1 = tl.load(row + j[None, :], mask=ok, other=0)
+    raw2 = tl.load(row + (HW + j)[None, :], mask=ok, other=0)
+    lo1, hi1 = _lut_planes(raw1, ltab, lut, LUT)
+    lo2, hi2 = _lut_planes(raw2, ltab, lut, LUT)
+    k1 = lo1.to(OP) * s_lo1[None, :] + b_lo1[None, :]
+    k2 = lo2.to(OP) * s_lo2[None, :] + b_lo2[None, :]
+    scores = _rope_dot(scores, qa_lo1, qa_lo2, k1, k2, tab, trow, p0, run, C0, D, OP,
+                       PRECISION)  # fmt: skip
+    k1 = hi1.to(OP) * s_hi1[None, :] + b_hi1[None, :]
+    k2 = hi2.to(OP) * s_hi2[None, :] + b_hi2[None, :]
+    return _rope_dot(scores, qa_hi1, qa_hi2, k1, k2, tab, trow, p0, run, HW + C0, D, OP,
+                     PRECISION)  # fmt: skip
 
 
 @triton.jit
@@ -852,7 +912,8 @@ def _rope_scores(rq, rk, k_ptr, k_t, ks_ptr, ko_ptr, kq_t, t, t_ok, tile, pos_pt
                  PRECISION: tl.constexpr, ASM: tl.constexpr, K_ROWQ: tl.constexpr,
                  K_NG: tl.constexpr, K_HAS_OFF: tl.constexpr, K_FP8: tl.constexpr,
                  K_FACTOR: tl.constexpr, K_WORDS: tl.constexpr,
-                 NC: tl.constexpr):  # fmt: skip
+                 NC: tl.constexpr, K_LUT: tl.constexpr = 0, K_FLAT: tl.constexpr = False,
+                 nuq=None, amp=None):  # fmt: skip
     """Scores [R, BT] of a tile of pre-RoPE keys, each rotated at its row's position. A
     tile whose rows sit at one run of positions p0, p0 + 1, ... (a sequence's rows, the
     usual case) is rotated by angle addition: R(p0 + i) = R(p0) R(i), R(p0) taken onto the
@@ -860,7 +921,10 @@ def _rope_scores(rq, rk, k_ptr, k_t, ks_ptr, ko_ptr, kq_t, t, t_ok, tile, pos_pt
     0 ... BT - 1, the same for every tile (L1 hits); any other tile (left padding, sink
     rows) reads each key's own table row. rq, rk: per chunk of NC (columns of the planes'
     halves), the query scaled by the table's amplitude per frequency (attention scaling:
-    the unit table holds plain rotations) and the static key qparams (`_rope_setup`)."""
+    the unit table holds plain rotations) and the static key qparams (`_rope_setup`).
+    K_LUT: 4-bit codebook (NUQ) codes; K_FLAT: with their flat exact exceptions, corrected
+    rotated (`_key_exceptions`; nuq: the kernel's NUQ pointers, amp: the table's
+    amplitude)."""
     pos = tl.load(pos_ptr + t * pos_t, mask=t_ok, other=0).to(tl.int32)
     p0 = tl.load(pos_ptr + tile * BLOCK_T * pos_t).to(tl.int32)
     local = tl.arange(0, BLOCK_T)
@@ -874,12 +938,19 @@ def _rope_scores(rq, rk, k_ptr, k_t, ks_ptr, ko_ptr, kq_t, t, t_ok, tile, pos_pt
                                   K_HAS_OFF, K_FACTOR, K_WORDS)  # fmt: skip
     else:
         CW: tl.constexpr = D // KP // 2 // NC
+        LUT: tl.constexpr = 0 if FULL else K_LUT
+        ltab = nuq[0] if LUT else None
+        lut = nuq[15] if LUT else None
         scores = _rope_chunk(scores, rq[0], rk[0], k_ptr, k_t, t, t_ok, tab, trow, p0, run, 0,
-                             CW, K_ZERO, FULL, KP, D, OP, PRECISION, ASM, K_FP8)  # fmt: skip
-        if NC == 2:
-            scores = _rope_chunk(scores, rq[1], rk[1], k_ptr, k_t, t, t_ok, tab, trow, p0, run,
-                                 CW, CW, K_ZERO, FULL, KP, D, OP, PRECISION, ASM,
-                                 K_FP8)  # fmt: skip
+                             CW, K_ZERO, FULL, KP, D, OP, PRECISION, ASM, K_FP8, LUT, ltab,
+                             lut)  # fmt: skip
+        for c in tl.static_range(1, NC):
+            scores = _rope_chunk(scores, rq[c], rk[c], k_ptr, k_t, t, t_ok, tab, trow, p0, run,
+                                 c * CW, CW, K_ZERO, FULL, KP, D, OP, PRECISION, ASM,
+                                 K_FP8, LUT, ltab, lut)  # fmt: skip
+    if K_FLAT and not FULL:  # NUQ keys' exact exceptions, rotated at each row's position
+        scores = _key_exceptions(scores, t, t_ok, k_ptr, k_t, nuq, OP, PRECISION, True,
+                                 (pos, tab, amp), D, KP)  # fmt: skip
     return scores
 
 
@@ -896,7 +967,32 @@ def _rope_prepare(rope_q, STATIC: tl.constexpr, D: tl.constexpr, KP: tl.constexp
         rq1, rk1 = _rope_setup(q_row, r_ok, q_scale, amp, fk, HKV, CW, CW, D, KP, OP, STATIC)
         rq = (rq0, rq1)
         rk = (rk0, rk1)
+    if NC == 4:
+        rq1, rk1 = _rope_setup(q_row, r_ok, q_scale, amp, fk, HKV, CW, CW, D, KP, OP, STATIC)
+        rq2, rk2 = _rope_setup(q_row, r_ok, q_scale, amp, fk, HKV, 2 * CW, CW, D, KP, OP,
+                               STATIC)  # fmt: skip
+        rq3, rk3 = _rope_setup(q_row, r_ok, q_scale, amp, fk, HKV, 3 * CW, CW, D, KP, OP,
+                               STATIC)  # fmt: skip
+        rq = (rq0, rq1, rq2, rq3)
+        rk = (rk0, rk1, rk2, rk3)
     return rq, rk
+
+
+@triton.jit
+def _rope_inputs(FULL: tl.constexpr, tab, tab1, amp1, rope_q):
+    """(unit table, `_rope_prepare`'s inputs) of a pre-RoPE segment's rotation.
+    Full-precision keys rotate in channel order (one plane, `tab1` / `amp1`): in the
+    packed codes' two planes each tile's rows were split into planes in registers
+    (PRMTs), 134 warp-instructions per row and a 432 B spill for Gemma 3's whole-layer
+    call (sink + KV4 + residual, head_dim 256; sm_90, bench/kernel_resources.py). With
+    their tiles in quarters (`_segment_loop`: SUB) and two chunks of columns, and the
+    packed segment's loop run last (`decode_splits_kernel`), nothing spills."""
+    if FULL:
+        q_row, r_ok, q_scale, amp, fk, HKV = rope_q
+        out = (tab1, (q_row, r_ok, q_scale, amp1, fk, HKV))
+    else:
+        out = (tab, rope_q)
+    return out
 
 
 @triton.jit
@@ -915,27 +1011,39 @@ def _segment_loop(
     ROPE: tl.constexpr = False, rope_q=None, pos_ptr=None, pos_t=0, tab=None,
     tab_rows=0, D: tl.constexpr = 0, NC: tl.constexpr = 1,
     K_LUT: tl.constexpr = 0, V_LUT: tl.constexpr = 0, K_FLAT: tl.constexpr = False,
-    V_SLOTS: tl.constexpr = 0, nuq=None,
+    V_SLOTS: tl.constexpr = 0, nuq=None, tab1=None, amp1=None,
 ):  # fmt: skip
     """Folds tiles [first, last) of one segment into the online-softmax state (m, l,
     acc_lo, acc_hi: the numerator's planes). FULL: a full-precision segment (keys
     post-RoPE); otherwise packed codes with the key qparams already in q and k_bias.
-    ROPE: keys stored before RoPE, rotated at positions pos_ptr (`_rope_scores`)."""
+    ROPE: keys stored before RoPE, rotated at positions pos_ptr (`_rope_scores`);
+    full-precision ones in channel order (tab1, amp1: the unit table and amplitude of one
+    plane), whatever the packed codes' planes."""
     m_i, l_i, acc_lo, acc_hi = state
     LOG2E: tl.constexpr = 1.4426950408889634
     if ROPE:
-        rq, rk = _rope_prepare(rope_q, not FULL and not K_ROWQ, D, KP, OP, NC)
+        KPR: tl.constexpr = 1 if FULL else KP  # `_rope_inputs`
+        NCS: tl.constexpr = (2 if D >= 256 else 1) if FULL else NC
+        rtab, rope_q = _rope_inputs(FULL, tab, tab1, amp1, rope_q)
+        rq, rk = _rope_prepare(rope_q, not FULL and not K_ROWQ, D, KPR, OP, NCS)
     # value slots patched into the levels by the compiled lookup (`_word_levels_slots`):
     # per-row normalisers, codes read as words, at most MAX_PATCHED_SLOTS
     V_PATCH: tl.constexpr = (V_LUT == 2) * V_WORDS * (NG == 1) * (V_SLOTS <= 4)
-    for tile in tl.range(first, last, num_stages=NUM_STAGES):
-        t = tile * BLOCK_T + tl.arange(0, BLOCK_T)
+    # pre-RoPE full-precision rows of head_dim 256 in tiles of BLOCK_T / SUB rows: whole
+    # tiles of them spilled (`_rope_inputs`); the packed loop keeps BLOCK_T
+    SUB: tl.constexpr = 4 if (FULL and ROPE and D >= 256) else 1
+    BT: tl.constexpr = BLOCK_T // SUB
+    # no sub-tile past the segment's rows (a pre-RoPE tile reads its first row's position)
+    last = tl.minimum(last * SUB, tl.cdiv(rows_seg, BT))
+    for tile in tl.range(first * SUB, last, num_stages=NUM_STAGES):
+        t = tile * BT + tl.arange(0, BT)
         t_ok = t < rows_seg
         if ROPE:
             scores = _rope_scores(rq, rk, k_ptr, k_t, ks_ptr, ko_ptr, kq_t, t, t_ok, tile,
-                                  pos_ptr, pos_t, tab, tab_rows, R, K_ZERO, BLOCK_T, FULL, KP,
+                                  pos_ptr, pos_t, rtab, tab_rows, R, K_ZERO, BT, FULL, KPR,
                                   D, OP, PRECISION, ASM, K_ROWQ, K_NG, K_HAS_OFF, K_FP8,
-                                  K_FACTOR, K_WORDS, NC)  # fmt: skip
+                                  K_FACTOR, K_WORDS, NCS, K_LUT, K_FLAT, nuq,
+                                  rope_q[3])  # fmt: skip
         else:
             if K_ROWQ and not FULL:
                 k_lo, k_hi = _value_planes(k_ptr, t, t_ok, k_t, ks_ptr, ko_ptr, kq_t, K_ZERO,
@@ -949,7 +1057,7 @@ def _segment_loop(
                 scores += tl.dot(q_hi, tl.trans(k_hi.to(OP)), input_precision=PRECISION)
             if not FULL and not K_ROWQ:
                 scores += k_bias[:, None]
-            if K_FLAT and not FULL:  # NUQ keys' exact exceptions (post-RoPE only)
+            if K_FLAT and not FULL:  # NUQ keys' exact exceptions (post-RoPE keys)
                 scores = _key_exceptions(scores, t, t_ok, k_ptr, k_t, nuq, OP, PRECISION)
         if HAS_SOFTCAP:  # softcap * tanh(s / softcap), tanh(x) = 2 sigmoid(2x) - 1, base 2
             scores = softcap * (2.0 * tl.sigmoid(2.0 * scores / softcap) - 1.0) * LOG2E
@@ -1008,7 +1116,7 @@ def decode_splits_kernel(
     K_LUT: tl.constexpr = 0, V_LUT: tl.constexpr = 0, K_FLAT: tl.constexpr = False,
     V_SLOTS: tl.constexpr = 0, k_tab=None, v_tab=None, k_cnt=None, kc_b=0, kc_h=0, kc_t=0,
     k_first=None, kf_b=0, kf_h=0, kf_t=0, k_eidx=None, k_eval=None, v_sidx=None, v_sval=None,
-    vs_b=0, vs_h=0, vs_t=0, RQ: tl.constexpr = 16,
+    vs_b=0, vs_h=0, vs_t=0, RQ: tl.constexpr = 16, rope_tab1=None, rope_amp1=None,
 ):  # fmt: skip
     """Segments 0, 1, 2 (KIND 0: absent, 1: full precision, 2: packed; one packed at
     most): key and value data with their batch, head and row strides (elements of the
@@ -1025,9 +1133,10 @@ def decode_splits_kernel(
     segment's keys are stored before RoPE, rotated at the positions pos0, pos1, pos2
     [B, T] (strides posN_b, posN_t) by the unit table rope_tab [rope_rows, 2, D / 2] (cos,
     sin; columns in plane order) times the amplitude rope_amp [D / 2]
-    (`planned_decode.rope_planes`). K_LUT, V_LUT: 4-bit codebook (NUQ) codes, levels from
-    k_tab, v_tab (fp32 [16]); the key scale and offset fold like affine ones (post-RoPE
-    keys only). K_FLAT: the keys' flat exact exceptions, count k_cnt [B, H_kv, T] and
+    (`planned_decode.rope_planes`; rope_tab1, rope_amp1: in channel order, for
+    full-precision keys). K_LUT, V_LUT: 4-bit codebook (NUQ) codes, levels from
+    k_tab, v_tab (fp32 [16]); the key scale and offset fold like affine ones (pre-RoPE:
+    applied before rotation). K_FLAT: the keys' flat exact exceptions, count k_cnt [B, H_kv, T] and
     first entry k_first (strides kc_*, kf_*) of each row into k_eidx (channels) and k_eval
     (values); V_SLOTS: the values' exceptions per row, slots v_sidx, v_sval
     [B, H_kv, T, V_SLOTS] (strides vs_*; channel D: unused).
@@ -1078,6 +1187,8 @@ def decode_splits_kernel(
     pos2_t = 1 if pos2_t is None else pos2_t
     rope_tab = q if rope_tab is None else rope_tab
     rope_amp = q if rope_amp is None else rope_amp
+    rope_tab1 = q if rope_tab1 is None else rope_tab1
+    rope_amp1 = q if rope_amp1 is None else rope_amp1
     rope_rows = 0 if rope_rows is None else rope_rows
     k_tab = q if k_tab is None else k_tab
     v_tab = q if v_tab is None else v_tab
@@ -1198,7 +1309,7 @@ def decode_splits_kernel(
             CAUSAL, OP, PRECISION, NUM_STAGES, rows0, ASM, K_ROWQ, K_NG, K_HAS_OFF,
             m_row, HAS_MASK, K_FP8, V_FP8, K_FACTOR, V_FACTOR, K_WORDS, V_WORDS,
             ROPE0, rope_q, pos0 + b * pos0_b, pos0_t, rope_tab, rope_rows, D, NC,
-            K_MODE, V_MODE, K_FLAT, V_SLOTS, nuq,
+            K_MODE, V_MODE, K_FLAT, V_SLOTS, nuq, rope_tab1, rope_amp1,
         )  # fmt: skip
     if KIND1 != 0:
         k1_t = (D if KIND1 == 1 else D // KP) if k1_t is None else k1_t
@@ -1206,6 +1317,11 @@ def decode_splits_kernel(
         v1_h = k1_h if v1_h is None else v1_h
         k1_b = HKV * k1_h if k1_b is None else k1_b
         v1_b = HKV * v1_h if v1_b is None else v1_b
+    # a layer's pre-RoPE main rows (segment 1, packed) run after the residual rows (2; the
+    # online softmax merges in any order), so that what the residual rows' loop needs is not
+    # held across theirs: Gemma 3's layer call spilled 24 B in the packed loop otherwise
+    MAIN_LAST: tl.constexpr = KIND1 == 2 and ROPE1 and KIND2 == 1
+    if KIND1 != 0 and not MAIN_LAST:
         kp = k1 + b * k1_b + h * k1_h
         vp = v1 + b * v1_b + h * v1_h
         state = _segment_loop(
@@ -1216,7 +1332,7 @@ def decode_splits_kernel(
             HAS_SOFTCAP, softcap, CAUSAL, OP, PRECISION, NUM_STAGES, rows1, ASM, K_ROWQ, K_NG,
             K_HAS_OFF, m_row, HAS_MASK, K_FP8, V_FP8, K_FACTOR, V_FACTOR, K_WORDS, V_WORDS,
             ROPE1, rope_q, pos1 + b * pos1_b, pos1_t, rope_tab, rope_rows, D, NC,
-            K_MODE, V_MODE, K_FLAT, V_SLOTS, nuq,
+            K_MODE, V_MODE, K_FLAT, V_SLOTS, nuq, rope_tab1, rope_amp1,
         )  # fmt: skip
     if KIND2 != 0:
         k2_t = (D if KIND2 == 1 else D // KP) if k2_t is None else k2_t
@@ -1235,7 +1351,20 @@ def decode_splits_kernel(
             K_ROWQ, K_NG, K_HAS_OFF, m_row, HAS_MASK, K_FP8, V_FP8, K_FACTOR, V_FACTOR,
             K_WORDS, V_WORDS,
             ROPE2, rope_q, pos2 + b * pos2_b, pos2_t, rope_tab, rope_rows, D, NC,
-            K_MODE, V_MODE, K_FLAT, V_SLOTS, nuq,
+            K_MODE, V_MODE, K_FLAT, V_SLOTS, nuq, rope_tab1, rope_amp1,
+        )  # fmt: skip
+    if KIND1 != 0 and MAIN_LAST:  # the same call, after segment 2
+        kp = k1 + b * k1_b + h * k1_h
+        vp = v1 + b * v1_b + h * v1_h
+        state = _segment_loop(
+            state, fq_lo if KIND1 == 1 else pk_lo, fq_hi if KIND1 == 1 else pk_hi, k_bias,
+            kp, vp, k1_t, v1_t, vs_ptr, vo_ptr, vq_t, ks_ptr, ko_ptr, kq_t,
+            tl.maximum(lo, n0) - n0, tl.minimum(hi, n0 + n1) - n0, rows0, total, qi, r_ok,
+            K_ZERO, V_ZERO, Q, R, BLOCK_T, KIND1 == 1, KP, KW, VP, NG, GW, V_HAS_OFF,
+            HAS_SOFTCAP, softcap, CAUSAL, OP, PRECISION, NUM_STAGES, rows1, ASM, K_ROWQ, K_NG,
+            K_HAS_OFF, m_row, HAS_MASK, K_FP8, V_FP8, K_FACTOR, V_FACTOR, K_WORDS, V_WORDS,
+            ROPE1, rope_q, pos1 + b * pos1_b, pos1_t, rope_tab, rope_rows, D, NC,
+            K_MODE, V_MODE, K_FLAT, V_SLOTS, nuq, rope_tab1, rope_amp1,
         )  # fmt: skip
     m_i, l_i, acc_lo, acc_hi = state
 

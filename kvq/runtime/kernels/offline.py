@@ -50,6 +50,8 @@ class KernelResources:
     # opcode -> count in the main loop's body (`main_loop`): what one iteration issues per
     # warp; empty when the kernel has no loop
     loop: Counter = field(default_factory=Counter)
+    # every loop's body (`loops`), in address order: a kernel with one loop per segment
+    loops: tuple = ()
 
     @property
     def programs_per_sm(self) -> int:
@@ -143,6 +145,7 @@ def compile_offline(
         shared_bytes=compiled.metadata.shared,
         sass=_opcodes(sass),
         loop=main_loop(sass),
+        loops=tuple(loops(sass)),
     )
 
 
@@ -207,23 +210,31 @@ def main_loop(sass: str) -> Counter:
     branch] closed by a backward branch, the one holding the most tensor-core
     instructions (the attention tile loop), the longest on a tie. Each instruction of the
     range counts once, as one iteration issues it; an inner loop's body counts once too."""
+    best: Counter = Counter()
+    best_key = (-1, -1)
+    for body in loops(sass):
+        key = (sum(body[op] for op in TENSOR_CORE_OPS), sum(body.values()))
+        if key > best_key:
+            best, best_key = body, key
+    return best
+
+
+def loops(sass: str) -> list[Counter]:
+    """Opcode -> count over each range [target, branch] closed by a backward branch, in
+    address order (an inner loop's range is listed too, and counted in its outer one)."""
     listing = []  # (address, opcode, operands)
     for line in sass.splitlines():
         m = _LINE.match(line)
         if m:
             listing.append((int(m.group(1), 16), m.group(2), m.group(3)))
-    loops = []
+    ranges = []
     for addr, op, rest in listing:
         if op != "BRA":
             continue
         target = _BRANCH_TARGET.match(rest)
         if target and int(target.group(1), 16) < addr:
-            loops.append((int(target.group(1), 16), addr))
-    best: Counter = Counter()
-    best_key = (-1, -1)
-    for lo, hi in loops:
-        body = Counter(op for a, op, _ in listing if lo <= a <= hi and op != "NOP")
-        key = (sum(body[op] for op in TENSOR_CORE_OPS), sum(body.values()))
-        if key > best_key:
-            best, best_key = body, key
-    return best
+            ranges.append((int(target.group(1), 16), addr))
+    return [
+        Counter(op for a, op, _ in listing if lo <= a <= hi and op != "NOP")
+        for lo, hi in sorted(ranges)
+    ]

@@ -9,7 +9,8 @@ per-head) or per-row grouped key qparams and per-row grouped or per-head value q
 NUQ's exact exceptions (the keys' flat entries, the values' slots), keys stored after RoPE
 or before it (rotated in the tile loop at each row's position,
 `_decode_splits_triton._rope_scores`, from a unit table in plane order cached per RoPE
-table, `rope_planes`; not yet for NUQ codes), with or without a mask over the rows
+table, `rope_planes`; NUQ keys with their exceptions too, KVQuant's stored layout), with or
+without a mask over the rows
 (sliding windows, padding: read in place, one byte per row and tile) — and
 `decode_attention.decode_path` sends everything else to the general kernel. What the
 host does per call: checks; the tensors it reads and their layout key, which finds the
@@ -67,7 +68,8 @@ class KernelConfig:
         return {"num_warps": self.num_warps, "num_stages": self.num_stages}
 
 
-def kernel_config(head_dim: int, bits: int, key_rows: bool = False) -> KernelConfig:
+def kernel_config(head_dim: int, bits: int, key_rows: bool = False,
+                  rope_lut: bool = False) -> KernelConfig:  # fmt: skip
     """Launch configuration per shape bucket (head_dim, code bits; `key_rows`, whether key
     qparams are per row, no longer changes it): 64-row tiles, 4 warps, 2 tiles of raw codes
     in flight, where that compiles without spilling. Picked from the sm_90 compile
@@ -81,7 +83,13 @@ def kernel_config(head_dim: int, bits: int, key_rows: bool = False) -> KernelCon
     pre-RoPE keys, same configuration: 184 registers, 8 warps, 47 per row at head_dim 128
     (32-row tiles: 136 registers, 12 warps, but 63 per row); 255 registers, 8 warps, 85
     per row at head_dim 256 (the columns rotate in two chunks; 8 warps per program: 100
-    per row)."""
+    per row). `rope_lut`: NUQ4 keys before RoPE (KVQuant's layout, levels x per-channel
+    scale + centre rotated in the loop): at head_dim 256 the per-channel normaliser held
+    per column leaves no room for 4 warps (255 registers and a 552 B spill, 151 per row),
+    so 8 warps share the state: 255 registers, no spill, 171 per row (general kernel:
+    426); at head_dim 128, 4 warps: 245 registers, 8 warps per SM, 87 per row (252)."""
+    if rope_lut and head_dim >= 256:
+        return KernelConfig(64, 8, 2)
     if bits == 8 and head_dim >= 256:
         return KernelConfig(32, 4, 2)
     return KernelConfig(64, 4, 2)
@@ -153,8 +161,6 @@ def _packed_unsupported(seg, d: int) -> str | None:
         return "value slots: values must share the channels' layout"
     if _nuq(k) and k.qaxis not in ("channel", "head"):
         return "NUQ keys with per-row normalisers"
-    if _nuq(k) and k.pre_rope:  # the rotation path decodes affine / fp8 keys only
-        return "pre-RoPE NUQ keys use the general kernel"
     if k.qaxis not in ("channel", "head"):
         reason = _row_groups_unsupported(k, d)
         if reason:
@@ -333,7 +339,7 @@ class PlannedCall:
 # the tensors a call reads, in a fixed order (`_sources`); the sources whose strides may
 # change from one call to the next (a mask over a longer context, positions of a fresh
 # tensor) are read per call (`_Site.strides`), the others' are part of the layout
-SRC_Q, SRC_MASK, SRC_SEG, SRC_PACKED, SRC_ROPE, SRC_LENGTHS = 0, 1, 2, 11, 23, 25
+SRC_Q, SRC_MASK, SRC_SEG, SRC_PACKED, SRC_ROPE, SRC_LENGTHS, SRC_ROPE1 = 0, 1, 2, 11, 23, 25, 26
 PER_CALL_STRIDES = (SRC_MASK, SRC_SEG + 2, SRC_SEG + 5, SRC_SEG + 8)
 
 
@@ -409,8 +415,7 @@ def planned_call(query: Tensor, segments, *, scaling: float, softcap: float | No
     rest comes from the site of that layout (`_site`, built by the first call of a
     layout)."""
     rows = [s.key.data.shape[2] for s in segments]
-    src = _sources(query, segments, rows, mask, rope, half)
-    src.append(lengths)
+    src = _sources(query, segments, rows, mask, rope, half, lengths)
     key = _layout_key(query, segments, rows, src, scaling, softcap, half)
     site = _SITES.get(key)
     if site is None:
@@ -423,13 +428,15 @@ def planned_call(query: Tensor, segments, *, scaling: float, softcap: float | No
     return PlannedCall(site, site.values(src, rows), padded)
 
 
-def _sources(query: Tensor, segments, rows: list, mask: Tensor | None, rope, half: bool) -> list:
+def _sources(query: Tensor, segments, rows: list, mask: Tensor | None, rope, half: bool,
+             lengths: Tensor | None) -> list:  # fmt: skip
     """Every tensor the call reads, None where absent: query, mask; per segment slot (3)
     its keys, values and positions (pre-RoPE keys); the packed segment's key qparams
     (`_key_fold` of static ones, else per-row scales and offsets), value scales and
     offsets, NUQ tables (`nuq_table`), the keys' flat exceptions (counts, first entries
     `_flat_starts`, channels, values), the values' slots; the RoPE unit table and
-    amplitudes (`rope_planes`)."""
+    amplitudes (`rope_planes`); the device row counts `lengths`; the RoPE unit table and
+    amplitudes in channel order (full-precision pre-RoPE keys)."""
     src = [query, mask]
     packed, pre = None, False
     for i in range(MAX_SEGMENTS):
@@ -460,11 +467,14 @@ def _sources(query: Tensor, segments, rows: list, mask: Tensor | None, rope, hal
             src += (v.slot_index, v.slot_value)
         else:
             src += (None, None)
+    dtype = torch.float16 if half else torch.float32
     if pre:
         planes = 2 if packed is not None and packed.key.bits == 4 else 1
-        src += rope_planes(rope, planes, torch.float16 if half else torch.float32)
+        src += rope_planes(rope, planes, dtype)
     else:
         src += (None, None)
+    src.append(lengths)
+    src += rope_planes(rope, 1, dtype) if pre else (None, None)
     return src
 
 
@@ -530,7 +540,8 @@ def _site(query: Tensor, segments, src: list, *, scaling: float, softcap: float 
         k_fold = v_scale = v_off = None
         vq, k_zero, v_zero = (None, None, None), 0.0, 0.0
         k_fp8 = v_fp8 = (0, 1.0)
-    cfg = kernel_config(d, bits, k_rowq)
+    cfg = kernel_config(d, bits, k_rowq, packed is not None and packed.key.pre_rope
+                        and _nuq(packed.key))  # fmt: skip
     sq_b, sq_h, sq_q = query.stride()[:3]
     args = dict(q=_Src(SRC_Q), sq_b=None if sq_b == hq * q_len * d else sq_b,
                 sq_h=None if sq_h == d else sq_h,
@@ -621,9 +632,10 @@ def _rope_args(segments, src: list) -> dict:
                      f"ROPE{i}": pre})  # fmt: skip
     tab = src[SRC_ROPE]
     if tab is not None:
-        args.update(rope_tab=_Src(SRC_ROPE), rope_amp=_Src(SRC_ROPE + 1), rope_rows=tab.shape[0])
+        args.update(rope_tab=_Src(SRC_ROPE), rope_amp=_Src(SRC_ROPE + 1), rope_rows=tab.shape[0],
+                    rope_tab1=_Src(SRC_ROPE1), rope_amp1=_Src(SRC_ROPE1 + 1))  # fmt: skip
     else:
-        args.update(rope_tab=None, rope_amp=None, rope_rows=None)
+        args.update(rope_tab=None, rope_amp=None, rope_rows=None, rope_tab1=None, rope_amp1=None)
     return args
 
 

@@ -320,9 +320,9 @@ def test_pre_rope_tables_are_built_once_per_table():
 
 
 def _strip_exceptions(seg: Segment) -> Segment:
-    """The same codes without their exact exceptions."""
+    """The same codes (and positions) without their exact exceptions."""
     key = replace(seg.key, sparse_count=None, sparse_index=None, sparse_value=None)
-    return Segment(key, replace(seg.value, slot_index=None, slot_value=None))
+    return replace(seg, key=key, value=replace(seg.value, slot_index=None, slot_value=None))
 
 
 @pytest.mark.parametrize("kind", ["nuq4-dense", "nuq4"])
@@ -360,6 +360,49 @@ def test_nuq4_with_masks_and_query_blocks(q_len, planned_calls):
     assert len(planned_calls) == 2
 
 
+@pytest.mark.parametrize("kind", ["nuq4-dense", "nuq4"])
+@pytest.mark.parametrize("d, hq, hkv", [(64, 8, 2), (256, 4, 1)])
+def test_pre_rope_nuq4_keys_and_exceptions_match_reference(kind, d, hq, hkv, planned_calls):
+    """KVQuant's stored layout: NUQ4 keys before RoPE (levels x per-channel scale + centre,
+    then rotated at each row's position) with their flat exact exceptions and the values'
+    slots, between pre-RoPE sink and residual rows, GQA (head_dim 64) and MQA (256: two
+    chunks of columns), a left-padded sequence under its mask. The exceptions move the
+    result far beyond the tolerance: dropping them (or rotating them wrongly) fails."""
+    b = 2
+    segs = _layer_segments(kind, b, hkv, d, rows=150, seed=31)
+    total = sum(s.rows for s in segs)
+    segs = _pre_rope(segs, _positions(b, total, start=37, pad=(0, 9)))
+    main = segs[1]
+    assert main.key.kind == "lookup" and main.key.pre_rope
+    mask = _window_mask(b, 1, total, window=total, pad=9)
+    q = torch.randn(b, hq, 1, d) * 2
+    out = _check(q, segs, rope=_rope(d), mask=mask)
+    assert len(planned_calls) == 1
+    if kind == "nuq4":
+        assert main.key.sparse_index.numel() and main.value.slot_index is not None
+        bare = [segs[0], _strip_exceptions(main), segs[2]]
+        q, bare, rope, mask = _to((q, bare, _rope(d), mask), DEVICE)
+        without = decode_attention_triton(q, bare, scaling=d**-0.5, rope=rope, mask=mask).cpu()
+        assert (out - without).abs().max().item() > 100 * ATOL
+
+
+@pytest.mark.parametrize("q_len", [1, 2])
+def test_pre_rope_nuq4_with_masks_and_query_blocks(q_len, planned_calls):
+    """Pre-RoPE NUQ4 with exceptions under a sliding-window mask with padding (Q = 1 and
+    2), and causal without a mask; rows at scattered positions (each tile gathers its rows'
+    own table rows) too."""
+    b, hkv, d = 2, 2, 64
+    segs = _layer_segments("nuq4", b, hkv, d, rows=140, seed=32)
+    total = sum(s.rows for s in segs)
+    pre = _pre_rope(segs, _positions(b, total, start=5, pad=(7,)))
+    mask = _window_mask(b, q_len, total, window=100, pad=7)
+    _check(torch.randn(b, 4, q_len, d), pre, rope=_rope(d), mask=mask)
+    _check(torch.randn(b, 4, q_len, d), pre, rope=_rope(d))
+    scattered = torch.randint(0, 3000, (b, total), generator=torch.Generator().manual_seed(6))
+    _check(torch.randn(b, 4, q_len, d), _pre_rope(segs, scattered), rope=_rope(d))
+    assert len(planned_calls) == 3
+
+
 def _route_segments(fmt, d=64):
     """A layer's segments (sink, main, residual) with main rows in format `fmt`."""
     k, v = _data(2, 2, 80, d, seed=13)
@@ -381,16 +424,17 @@ def _route_segments(fmt, d=64):
     return [sink, main, residual]
 
 
-PLANNED_FORMATS = ("kv4", "kv4-pre", "kv4-token", "kv8", "kv8-token", "fp8", "fp8-token", "nuq4")
-GENERAL_FORMATS = ("nuq4-pre", "nuq3", "int2-int3", "int4-g16")
+PLANNED_FORMATS = ("kv4", "kv4-pre", "kv4-token", "kv8", "kv8-token", "fp8", "fp8-token", "nuq4",
+                   "nuq4-pre")  # fmt: skip
+GENERAL_FORMATS = ("nuq3", "int2-int3", "int4-g16")
 
 
 @pytest.mark.parametrize("fmt", PLANNED_FORMATS + GENERAL_FORMATS)
 @pytest.mark.parametrize("masked", [False, True])
 def test_which_kernel_a_layer_call_takes_on_cuda(fmt, masked):
     """What a CUDA decode call of a layer in `fmt` runs (asked on this CPU machine): the
-    planned kernel for 4- and 8-bit affine codes, fp8 and post-RoPE NUQ4 (exceptions
-    included), masked (sliding window, padding) or not;
+    planned kernel for 4- and 8-bit affine codes, fp8 and NUQ4 with keys post- or pre-RoPE
+    (exceptions included), masked (sliding window, padding) or not;
     the general kernel for the layouts the planned one does not decode; the reference on
     CPU tensors with the auto backend; the general kernel everywhere with
     KVQ_DECODE_PLANNED=0."""
@@ -475,7 +519,8 @@ class _Ops(TorchDispatchMode):
 @pytest.mark.parametrize("kind, masked, pre_rope", [("int4-channel", False, False),
                                                     ("int4-channel", True, False),
                                                     ("int4-channel", True, True),
-                                                    ("nuq4", True, False)])  # fmt: skip
+                                                    ("nuq4", True, False),
+                                                    ("nuq4", True, True)])  # fmt: skip
 def test_one_call_costs_two_launches_no_sync_and_three_allocations(monkeypatch, kind, masked,
                                                                    pre_rope):  # fmt: skip
     """A layer's decode call (sink, packed main rows, residual) at batch 4 through the
@@ -485,8 +530,9 @@ def test_one_call_costs_two_launches_no_sync_and_three_allocations(monkeypatch, 
     waits on the device (pre-RoPE: the tables in plane order are built by the first call
     and reused, and no position is read on the host). The kernels themselves are stubbed
     during the count (the interpreter copies arguments with torch ops of its own, which a
-    CUDA launch does not). NUQ4 main rows with exceptions: their codebook table and the
-    keys' first flat entries per row are computed once (the warm call) for unchanged rows."""
+    CUDA launch does not). NUQ4 main rows with exceptions (keys post- or pre-RoPE, the
+    latter KVQuant's stored layout): their codebook table and the keys' first flat entries
+    per row are computed once (the warm call) for unchanged rows."""
     segs = _layer_segments(kind, 4, 2, 64, rows=300, seed=9)
     total = sum(s.rows for s in segs)
     rope = None
@@ -752,6 +798,62 @@ def test_generate_through_the_planned_path_matches_the_reference(monkeypatch, pl
     # 4 layers x (1 prefill + 4 decode steps), each through the planned kernel
     assert len(planned_calls) == 20
     assert {p.kernel for p in paths} == {"planned"}
+
+
+@torch.no_grad()
+def test_generate_with_a_kvquant_layout_cache_through_the_planned_path(monkeypatch,
+                                                                      planned_calls):  # fmt: skip
+    """Public path, KVQuant's stored layout: NUQ4 keys before RoPE with per-channel
+    normalisers and exact outliers, NUQ4 values with exception slots, a sink row; greedy
+    generate of a tiny Gemma 3 (head_dim 64, MQA, sliding-window masks) with a left-padded
+    sequence gives the reference backend's tokens, every attention call on the planned path,
+    and the cache holds key exceptions (so their rotated corrections took part)."""
+    from kvq.models.adapters import get_adapter
+    from kvq.quant.schemes import CachePolicy, LayerPolicy
+    from kvq.runtime.cache import build_cache
+    from tests.conftest import make_tiny_model, nuq_key_state
+
+    model = make_tiny_model("gemma3", head_dim=64).to(DEVICE)
+    ad = get_adapter(model)
+    hkv, d, layers = ad.info.num_kv_heads, ad.info.head_dim, ad.info.num_layers
+    layer = LayerPolicy(
+        QuantScheme("nuq", 4, axis="channel", lifetime="static", outlier_fraction=0.02),
+        QuantScheme("nuq", 4, outlier_fraction=0.02), key_stage="pre-rope", sink_tokens=1,
+    )  # fmt: skip
+    policy = CachePolicy("kvquant4-pre", (layer,) * layers)
+    static = {}
+    for i in range(layers):
+        # thresholds narrower than the tiny model's keys: a few % of entries are outliers
+        key = nuq_key_state(4, hkv, d, 0.02, seed=i)
+        key = {n: t * 0.3 if n != "codebook" else t for n, t in key.items()}
+        static |= {f"layers.{i}.key.{n}": t.to(DEVICE) for n, t in key.items()}
+        static[f"layers.{i}.value.codebook"] = key["codebook"].to(DEVICE)
+    ids = torch.randint(3, 200, (2, 12), generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    ids[1, :3] = 0
+
+    def generate(backend):
+        monkeypatch.setenv("KVQ_BACKEND", backend)
+        cache = build_cache(model, policy, static, ad)
+        return model.generate(ids, cache=cache, max_new_tokens=5, do_sample=False,
+                              pad_token_id=0, attention_mask=(ids != 0).long())  # fmt: skip
+
+    paths = []
+    route = attention.triton_path
+
+    def spy(*args):
+        paths.append(route(*args))
+        return paths[-1]
+
+    monkeypatch.setattr(attention, "triton_path", spy)
+    want = generate("reference")
+    assert not planned_calls and not paths
+    assert torch.equal(generate("triton"), want)
+    assert len(planned_calls) == layers * 5  # 1 prefill + 4 decode steps per layer
+    assert {p.kernel for p in paths} == {"planned"}
+    # the decode calls' main rows (KVQuant's layout: pre-RoPE lookup keys) hold exceptions
+    mains = [s for _, segs in planned_calls for s in segs if s.key.kind == "lookup"]
+    assert mains and all(s.key.pre_rope for s in mains)
+    assert sum(s.key.sparse_index.numel() for s in mains if s.key.sparse_index is not None)
 
 
 def test_flat_starts_follow_the_count_rows():
