@@ -37,4 +37,4 @@ def fit(ctx: FitContext) -> PassResult:
 
 
 def policy_name(v) -> str:
-    return f"vq{v.bits}-d{v.dim}" + ("-mixed" if v.mixed else "")
+    return f"vq{v.bits}-d{v.dim}" + {"none": "", "fisher": "-mixed", "loss": "-mixed-loss"}[v.mixed]

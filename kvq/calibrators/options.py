@@ -347,6 +347,14 @@ class SmoothAttentionOptions(PassOptions):
         _check_layout(self.layout)
 
 
+# per-layer, per-side bit widths (mixed precision) of the low-bit passes
+MIXED_CHOICES = ("none", "fisher", "loss")
+MIXED_HELP = (
+    "per-layer, per-side bits: none; fisher (Fisher-weighted error, bits move within each "
+    "side); loss (measured KL of each layer-side at each width, bits move across sides)"
+)
+
+
 @dataclass(frozen=True)
 class VQOptions(PassOptions):
     NAME: ClassVar[str] = "vq"
@@ -359,12 +367,13 @@ class VQOptions(PassOptions):
     outliers: float = option(0.01, "fraction kept exactly (sparse)")
     sink: int = option(1, "first N positions kept in full precision")
     fisher: bool = option(True, "Fisher-weighted codebooks", flag="--fisher/--no-fisher")
-    mixed: bool = option(
-        False, "per-layer, per-side bits from Fisher sensitivity", flag="--mixed/--no-mixed"
-    )
+    mixed: str = option("none", MIXED_HELP)
     seed: int = 0  # k-means; the command line passes its --seed
 
     def __post_init__(self) -> None:
+        if isinstance(self.mixed, bool):  # the former on/off switch: on was the Fisher allocator
+            object.__setattr__(self, "mixed", "fisher" if self.mixed else "none")
+        check_choice("--mixed", self.mixed, MIXED_CHOICES, " for vq")
         check_choice("--bits", self.bits, (1, 2, 3, 4), " for vq")
         check_choice("--dim", self.dim, (0, 2, 4))
         if self.dim and 2 ** (self.bits * self.dim) > 4096:
@@ -381,10 +390,10 @@ class VQOptions(PassOptions):
 #   3 bits: scalar 1.0355 / 0.0394 / 0.889, vq 2-D + mixed bits 1.0425 / 0.0354 / 0.898:
 #           vq, on KLD and top-1 (decode protocol: 1.0317 / 0.0370 vs scalar 1.0391 / 0.0396)
 #   4 bits: scalar 1.0094 / 0.0098 / 0.944, vq 2-D + mixed 1.0135 / 0.0106 / 0.946: scalar
-AUTO_CHOICES: dict[int, tuple[str, int, bool]] = {
-    2: ("vq", 4, True),
-    3: ("vq", 2, True),
-    4: ("kvquant", 0, False),
+AUTO_CHOICES: dict[int, tuple[str, int, str]] = {
+    2: ("vq", 4, "fisher"),
+    3: ("vq", 2, "fisher"),
+    4: ("kvquant", 0, "none"),
 }
 
 
@@ -414,7 +423,11 @@ class AutoOptions(PassOptions):
                 f"kvquant: scalar Fisher-weighted NUQ{v.bits}, pre-RoPE per-channel keys, "
                 f"{v.outliers:.0%} exact outliers, sink {v.sink}, Q-Norm"
             )
-        mixed = ", per-layer/side bits by Fisher sensitivity" if v.mixed else ""
+        mixed = {
+            "none": "",
+            "fisher": ", per-layer bits within each side by Fisher sensitivity",
+            "loss": ", per-layer/side bits by measured KL (across sides)",
+        }[v.mixed]
         return (
             f"vq: KVQuant normalisers + 1% exact outliers + sink 1, {v.dim}-D Fisher-weighted "
             f"codebooks (keys over RoPE pairs){mixed}"
