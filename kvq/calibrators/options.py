@@ -200,6 +200,11 @@ class KVQuantOptions(PassOptions):
         "Q-Norm level correction (mean/std of decoded values)",
         flag="--qnorm/--no-qnorm",
     )
+    mixed: str = option(
+        "none",
+        "per-layer, per-side bits: none, or loss (measured KL of each layer-side at each "
+        "NUQ width, bits move across sides; --bits 3 or 4)",
+    )
     nonuniform: bool = True  # False: uniform levels on the same normalised grid (ablation)
     key_stage: KeyStage = "pre-rope"
     # "fisher": the K outlier budget goes to the channels whose Fisher-weighted range it
@@ -216,6 +221,9 @@ class KVQuantOptions(PassOptions):
 
     def __post_init__(self) -> None:
         check_choice("--bits", self.bits, (2, 3, 4), " for kvquant")
+        check_choice("--mixed", self.mixed, ("none", "loss"), " for kvquant")
+        if self.mixed == "loss" and self.bits == 2:
+            raise KvqError("--mixed loss needs --bits 3 or 4 for kvquant: NUQ has no 1-bit width")
         check_range("--outliers", self.outliers, 0, 0.5, open_hi=True)
         check_range("--sink", self.sink, 0)
         check_choice("key_outliers", self.key_outliers, ("fisher", "uniform"))
@@ -413,7 +421,7 @@ class AutoOptions(PassOptions):
     def chosen(self) -> VQOptions | KVQuantOptions:
         method, dim, mixed = AUTO_CHOICES[self.bits]
         if method == "kvquant":
-            return KVQuantOptions(bits=self.bits, seed=self.seed)
+            return KVQuantOptions(bits=self.bits, mixed=mixed, seed=self.seed)
         return VQOptions(bits=self.bits, dim=dim, mixed=mixed, seed=self.seed)
 
     def method(self) -> str:
@@ -422,6 +430,11 @@ class AutoOptions(PassOptions):
             return (
                 f"kvquant: scalar Fisher-weighted NUQ{v.bits}, pre-RoPE per-channel keys, "
                 f"{v.outliers:.0%} exact outliers, sink {v.sink}, Q-Norm"
+                + (
+                    ", per-layer/side bits by measured KL (across sides)"
+                    if v.mixed == "loss"
+                    else ""
+                )
             )
         mixed = {
             "none": "",

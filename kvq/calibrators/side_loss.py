@@ -14,13 +14,14 @@ and the KL run on every `MEASURE_STRIDE`-th position only.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
 
+from kvq.calibrators.bit_allocation import choose_widths
 from kvq.models.placement import input_device
 from kvq.progress import Progress
 from kvq.quant.schemes import FULL_PRECISION, CachePolicy, LayerPolicy, QuantScheme
@@ -108,3 +109,46 @@ def measure_losses(
                 bar.advance()
     scored = windows.shape[0] * positions.numel()
     return [x / scored for x in kl]
+
+
+SchemeAt = Callable[[int, str, int, dict[str, Tensor]], QuantScheme]  # (layer, part, bits, state)
+
+
+def allocate_by_loss(
+    model,
+    adapter,
+    windows: Tensor,
+    fitted: Sequence[dict[int, dict[str, Tensor]]],
+    scheme_at: SchemeAt,
+    template: LayerPolicy,
+    nominal: int,
+    progress: Progress,
+) -> tuple[list[int], dict[str, Tensor]]:
+    """The width of every layer-side from its measured loss at each fitted width.
+
+    fitted: per side, layer-major (layer 0 keys, layer 0 values, layer 1 keys, ...): width
+    -> the state fitted at that width (the same widths for every side). The widths of least
+    summed KL whose code bits do not exceed the uniform `nominal` policy's (an exact
+    knapsack; sides weighted by their elements per token), and the measured table as
+    provenance: `mixed.kld` [L, 2, W] (nats per position) over `mixed.widths` [W].
+    """
+    n_layers = adapter.info.num_layers
+    widths = sorted(fitted[0])
+    sides = [(layer, part) for layer in range(n_layers) for part in ("key", "value")]
+    candidates = [
+        Candidate(layer, part, scheme_at(layer, part, w, states[w]), states[w])
+        for (layer, part), states in zip(sides, fitted, strict=True)
+        for w in widths
+    ]
+    kld = measure_losses(model, adapter, windows, candidates, template, progress)
+    table = torch.tensor(kld, dtype=torch.float32).view(len(sides), len(widths))
+    elements = adapter.info.num_kv_heads * adapter.info.head_dim  # per token, either side
+    chosen = choose_widths(
+        table.tolist(), [widths] * len(sides), [elements] * len(sides),
+        nominal * elements * len(sides),
+    )  # fmt: skip
+    provenance = {
+        "mixed.kld": table.view(n_layers, 2, len(widths)).contiguous(),  # [L, K|V, W]
+        "mixed.widths": torch.tensor(widths, dtype=torch.int32),  # [W]
+    }
+    return chosen, provenance

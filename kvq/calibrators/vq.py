@@ -39,11 +39,10 @@ import torch
 from torch import Tensor
 
 from kvq.calibrators.base import FitContext, PassResult
-from kvq.calibrators.bit_allocation import choose_widths
 from kvq.calibrators.fisher import fisher_cached
 from kvq.calibrators.kvquant import _key_thresholds, capture_kv, key_fraction, value_rows
 from kvq.calibrators.options import KVQuantOptions, VQOptions
-from kvq.calibrators.side_loss import Candidate, measure_losses
+from kvq.calibrators.side_loss import allocate_by_loss
 from kvq.errors import KvqError
 from kvq.models.adapters import rope_partners
 from kvq.progress import Progress
@@ -246,7 +245,14 @@ def calibrate_vq(
                     fitted[i][widths[i]] = _fit(side, groups, widths[i], opts.seed)
                     bar.advance()
     elif opts.mixed == "loss":
-        widths, extra = _loss_allocation(model, adapter, windows, sides, fitted, opts, progress)
+
+        def scheme_at(_layer: int, part: str, bits: int, state: dict[str, Tensor]) -> QuantScheme:
+            return _scheme(bits, state["vq_groups"].shape[1], part, opts)
+
+        template = LayerPolicy(FULL_PRECISION, FULL_PRECISION, "pre-rope", opts.sink)
+        widths, extra = allocate_by_loss(
+            model, adapter, windows, fitted, scheme_at, template, opts.bits, progress
+        )
     tensors: dict[str, Tensor] = {}
     schemes: dict[tuple[int, str], QuantScheme] = {}
     for (layer, part, _), states, bits in zip(sides, fitted, widths, strict=True):
@@ -267,33 +273,6 @@ def calibrate_vq(
     suffix = {"none": "", "fisher": "-mixed", "loss": "-mixed-loss"}[opts.mixed]
     dim = vector_dim(opts.bits, opts.dim)
     return CachePolicy(name or f"vq{opts.bits}-d{dim}{suffix}", layers), tensors | extra
-
-
-def _loss_allocation(
-    model, adapter, windows: Tensor, sides, fitted, opts: VQOptions, progress: Progress
-) -> tuple[list[int], dict[str, Tensor]]:
-    """Widths from the measured KL of every side at every fitted width (exact knapsack at
-    the uniform policy's code bits), and the table as provenance tensors."""
-    cand_widths = loss_widths(opts.bits)
-    candidates = [
-        Candidate(layer, part, _scheme(w, states[w]["vq_groups"].shape[1], part, opts), states[w])
-        for (layer, part, _), states in zip(sides, fitted, strict=True)
-        for w in cand_widths
-    ]
-    template = LayerPolicy(FULL_PRECISION, FULL_PRECISION, "pre-rope", opts.sink)
-    kld = measure_losses(model, adapter, windows, candidates, template, progress)
-    table = torch.tensor(kld, dtype=torch.float32).view(len(sides), len(cand_widths))
-    elements = adapter.info.num_kv_heads * adapter.info.head_dim  # per token, either side
-    widths = choose_widths(
-        table.tolist(), [cand_widths] * len(sides), [elements] * len(sides),
-        opts.bits * elements * len(sides),
-    )  # fmt: skip
-    n_layers = adapter.info.num_layers
-    extra = {
-        "mixed.kld": table.view(n_layers, 2, len(cand_widths)).contiguous(),  # [L, K|V, W]
-        "mixed.widths": torch.tensor(cand_widths, dtype=torch.int32),  # [W]
-    }
-    return widths, extra
 
 
 def fisher_sums(ctx: FitContext, sink: int):

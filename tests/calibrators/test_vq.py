@@ -81,11 +81,11 @@ def test_generate_runs_through_the_vq_cache():
 def test_loss_allocation_gives_bits_where_the_measured_loss_is(monkeypatch):
     """`--mixed loss`: every side measured at widths 1..3; the side whose loss is made huge
     gets the widest width, the others pay, and the total stays within the uniform bits."""
-    from kvq.calibrators import vq as vq_pass
+    from kvq.calibrators import side_loss
 
     model = make_tiny_model("gemma3")
     ad = get_adapter(model)
-    real, measured = vq_pass.measure_losses, {}
+    real, measured = side_loss.measure_losses, {}
 
     def boosted(model, adapter, windows, candidates, template, progress):
         kld = real(model, adapter, windows, candidates, template, progress)
@@ -93,7 +93,7 @@ def test_loss_allocation_gives_bits_where_the_measured_loss_is(monkeypatch):
         hot = [(c.layer, c.part) == (2, "value") for c in candidates]
         return [x * 1e4 if h else x for x, h in zip(kld, hot, strict=True)]
 
-    monkeypatch.setattr(vq_pass, "measure_losses", boosted)
+    monkeypatch.setattr(side_loss, "measure_losses", boosted)
     opts = VQOptions(bits=2, dim=2, mixed="loss")
     pol, t = calibrate_vq(model, ad, _windows(), opts, Progress(), _fisher(ad))
     n = ad.info.num_layers
