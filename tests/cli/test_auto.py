@@ -111,6 +111,8 @@ def test_a_base_artifact_of_another_model_is_one_line(
         (["vq", "--bits", "4", "--dim", "4"], "4096 centroids"),
         (["vq", "--dim", "3"], "--dim must be"),
         (["vq", "--mixed", "sideways"], "--mixed must be none, fisher or loss"),
+        (["kvquant", "--mixed", "fisher"], "--mixed must be none or loss for kvquant"),
+        (["kvquant", "--bits", "2", "--mixed", "loss"], "NUQ has no 1-bit width"),
     ],
 )
 def test_bad_options_are_one_line_before_loading(args, needle, llama_dir, tmp_path):
