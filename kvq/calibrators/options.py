@@ -394,12 +394,17 @@ class VQOptions(PassOptions):
 # (WikiText-2 test 16 x 512, prefill; README "Low-bit caches"): bits -> (method, vq
 # vector dim, mixed precision). "kvquant" is scalar KVQuant NUQ with its defaults.
 # Perplexity ratio / KLD / top-1 (`kvq run-eval`):
-#   2 bits: scalar 1.2145 / 0.1808 / 0.782, vq 4-D + mixed bits 1.1696 / 0.1525 / 0.796
-#   3 bits: scalar 1.0355 / 0.0394 / 0.889, vq 2-D + mixed bits 1.0425 / 0.0354 / 0.898:
-#           vq, on KLD and top-1 (decode protocol: 1.0317 / 0.0370 vs scalar 1.0391 / 0.0396)
+#   2 bits: scalar 1.2145 / 0.1808 / 0.782, vq 4-D + Fisher bits within each side
+#           1.1696 / 0.1525 / 0.796, vq 4-D + measured-loss bits across sides
+#           1.1644 / 0.1473 / 0.795: loss (its calibration measures 108 layer-side
+#           widths: 29 min on the shared 2 cores, against 6)
+#   3 bits: scalar 1.0355 / 0.0394 / 0.889, vq 2-D + Fisher bits 1.0425 / 0.0354 / 0.898
+#           (measured-loss bits 1.0417 / 0.0351 / 0.898, within noise at 4x the
+#           calibration time): vq + Fisher, on KLD and top-1 (decode protocol: 1.0317 /
+#           0.0370 vs scalar 1.0391 / 0.0396)
 #   4 bits: scalar 1.0094 / 0.0098 / 0.944, vq 2-D + mixed 1.0135 / 0.0106 / 0.946: scalar
 AUTO_CHOICES: dict[int, tuple[str, int, str]] = {
-    2: ("vq", 4, "fisher"),
+    2: ("vq", 4, "loss"),
     3: ("vq", 2, "fisher"),
     4: ("kvquant", 0, "none"),
 }
