@@ -3,7 +3,8 @@
 The choice is `AutoOptions.chosen` (`kvq.calibrators.options.AUTO_CHOICES`), per width:
 scalar KVQuant NUQ (`kvq calibrate kvquant`), or vector codebooks over channel groups
 (`kvq calibrate vq`) with KVQuant's normalisers, exact outliers and sink, and per-layer,
-per-side bits from the Fisher sensitivity. The streamed bits per element are KVQuant's at
+per-side bits from the Fisher sensitivity (within each side) or from the model's
+measured KL with each layer-side quantized alone (across sides, `--mixed loss`). The streamed bits per element are KVQuant's at
 the same width (same code bits, same row overheads; vq's static codebooks are larger).
 The pass names its choice in a progress stage, in the policy name and in the manifest
 (the pass's recorded options carry `method`).
@@ -37,4 +38,4 @@ def fit(ctx: FitContext) -> PassResult:
 
 
 def policy_name(v) -> str:
-    return f"vq{v.bits}-d{v.dim}" + ("-mixed" if v.mixed else "")
+    return f"vq{v.bits}-d{v.dim}" + {"none": "", "fisher": "-mixed", "loss": "-mixed-loss"}[v.mixed]

@@ -31,10 +31,11 @@ from kvq.calibrators.base import FitContext, PassResult
 from kvq.calibrators.capture import capture, run_windows
 from kvq.calibrators.fisher import fisher_cached
 from kvq.calibrators.options import KVQuantOptions  # noqa: F401 (re-exported)
+from kvq.calibrators.side_loss import allocate_by_loss
 from kvq.errors import KvqError
 from kvq.progress import Progress
 from kvq.quant import nuq, sparse
-from kvq.quant.schemes import CachePolicy, LayerPolicy, QuantScheme
+from kvq.quant.schemes import FULL_PRECISION, CachePolicy, LayerPolicy, QuantScheme
 from kvq.runtime.nuq_codecs import VALUE_SPLIT
 
 
@@ -62,12 +63,10 @@ def capture_kv(
     return keys, values
 
 
-def _codebook(values: Tensor, weights: Tensor | None, opts: KVQuantOptions) -> Tensor:
+def _codebook(values: Tensor, weights: Tensor | None, opts: KVQuantOptions, bits: int) -> Tensor:
     if not opts.nonuniform:
-        return nuq.uniform_codebook(opts.bits)
-    return nuq.fit_codebook(
-        values, opts.bits, weights, seed=opts.seed, max_samples=opts.max_samples
-    )
+        return nuq.uniform_codebook(bits)
+    return nuq.fit_codebook(values, bits, weights, seed=opts.seed, max_samples=opts.max_samples)
 
 
 def _qnorm_levels(values: Tensor, codebook: Tensor) -> Tensor:
@@ -79,12 +78,12 @@ def _qnorm_levels(values: Tensor, codebook: Tensor) -> Tensor:
 
 
 def _levels(
-    normed: Tensor, inlier: Tensor, fisher: Tensor | None, opts: KVQuantOptions
+    normed: Tensor, inlier: Tensor, fisher: Tensor | None, opts: KVQuantOptions, bits: int
 ) -> dict[str, Tensor]:
     """Codebook (and Q-Norm levels) over normalised inliers [N, H, D], Fisher [H, D] weighted."""
     values = normed[inlier]
     weights = fisher.expand_as(normed)[inlier] if fisher is not None else None
-    out = {"codebook": _codebook(values, weights, opts)}
+    out = {"codebook": _codebook(values, weights, opts, bits)}
     if opts.qnorm:
         out["qnorm_levels"] = _qnorm_levels(values, out["codebook"])
     return out
@@ -132,19 +131,27 @@ def fit_key_layer(
     samples: Tensor, fisher: Tensor | None, opts: KVQuantOptions
 ) -> dict[str, Tensor]:
     """samples [N, H, D] pre-RoPE keys, fisher [H, D] or None -> the layer's static key tensors."""
+    return fit_key_widths(samples, fisher, opts, (opts.bits,))[opts.bits]
+
+
+def fit_key_widths(
+    samples: Tensor, fisher: Tensor | None, opts: KVQuantOptions, widths: tuple[int, ...]
+) -> dict[int, dict[str, Tensor]]:
+    """`fit_key_layer` at each of `widths`: one normaliser (and outlier thresholds), a
+    codebook per width."""
+    static: dict[str, Tensor] = {}
     if opts.outliers:
         fraction = key_fraction(samples, fisher, opts) if opts.key_heldout else opts.outliers
         lower, upper = _key_thresholds(samples, fisher, opts, fraction)
         inlier = ~sparse.threshold_outliers(samples, lower, upper)
+        static |= {"lower": lower.contiguous(), "upper": upper.contiguous()}
     else:
         lower, upper = samples.amin(0), samples.amax(0)
         inlier = torch.ones_like(samples, dtype=torch.bool)
     scale, center = nuq.normalizer(lower, upper)
-    out = _levels(nuq.normalize(samples, scale, center), inlier, fisher, opts)
-    out |= {"scale": scale, "center": center}
-    if opts.outliers:
-        out |= {"lower": lower.contiguous(), "upper": upper.contiguous()}
-    return out
+    normed = nuq.normalize(samples, scale, center)
+    static |= {"scale": scale, "center": center}
+    return {w: _levels(normed, inlier, fisher, opts, w) | static for w in widths}
 
 
 def value_rows(samples: Tensor, outliers: float) -> tuple[Tensor, Tensor, Tensor]:
@@ -164,20 +171,46 @@ def fit_value_layer(
     samples: Tensor, fisher: Tensor | None, opts: KVQuantOptions
 ) -> dict[str, Tensor]:
     """samples [N, H, D] values, fisher [H, D] or None -> the layer's codebook (rows are online)."""
+    return fit_value_widths(samples, fisher, opts, (opts.bits,))[opts.bits]
+
+
+def fit_value_widths(
+    samples: Tensor, fisher: Tensor | None, opts: KVQuantOptions, widths: tuple[int, ...]
+) -> dict[int, dict[str, Tensor]]:
+    """`fit_value_layer` at each of `widths`."""
     inlier, scale, center = value_rows(samples, opts.outliers)
-    return _levels(
-        nuq.normalize(samples, scale[..., None], center[..., None]), inlier, fisher, opts
+    normed = nuq.normalize(samples, scale[..., None], center[..., None])
+    return {w: _levels(normed, inlier, fisher, opts, w) for w in widths}
+
+
+def loss_widths(nominal: int) -> tuple[int, ...]:
+    """The widths `--mixed loss` measures: the NUQ widths next to `nominal` (none below 2
+    bits; at 4 bits the next is 8, which costs what four sides dropping to 3 bits save)."""
+    return {3: (2, 3, 4), 4: (3, 4, 8)}[nominal]
+
+
+def _scheme(opts: KVQuantOptions, part: str, bits: int) -> QuantScheme:
+    axis, lifetime = ("channel", "static") if part == "key" else ("token", "dynamic")
+    return QuantScheme(format="nuq", bits=bits, axis=axis, lifetime=lifetime,
+                       outlier_fraction=opts.outliers, qnorm=opts.qnorm)  # fmt: skip
+
+
+def kvquant_policy(
+    num_layers: int, opts: KVQuantOptions, widths: list[int] | None = None
+) -> CachePolicy:
+    """widths: per layer-side, layer-major (keys then values), else `opts.bits` everywhere."""
+    widths = widths or [opts.bits] * (2 * num_layers)
+    layers = tuple(
+        LayerPolicy(
+            key=_scheme(opts, "key", widths[2 * i]),
+            value=_scheme(opts, "value", widths[2 * i + 1]),
+            key_stage=opts.key_stage,
+            sink_tokens=opts.sink,
+        )
+        for i in range(num_layers)
     )
-
-
-def kvquant_policy(num_layers: int, opts: KVQuantOptions) -> CachePolicy:
-    def nuq(axis: str, lifetime: str) -> QuantScheme:  # K and V differ only here
-        return QuantScheme(format="nuq", bits=opts.bits, axis=axis, lifetime=lifetime,
-                           outlier_fraction=opts.outliers, qnorm=opts.qnorm)  # fmt: skip
-
-    key, value = nuq("channel", "static"), nuq("token", "dynamic")
-    layer = LayerPolicy(key=key, value=value, key_stage=opts.key_stage, sink_tokens=opts.sink)
-    return CachePolicy(name=f"kvquant-nuq{opts.bits}", layers=(layer,) * num_layers)
+    suffix = "-mixed-loss" if opts.mixed == "loss" else ""
+    return CachePolicy(name=f"kvquant-nuq{opts.bits}{suffix}", layers=layers)
 
 
 def calibrate_kvquant(
@@ -194,18 +227,32 @@ def calibrate_kvquant(
             f"--seqlen {windows.shape[1]} leaves no tokens after {opts.sink} sink tokens"
         )
     keys, values = capture_kv(model, adapter, windows, opts.sink, opts.key_stage, progress)
-    tensors: dict[str, Tensor] = {}
-    with progress.stage("fit codebooks", total=adapter.info.num_layers) as bar:
-        for layer in range(adapter.info.num_layers):
+    n_layers = adapter.info.num_layers
+    fit_widths = loss_widths(opts.bits) if opts.mixed == "loss" else (opts.bits,)
+    fitted: list[dict[int, dict[str, Tensor]]] = []  # per side, layer-major: width -> state
+    with progress.stage("fit codebooks", total=n_layers) as bar:
+        for layer in range(n_layers):
             fk = fisher[0][layer] if fisher is not None else None
             fv = fisher[1][layer] if fisher is not None else None
-            for name, t in fit_key_layer(keys[layer], fk, opts).items():
-                tensors[f"layers.{layer}.key.{name}"] = t.contiguous()
-            for name, t in fit_value_layer(values[layer], fv, opts).items():
-                tensors[f"layers.{layer}.value.{name}"] = t.contiguous()
+            fitted.append(fit_key_widths(keys[layer], fk, opts, fit_widths))
+            fitted.append(fit_value_widths(values[layer], fv, opts, fit_widths))
             keys[layer] = values[layer] = torch.empty(0)  # release as we go
             bar.advance()
-    return kvquant_policy(adapter.info.num_layers, opts), tensors
+    widths = [opts.bits] * len(fitted)
+    extra: dict[str, Tensor] = {}
+    if opts.mixed == "loss":
+        template = LayerPolicy(FULL_PRECISION, FULL_PRECISION, opts.key_stage, opts.sink)
+        widths, extra = allocate_by_loss(
+            model, adapter, windows, fitted,
+            lambda _layer, part, bits, _state: _scheme(opts, part, bits),
+            template, opts.bits, progress,
+        )  # fmt: skip
+    tensors: dict[str, Tensor] = {}
+    for i, (states, bits) in enumerate(zip(fitted, widths, strict=True)):
+        layer, part = divmod(i, 2)
+        for name, t in states[bits].items():
+            tensors[f"layers.{layer}.{('key', 'value')[part]}.{name}"] = t.contiguous()
+    return kvquant_policy(n_layers, opts, widths), tensors | extra
 
 
 def fit(ctx: FitContext) -> PassResult:

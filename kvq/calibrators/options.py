@@ -200,6 +200,11 @@ class KVQuantOptions(PassOptions):
         "Q-Norm level correction (mean/std of decoded values)",
         flag="--qnorm/--no-qnorm",
     )
+    mixed: str = option(
+        "none",
+        "per-layer, per-side bits: none, or loss (measured KL of each layer-side at each "
+        "NUQ width, bits move across sides; --bits 3 or 4)",
+    )
     nonuniform: bool = True  # False: uniform levels on the same normalised grid (ablation)
     key_stage: KeyStage = "pre-rope"
     # "fisher": the K outlier budget goes to the channels whose Fisher-weighted range it
@@ -216,6 +221,9 @@ class KVQuantOptions(PassOptions):
 
     def __post_init__(self) -> None:
         check_choice("--bits", self.bits, (2, 3, 4), " for kvquant")
+        check_choice("--mixed", self.mixed, ("none", "loss"), " for kvquant")
+        if self.mixed == "loss" and self.bits == 2:
+            raise KvqError("--mixed loss needs --bits 3 or 4 for kvquant: NUQ has no 1-bit width")
         check_range("--outliers", self.outliers, 0, 0.5, open_hi=True)
         check_range("--sink", self.sink, 0)
         check_choice("key_outliers", self.key_outliers, ("fisher", "uniform"))
@@ -347,6 +355,14 @@ class SmoothAttentionOptions(PassOptions):
         _check_layout(self.layout)
 
 
+# per-layer, per-side bit widths (mixed precision) of the low-bit passes
+MIXED_CHOICES = ("none", "fisher", "loss")
+MIXED_HELP = (
+    "per-layer, per-side bits: none; fisher (Fisher-weighted error, bits move within each "
+    "side); loss (measured KL of each layer-side at each width, bits move across sides)"
+)
+
+
 @dataclass(frozen=True)
 class VQOptions(PassOptions):
     NAME: ClassVar[str] = "vq"
@@ -359,12 +375,13 @@ class VQOptions(PassOptions):
     outliers: float = option(0.01, "fraction kept exactly (sparse)")
     sink: int = option(1, "first N positions kept in full precision")
     fisher: bool = option(True, "Fisher-weighted codebooks", flag="--fisher/--no-fisher")
-    mixed: bool = option(
-        False, "per-layer, per-side bits from Fisher sensitivity", flag="--mixed/--no-mixed"
-    )
+    mixed: str = option("none", MIXED_HELP)
     seed: int = 0  # k-means; the command line passes its --seed
 
     def __post_init__(self) -> None:
+        if isinstance(self.mixed, bool):  # the former on/off switch: on was the Fisher allocator
+            object.__setattr__(self, "mixed", "fisher" if self.mixed else "none")
+        check_choice("--mixed", self.mixed, MIXED_CHOICES, " for vq")
         check_choice("--bits", self.bits, (1, 2, 3, 4), " for vq")
         check_choice("--dim", self.dim, (0, 2, 4))
         if self.dim and 2 ** (self.bits * self.dim) > 4096:
@@ -377,14 +394,19 @@ class VQOptions(PassOptions):
 # (WikiText-2 test 16 x 512, prefill; README "Low-bit caches"): bits -> (method, vq
 # vector dim, mixed precision). "kvquant" is scalar KVQuant NUQ with its defaults.
 # Perplexity ratio / KLD / top-1 (`kvq run-eval`):
-#   2 bits: scalar 1.2145 / 0.1808 / 0.782, vq 4-D + mixed bits 1.1696 / 0.1525 / 0.796
-#   3 bits: scalar 1.0355 / 0.0394 / 0.889, vq 2-D + mixed bits 1.0425 / 0.0354 / 0.898:
-#           vq, on KLD and top-1 (decode protocol: 1.0317 / 0.0370 vs scalar 1.0391 / 0.0396)
+#   2 bits: scalar 1.2145 / 0.1808 / 0.782, vq 4-D + Fisher bits within each side
+#           1.1696 / 0.1525 / 0.796, vq 4-D + measured-loss bits across sides
+#           1.1644 / 0.1473 / 0.795: loss (its calibration measures 108 layer-side
+#           widths: 29 min on the shared 2 cores, against 6)
+#   3 bits: scalar 1.0355 / 0.0394 / 0.889, vq 2-D + Fisher bits 1.0425 / 0.0354 / 0.898
+#           (measured-loss bits 1.0417 / 0.0351 / 0.898, within noise at 4x the
+#           calibration time): vq + Fisher, on KLD and top-1 (decode protocol: 1.0317 /
+#           0.0370 vs scalar 1.0391 / 0.0396)
 #   4 bits: scalar 1.0094 / 0.0098 / 0.944, vq 2-D + mixed 1.0135 / 0.0106 / 0.946: scalar
-AUTO_CHOICES: dict[int, tuple[str, int, bool]] = {
-    2: ("vq", 4, True),
-    3: ("vq", 2, True),
-    4: ("kvquant", 0, False),
+AUTO_CHOICES: dict[int, tuple[str, int, str]] = {
+    2: ("vq", 4, "loss"),
+    3: ("vq", 2, "fisher"),
+    4: ("kvquant", 0, "none"),
 }
 
 
@@ -404,7 +426,7 @@ class AutoOptions(PassOptions):
     def chosen(self) -> VQOptions | KVQuantOptions:
         method, dim, mixed = AUTO_CHOICES[self.bits]
         if method == "kvquant":
-            return KVQuantOptions(bits=self.bits, seed=self.seed)
+            return KVQuantOptions(bits=self.bits, mixed=mixed, seed=self.seed)
         return VQOptions(bits=self.bits, dim=dim, mixed=mixed, seed=self.seed)
 
     def method(self) -> str:
@@ -413,8 +435,17 @@ class AutoOptions(PassOptions):
             return (
                 f"kvquant: scalar Fisher-weighted NUQ{v.bits}, pre-RoPE per-channel keys, "
                 f"{v.outliers:.0%} exact outliers, sink {v.sink}, Q-Norm"
+                + (
+                    ", per-layer/side bits by measured KL (across sides)"
+                    if v.mixed == "loss"
+                    else ""
+                )
             )
-        mixed = ", per-layer/side bits by Fisher sensitivity" if v.mixed else ""
+        mixed = {
+            "none": "",
+            "fisher": ", per-layer bits within each side by Fisher sensitivity",
+            "loss": ", per-layer/side bits by measured KL (across sides)",
+        }[v.mixed]
         return (
             f"vq: KVQuant normalisers + 1% exact outliers + sink 1, {v.dim}-D Fisher-weighted "
             f"codebooks (keys over RoPE pairs){mixed}"

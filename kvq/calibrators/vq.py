@@ -8,8 +8,8 @@ Each codebook is a weighted k-means fit whose weights are the diagonal Fisher ti
 normaliser's scale squared: the error it minimises is the Fisher-weighted error in the
 original units (measured by `bench/lowbit_probe.py` on held-out rows).
 
-Mixed precision (`--mixed`): bits per layer from the Fisher sensitivity, keys' among the
-keys and values' among the values. Every layer-side is first fitted at the nominal width
+Mixed precision, `--mixed fisher`: bits per layer from the Fisher sensitivity, keys' among
+the keys and values' among the values. Every layer-side is first fitted at the nominal width
 and its Fisher-weighted calibration error e measured; moving one bit from layer v to layer
 u of the same side pays when u's error drop, modelled as e_u (1 - 1/4), exceeds v's rise,
 e_v (4 - 1). Swaps run until none pays, so each side's code bits equal the uniform
@@ -18,8 +18,17 @@ refitted. Bits do not move between keys and values: the Fisher-weighted squared 
 weighs a key error like a value error, while key errors act through the softmax, and on
 Gemma 3 270M moving bits from keys to values made the 2-bit cache worse than uniform
 widths (KLD 0.1585 vs 0.1534), where allocating within each side makes it better
-(0.1525; README "Low-bit caches"). The per-layer widths are the policy's schemes,
-recorded in the manifest.
+(0.1525; README "Low-bit caches").
+
+`--mixed loss` (KVTuner-style) measures instead of modelling: every layer-side is fitted
+at each width of nominal - 1 .. nominal + 1 (within 1..4), and the model's KL divergence
+from the exact model is measured with that side alone quantized through the runtime cache
+(`kvq.calibrators.side_loss`). The widths minimising the summed KL at no more code bits
+than the uniform policy's are chosen exactly (`bit_allocation.choose_widths`); since the
+loss is the model's own, bits may move between keys and values. The table travels as
+provenance (`mixed.kld` [L, 2, W] over `mixed.widths` [W]).
+
+Either way the per-layer widths are the policy's schemes, recorded in the manifest.
 """
 
 from __future__ import annotations
@@ -33,11 +42,12 @@ from kvq.calibrators.base import FitContext, PassResult
 from kvq.calibrators.fisher import fisher_cached
 from kvq.calibrators.kvquant import _key_thresholds, capture_kv, key_fraction, value_rows
 from kvq.calibrators.options import KVQuantOptions, VQOptions
+from kvq.calibrators.side_loss import allocate_by_loss
 from kvq.errors import KvqError
 from kvq.models.adapters import rope_partners
 from kvq.progress import Progress
 from kvq.quant import nuq, sparse, vq
-from kvq.quant.schemes import CachePolicy, LayerPolicy, QuantScheme
+from kvq.quant.schemes import FULL_PRECISION, CachePolicy, LayerPolicy, QuantScheme
 
 MIN_BITS, MAX_BITS = 1, 4
 
@@ -163,23 +173,44 @@ def _scheme(bits: int, dim: int, side: str, opts: VQOptions) -> QuantScheme:
     )  # fmt: skip
 
 
+def _dim_at(width: int, opts: VQOptions) -> int:
+    """The vector dim of a side at `width`: the nominal's, else as `vector_dim` with --dim
+    kept only up to 2 bits (a 4-D codebook at 3 bits would have 4096 centroids)."""
+    if width == opts.bits:
+        return vector_dim(opts.bits, opts.dim)
+    return vector_dim(width, opts.dim if width <= 2 else 0)
+
+
+def _groups(adapter, layer: int, part: str, dim: int) -> Tensor:
+    if part == "key":
+        return key_groups(adapter, layer, dim)
+    return vq.channel_groups(adapter.info.head_dim, dim, False)
+
+
+def loss_widths(nominal: int) -> tuple[int, ...]:
+    """The widths `--mixed loss` measures: nominal - 1 .. nominal + 1 within 1..4."""
+    return tuple(range(max(MIN_BITS, nominal - 1), min(MAX_BITS, nominal + 1) + 1))
+
+
 def calibrate_vq(
     model, adapter, windows: Tensor, opts: VQOptions, progress: Progress,
     fisher: tuple[Tensor, Tensor] | None, name: str | None = None,
 ) -> tuple[CachePolicy, dict[str, Tensor]]:  # fmt: skip
-    """Windows [N, L] ids and optional Fisher sums ([L, H, D] for K and V) -> policy + tensors."""
+    """Windows [N, L] ids and optional Fisher sums ([L, H, D] for K and V) -> policy + tensors
+    (with `--mixed loss`, the measured table as provenance: `mixed.kld`, `mixed.widths`)."""
     if windows.shape[1] <= opts.sink + 1:
         raise KvqError(
             f"--seqlen {windows.shape[1]} leaves no tokens after {opts.sink} sink tokens"
         )
     kv = KVQuantOptions(bits=max(2, opts.bits), outliers=opts.outliers, sink=opts.sink)
     keys, values = capture_kv(model, adapter, windows, opts.sink, "pre-rope", progress)
-    n_layers, d = adapter.info.num_layers, adapter.info.head_dim
-    sides: list[tuple[int, str, _Side]] = []
-    states: list[dict[str, Tensor]] = []
+    n_layers = adapter.info.num_layers
+    widths_fitted = loss_widths(opts.bits) if opts.mixed == "loss" else (opts.bits,)
+    sides: list[tuple[int, str, _Side | None]] = []
+    fitted: list[dict[int, dict[str, Tensor]]] = []  # per side: width -> state
     errors: list[float] = []
-    dim = vector_dim(opts.bits, opts.dim)
-    with progress.stage("fit vector codebooks", total=2 * n_layers) as bar:
+    total = 2 * n_layers * len(widths_fitted)
+    with progress.stage("fit vector codebooks", total=total) as bar:
         for layer in range(n_layers):
             fk = fisher[0][layer] if fisher is not None else None
             fv = fisher[1][layer] if fisher is not None else None
@@ -187,39 +218,45 @@ def calibrate_vq(
                 ("key", _key_side(keys[layer].float(), fk, kv)),
                 ("value", _value_side(values[layer].float(), fv, kv)),
             ):
-                groups = (
-                    key_groups(adapter, layer, dim)
-                    if part == "key"
-                    else vq.channel_groups(d, dim, False)
-                )
-                state = _fit(side, groups, opts.bits, opts.seed)
-                sides.append((layer, part, side))
-                states.append(state)
-                if opts.mixed:
-                    errors.append(_error(side, state, opts.bits))
-                bar.advance()
+                states = {}
+                for w in widths_fitted:
+                    groups = _groups(adapter, layer, part, _dim_at(w, opts))
+                    states[w] = _fit(side, groups, w, opts.seed)
+                    bar.advance()
+                # the Fisher allocator refits the sides it changes: keep their rows
+                sides.append((layer, part, side if opts.mixed == "fisher" else None))
+                fitted.append(states)
+                if opts.mixed == "fisher":
+                    errors.append(_error(side, states[opts.bits], opts.bits))
             keys[layer] = values[layer] = torch.empty(0)  # release as we go
     widths = [opts.bits] * len(sides)
-    if opts.mixed:  # keys' bits among the keys, values' among the values
+    extra: dict[str, Tensor] = {}
+    if opts.mixed == "fisher":  # keys' bits among the keys, values' among the values
         for part in ("key", "value"):
             idx = [i for i, (_, p, _) in enumerate(sides) if p == part]
             for i, b in zip(idx, allocate_bits([errors[i] for i in idx], opts.bits), strict=True):
                 widths[i] = b
-    changed = [i for i, b in enumerate(widths) if b != opts.bits]
-    if changed:
-        with progress.stage("refit mixed-precision sides", total=len(changed)) as bar:
-            for i in changed:
-                layer, part, side = sides[i]
-                dim_i = vector_dim(widths[i], opts.dim if widths[i] <= 2 else 0)
-                if part == "key":
-                    groups = key_groups(adapter, layer, dim_i)
-                else:
-                    groups = vq.channel_groups(d, dim_i, False)
-                states[i] = _fit(side, groups, widths[i], opts.seed)
-                bar.advance()
+        changed = [i for i, b in enumerate(widths) if b != opts.bits]
+        if changed:
+            with progress.stage("refit mixed-precision sides", total=len(changed)) as bar:
+                for i in changed:
+                    layer, part, side = sides[i]
+                    groups = _groups(adapter, layer, part, _dim_at(widths[i], opts))
+                    fitted[i][widths[i]] = _fit(side, groups, widths[i], opts.seed)
+                    bar.advance()
+    elif opts.mixed == "loss":
+
+        def scheme_at(_layer: int, part: str, bits: int, state: dict[str, Tensor]) -> QuantScheme:
+            return _scheme(bits, state["vq_groups"].shape[1], part, opts)
+
+        template = LayerPolicy(FULL_PRECISION, FULL_PRECISION, "pre-rope", opts.sink)
+        widths, extra = allocate_by_loss(
+            model, adapter, windows, fitted, scheme_at, template, opts.bits, progress
+        )
     tensors: dict[str, Tensor] = {}
     schemes: dict[tuple[int, str], QuantScheme] = {}
-    for (layer, part, _), state, bits in zip(sides, states, widths, strict=True):
+    for (layer, part, _), states, bits in zip(sides, fitted, widths, strict=True):
+        state = states[bits]
         m = state["vq_groups"].shape[1]  # [G, m]
         schemes[(layer, part)] = _scheme(bits, m, part, opts)
         for n, t in state.items():
@@ -233,8 +270,9 @@ def calibrate_vq(
         )  # fmt: skip
         for i in range(n_layers)
     )
-    mixed = "-mixed" if opts.mixed else ""
-    return CachePolicy(name or f"vq{opts.bits}-d{dim}{mixed}", layers), tensors
+    suffix = {"none": "", "fisher": "-mixed", "loss": "-mixed-loss"}[opts.mixed]
+    dim = vector_dim(opts.bits, opts.dim)
+    return CachePolicy(name or f"vq{opts.bits}-d{dim}{suffix}", layers), tensors | extra
 
 
 def fisher_sums(ctx: FitContext, sink: int):

@@ -137,3 +137,36 @@ def test_key_thresholds_follow_fisher_and_held_out_rate():
     assert state["upper"][0, 0] >= samples[:, 0, 0].max()
     uniform = fit_key_layer(samples, fisher, KVQuantOptions(bits=3, key_outliers="uniform"))
     assert not torch.equal(state["lower"], uniform["lower"])
+
+
+def test_mixed_loss_at_4_bits_measures_3_4_and_8_bits_and_keeps_the_budget(monkeypatch):
+    """Scalar NUQ `--mixed loss`: every side fitted at 3, 4 and 8 bits and measured; a side
+    whose loss is made huge gets 8 bits, paid for by four sides at 3 (NUQ has no 5-7)."""
+    import pytest
+
+    from kvq.calibrators import side_loss
+    from kvq.errors import KvqError
+
+    model = make_tiny_model("gemma3")
+    ad = get_adapter(model)
+    real = side_loss.measure_losses
+
+    def boosted(model, adapter, windows, candidates, template, progress):
+        kld = real(model, adapter, windows, candidates, template, progress)
+        hot = [(c.layer, c.part) == (0, "key") for c in candidates]
+        return [x * 1e4 if h else x for x, h in zip(kld, hot, strict=True)]
+
+    monkeypatch.setattr(side_loss, "measure_losses", boosted)
+    opts = KVQuantOptions(bits=4, mixed="loss")
+    pol, t = calibrate_kvquant(model, ad, _windows(), opts, Progress(), None)
+    widths = [w for lp in pol.layers for w in (lp.key.bits, lp.value.bits)]
+    assert pol.layers[0].key.bits == 8 and pol.name == "kvquant-nuq4-mixed-loss"
+    assert sum(widths) <= 4 * len(widths) and set(widths) <= {3, 4, 8}
+    assert t["mixed.widths"].tolist() == [3, 4, 8] and t["mixed.kld"].shape == (4, 2, 3)
+    assert t["layers.0.key.codebook"].numel() == 256
+    cache = build_cache(model, pol, t, ad)
+    with torch.no_grad():
+        out = model(_windows(1, 16, seed=4), cache=cache, use_cache=True).logits
+    assert torch.isfinite(out).all()
+    with pytest.raises(KvqError, match="NUQ has no 1-bit width"):
+        KVQuantOptions(bits=2, mixed="loss")

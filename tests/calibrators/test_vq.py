@@ -76,3 +76,37 @@ def test_generate_runs_through_the_vq_cache():
     assert out.shape == (1, 14)
     ledger = cache.nbytes()
     assert ledger.codes > 0 and ledger.sparse > 0 and ledger.sink > 0
+
+
+def test_loss_allocation_gives_bits_where_the_measured_loss_is(monkeypatch):
+    """`--mixed loss`: every side measured at widths 1..3; the side whose loss is made huge
+    gets the widest width, the others pay, and the total stays within the uniform bits."""
+    from kvq.calibrators import side_loss
+
+    model = make_tiny_model("gemma3")
+    ad = get_adapter(model)
+    real, measured = side_loss.measure_losses, {}
+
+    def boosted(model, adapter, windows, candidates, template, progress):
+        kld = real(model, adapter, windows, candidates, template, progress)
+        measured["kld"] = kld
+        hot = [(c.layer, c.part) == (2, "value") for c in candidates]
+        return [x * 1e4 if h else x for x, h in zip(kld, hot, strict=True)]
+
+    monkeypatch.setattr(side_loss, "measure_losses", boosted)
+    opts = VQOptions(bits=2, dim=2, mixed="loss")
+    pol, t = calibrate_vq(model, ad, _windows(), opts, Progress(), _fisher(ad))
+    n = ad.info.num_layers
+    assert pol.layers[2].value.bits == 3 and pol.name == "vq2-d2-mixed-loss"
+    widths = [lp.key.bits for lp in pol.layers] + [lp.value.bits for lp in pol.layers]
+    assert sum(widths) <= 2 * 2 * n and min(widths) >= 1
+    assert t["mixed.widths"].tolist() == [1, 2, 3]
+    table = torch.tensor(measured["kld"]).view(n, 2, 3)  # [L, K|V, widths 1..3]
+    assert torch.allclose(t["mixed.kld"][2, 1], table[2, 1] * 1e4)  # what the allocator saw
+    assert (table[..., 0] > table[..., 2]).all()  # one bit per element costs more than three
+    for layer, lp in enumerate(pol.layers):  # each side carries the state of its width
+        assert t[f"layers.{layer}.value.vq_codebook"].shape[0] == 2 ** (2 * lp.value.bits)
+    cache = build_cache(model, pol, t, ad)
+    with torch.no_grad():
+        out = model(_windows(1, 24, seed=5), cache=cache, use_cache=True).logits
+    assert torch.isfinite(out).all()

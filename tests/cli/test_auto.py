@@ -110,6 +110,9 @@ def test_a_base_artifact_of_another_model_is_one_line(
         (["vq", "--bits", "5"], "--bits must be 1, 2, 3 or 4"),
         (["vq", "--bits", "4", "--dim", "4"], "4096 centroids"),
         (["vq", "--dim", "3"], "--dim must be"),
+        (["vq", "--mixed", "sideways"], "--mixed must be none, fisher or loss"),
+        (["kvquant", "--mixed", "fisher"], "--mixed must be none or loss for kvquant"),
+        (["kvquant", "--bits", "2", "--mixed", "loss"], "NUQ has no 1-bit width"),
     ],
 )
 def test_bad_options_are_one_line_before_loading(args, needle, llama_dir, tmp_path):
@@ -124,7 +127,7 @@ def test_bad_options_are_one_line_before_loading(args, needle, llama_dir, tmp_pa
 def test_auto_runs_scalar_kvquant_where_the_table_says(llama_dir, calib_txt, tmp_path, monkeypatch):
     from kvq.calibrators import options
 
-    monkeypatch.setitem(options.AUTO_CHOICES, 2, ("kvquant", 0, False))
+    monkeypatch.setitem(options.AUTO_CHOICES, 2, ("kvquant", 0, "none"))
     out = tmp_path / "a2"
     result = _ok(_calibrate_auto(llama_dir, calib_txt, out, 2))
     assert "auto2: kvquant-nuq2" in result.output
@@ -135,4 +138,32 @@ def test_auto_runs_scalar_kvquant_where_the_table_says(llama_dir, calib_txt, tmp
     _ok(_run(
         "run-eval", "--model", llama_dir, "--artifact", out, "--dataset", calib_txt,
         "--windows", 2, "--seqlen", 32, "--tasks", "ppl,bytes",
+    ))  # fmt: skip
+
+
+def test_vq_mixed_loss_writes_a_loadable_artifact_with_its_widths_and_table(
+    tiny_model_dir, calib_txt, tmp_path
+):
+    """`kvq calibrate vq --mixed loss` on tiny Gemma 3: the manifest records the option and
+    every layer-side's width, the measured table travels as provenance, and the artifact
+    evaluates."""
+    from kvq.exporters.artifact import read_artifact
+
+    gemma, out = tiny_model_dir("gemma3"), tmp_path / "loss"
+    result = _ok(_run(
+        "calibrate", "vq", "--model", gemma, "--dataset", calib_txt, "--samples", 2,
+        "--seqlen", 32, "--bits", 2, "--dim", 2, "--mixed", "loss", "--out", out,
+    ))  # fmt: skip
+    assert "measure layer-side KLD" in result.output + result.stderr
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["passes"][-1]["options"]["mixed"] == "loss"
+    layers = manifest["policy"]["_data"]["layers"]
+    widths = [layer[side]["bits"] for layer in layers for side in ("key", "value")]
+    assert sum(widths) <= 2 * len(widths) and set(widths) <= {1, 2, 3}
+    tensors = read_artifact(out).tensors
+    assert tuple(tensors["mixed.kld"].shape) == (len(layers), 2, 3)
+    assert tensors["mixed.widths"].tolist() == [1, 2, 3]
+    _ok(_run(
+        "run-eval", "--model", gemma, "--artifact", out, "--dataset", calib_txt,
+        "--windows", 1, "--seqlen", 32, "--tasks", "ppl,kld",
     ))  # fmt: skip
