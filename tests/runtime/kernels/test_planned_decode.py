@@ -56,6 +56,19 @@ def planned_calls(monkeypatch):
     return calls
 
 
+@pytest.fixture
+def paths(monkeypatch):
+    """The route (`triton_path`: planned or general kernel) of each Triton decode call."""
+    routes, route = [], attention.triton_path
+
+    def spy(*args):
+        routes.append(route(*args))
+        return routes[-1]
+
+    monkeypatch.setattr(attention, "triton_path", spy)
+    return routes
+
+
 def _full(x: torch.Tensor) -> PackedRows:
     return PackedRows("full", x.shape[-1], x.clone())
 
@@ -752,7 +765,7 @@ def test_a_decode_call_captures_in_a_cuda_graph():
 @torch.no_grad()
 @pytest.mark.parametrize("key_stage", ["post-rope", "pre-rope"])
 def test_generate_through_the_planned_path_matches_the_reference(monkeypatch, planned_calls,
-                                                                 key_stage):  # fmt: skip
+                                                                 paths, key_stage):  # fmt: skip
     """Public path: greedy generate of a tiny Gemma 3 (head_dim 32, MQA; window 8, so the
     sliding-window layers' calls carry masks) with the int4 policy on the Triton backend
     gives the reference backend's tokens, and every attention call, prefill and decode,
@@ -784,14 +797,6 @@ def test_generate_through_the_planned_path_matches_the_reference(monkeypatch, pl
         return model.generate(ids, cache=cache, max_new_tokens=5, do_sample=False,
                               pad_token_id=0, **extra)  # fmt: skip
 
-    paths = []
-    route = attention.triton_path
-
-    def spy(*args):
-        paths.append(route(*args))
-        return paths[-1]
-
-    monkeypatch.setattr(attention, "triton_path", spy)
     want = generate("reference")
     assert not planned_calls and not paths
     assert torch.equal(generate("triton"), want)
@@ -801,8 +806,9 @@ def test_generate_through_the_planned_path_matches_the_reference(monkeypatch, pl
 
 
 @torch.no_grad()
-def test_generate_with_a_kvquant_layout_cache_through_the_planned_path(monkeypatch,
-                                                                      planned_calls):  # fmt: skip
+def test_generate_with_a_kvquant_layout_cache_through_the_planned_path(
+    monkeypatch, planned_calls, paths
+):
     """Public path, KVQuant's stored layout: NUQ4 keys before RoPE with per-channel
     normalisers and exact outliers, NUQ4 values with exception slots, a sink row; greedy
     generate of a tiny Gemma 3 (head_dim 64, MQA, sliding-window masks) with a left-padded
@@ -837,14 +843,6 @@ def test_generate_with_a_kvquant_layout_cache_through_the_planned_path(monkeypat
         return model.generate(ids, cache=cache, max_new_tokens=5, do_sample=False,
                               pad_token_id=0, attention_mask=(ids != 0).long())  # fmt: skip
 
-    paths = []
-    route = attention.triton_path
-
-    def spy(*args):
-        paths.append(route(*args))
-        return paths[-1]
-
-    monkeypatch.setattr(attention, "triton_path", spy)
     want = generate("reference")
     assert not planned_calls and not paths
     assert torch.equal(generate("triton"), want)
