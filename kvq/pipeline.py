@@ -10,7 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -105,7 +105,7 @@ def calibrate_job(
     """Load, sample, run each pass on the model as transformed by the passes before it,
     measure the ledger on a real cache, write the artifact atomically.
     corpus: `read_corpus` of the dataset when the caller has read it already."""
-    r = request
+    r = replace(request, passes=tuple(p for o in request.passes for p in o.chain()))
     if not r.passes:
         raise KvqError("a calibration needs at least one pass")
     # a bad destination or dataset fails before the model load

@@ -35,6 +35,10 @@ class PassOptions:
     NAME: ClassVar[str]  # the subcommand, e.g. "channel-scales"
     SUMMARY: ClassVar[str]  # one line for `kvq calibrate --help`
 
+    def chain(self) -> tuple[PassOptions, ...]:
+        """The passes this one runs as (itself; `auto` may put a model transform first)."""
+        return (self,)
+
     def as_dict(self) -> dict[str, OptionValue]:
         """What the manifest records of these options (every field not marked otherwise)."""
         return {
@@ -352,6 +356,21 @@ class SmoothAttentionOptions(PassOptions):
     def __post_init__(self) -> None:
         check_range("--alpha", self.alpha, 0, 1)
         check_range("--beta", self.beta, 0, 1)
+        _check_layout(self.layout)
+
+
+@dataclass(frozen=True)
+class RotateOptions(PassOptions):
+    NAME: ClassVar[str] = "rotate"
+    SUMMARY: ClassVar[str] = (
+        "Values rotated by a randomized Hadamard folded into v_proj/o_proj (same attention)."
+    )
+
+    # None: fp16, or the base artifact's layout with --base (chain a quantizing pass after)
+    layout: str | None = option(None, "cache policy of the artifact (default fp16 or the base's)")
+    seed: int = 0  # the random signs; the command line passes its --seed
+
+    def __post_init__(self) -> None:
         _check_layout(self.layout)
 
 

@@ -22,6 +22,7 @@ from kvq.calibrators.options import (
     KVScalesOptions,
     PassOptions,
     PrefixQuantOptions,
+    RotateOptions,
     SmoothAttentionOptions,
     VQOptions,
 )
@@ -49,6 +50,7 @@ PASSES: dict[str, PassEntry] = {
         PassEntry(KVQuantOptions, "kvq.calibrators.kvquant:fit"),
         PassEntry(KVScalesOptions, "kvq.calibrators.kv_scales:fit"),
         PassEntry(SmoothAttentionOptions, "kvq.calibrators.smooth_attention:fit"),
+        PassEntry(RotateOptions, "kvq.calibrators.rotation:fit"),
         PassEntry(ActScalesOptions, "kvq.calibrators.act_scales:fit"),
         PassEntry(VQOptions, "kvq.calibrators.vq:fit"),
         PassEntry(AutoOptions, "kvq.calibrators.auto:fit"),
@@ -68,6 +70,7 @@ def get_pass(name: str) -> PassEntry:
 # taking (loaded model, that kind's tensors) and folding them into the model's weights.
 TRANSFORMS: dict[str, str] = {
     "smooth": "kvq.models.smoothing:fold_smooth",  # SmoothAttention's lambda [H_kv, D]
+    "rotate": "kvq.models.rotation:fold_rotation",  # value rotations [H_kv, D, D]
 }
 
 

@@ -281,6 +281,39 @@ class ArchitectureAdapter:
             if proj.bias is not None:
                 proj.bias.mul_(f)
 
+    # ---- per-head value rotation (`rotate`) ---------------------------------------------
+    def check_values_rotatable(self) -> None:
+        """Raise KvqError when a rotation of each KV head's values cannot be folded exactly
+        into this model's weights (values must be a linear map of the layer input, and the
+        output projection must read the heads' attention outputs side by side)."""
+        for i in range(self.num_layers):
+            attn = self.attention(i)
+            for name in ("v_proj", "o_proj"):
+                if not isinstance(getattr(attn, name, None), nn.Linear):
+                    raise KvqError(
+                        f"{self.model_type}: layer {i} has no linear {name} to fold a rotation into"
+                    )
+            if getattr(attn, "v_norm", None) is not None:  # a norm would undo the rotation
+                raise KvqError(f"{self.model_type}: layer {i} normalises its values")
+
+    @torch.no_grad()
+    def rotate_values(self, layer_idx: int, rot: Tensor) -> None:
+        """Fold rot [H_kv, D, D] (orthogonal) into layer `layer_idx`: each KV head's values
+        v -> R v (v_proj rows and bias, head-major), each query head's attention output
+        o -> R^T o before o_proj (its columns times R^T), so the layer output is unchanged."""
+        attn = self.attention(layer_idx)
+        h_kv, d = self.num_kv_heads, self.head_dim
+        group = self.num_q_heads // h_kv  # query head j reads KV head j // group
+        v = attn.v_proj
+        r = rot.to(v.weight)
+        v.weight.copy_(torch.einsum("hij,hjk->hik", r, v.weight.view(h_kv, d, -1)).flatten(0, 1))
+        if v.bias is not None:
+            v.bias.copy_(torch.einsum("hij,hj->hi", r, v.bias.view(h_kv, d)).flatten())
+        o = attn.o_proj
+        r = rot.to(o.weight).repeat_interleave(group, 0)  # [H_q, D, D]
+        cols = o.weight.view(o.weight.shape[0], self.num_q_heads, d)  # [out, H_q, D]
+        o.weight.copy_(torch.einsum("ohj,hij->ohi", cols, r).flatten(1))
+
 
 class LlamaAdapter(ArchitectureAdapter):
     """Llama and Mistral: no biases, no q/k norm, one RoPE for all layers."""

@@ -83,6 +83,8 @@ def check_artifact_state(manifest: Manifest, tensors: dict[str, Tensor]) -> None
             )
         if kind == "smooth":
             _check_smooth(name, tensors[name], arch)
+        if kind == "rotate":
+            _check_rotation(name, tensors[name], arch)
         if name.startswith("act."):
             _check_input_scale(name, tensors[name], arch.num_layers)
     for name in ("fisher.key", "fisher.value"):
@@ -166,6 +168,28 @@ def _check_smooth(name: str, t: Tensor, arch) -> None:
     partners = rope_partners(arch.head_dim, rope.rotary_dim, rope.pairing)
     if not torch.equal(t, t[:, partners]):
         raise IncompatibleArtifact(f"tensors[{name}]", "equal within each RoPE pair", "not")
+
+
+_ROTATE = re.compile(r"^layers\.(\d+)\.rotate\.value$")
+
+
+def _check_rotation(name: str, t: Tensor, arch) -> None:
+    """A value rotation: [H_kv, D, D] float32 and orthogonal (R R^T = I within 1e-4), else
+    folding it into v_proj/o_proj would change the model it claims to keep."""
+    m = _ROTATE.match(name)
+    if m is None or int(m.group(1)) >= arch.num_layers:
+        raise IncompatibleArtifact(f"tensors[{name}]", "layers.{i}.rotate.value", "other name")
+    _check_shape(name, t, (arch.num_kv_heads, arch.head_dim, arch.head_dim))
+    if t.dtype != torch.float32:
+        raise IncompatibleArtifact(f"tensors[{name}].dtype", "float32", dtype_name(t.dtype))
+    if not _all(torch.isfinite(t)):
+        raise IncompatibleArtifact(f"tensors[{name}]", "finite values", "NaN or Inf")
+    gram = t.double() @ t.double().transpose(-1, -2)  # [H_kv, D, D]
+    off = float((gram - torch.eye(arch.head_dim, dtype=torch.float64)).abs().max())
+    if off > 1e-4:
+        raise IncompatibleArtifact(
+            f"tensors[{name}]", "an orthogonal matrix", f"|RR^T-I| {off:.3g}"
+        )
 
 
 _INPUT_SCALE = re.compile(r"^act\.layers\.(\d+)\.[A-Za-z0-9_.]+\.input_scale$")

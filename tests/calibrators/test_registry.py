@@ -16,6 +16,7 @@ from kvq.calibrators.options import (
     KVQuantOptions,
     KVScalesOptions,
     PrefixQuantOptions,
+    RotateOptions,
     SmoothAttentionOptions,
     VQOptions,
 )
@@ -34,6 +35,7 @@ SMALL = {
     "kvquant": KVQuantOptions(bits=3, fisher=False),
     "kv-scales": KVScalesOptions(granularity="head"),
     "smoothattention": SmoothAttentionOptions(alpha=0.5),
+    "rotate": RotateOptions(layout="int4"),
     "act-scales": ActScalesOptions(layout="fp8-e4m3"),  # + a calibration-free cache layout
     "vq": VQOptions(bits=3, fisher=False),
     "auto": AutoOptions(bits=3),
@@ -63,7 +65,8 @@ def test_pass_fit_write_read_cache_decode(name, family, tiny_model_dir, data, tm
     written = calibrate_job(request, Progress())
     artifact = read_artifact(tmp_path / "ART")
     assert artifact.manifest == written.manifest
-    assert [p.method for p in artifact.manifest.passes] == [*(c.NAME for c in chain), name]
+    ran = [*(c.NAME for c in chain), *(p.NAME for p in SMALL[name].chain())]  # auto: + rotate
+    assert [p.method for p in artifact.manifest.passes] == ran and ran[-1] == name
     loaded = load_model(str(model_dir))
     cache = cache_for(loaded, artifact=artifact)
     ids = torch.randint(3, 200, (1, 9), generator=torch.Generator().manual_seed(0))
