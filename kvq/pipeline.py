@@ -173,15 +173,16 @@ def run_pass(
             raise KvqError(f"{options.NAME} needs a base artifact (--base) for its cache policy")
         state = ChainState(result.policy, dict(result.tensors))
     else:
+        hint = " (auto runs it: --no-rotate skips it)" if options.NAME == "rotate" else ""
         if new_transforms and (base.of_kind("policy") or base.of_kind("activation")):
             raise KvqError(
                 f"{options.NAME} transforms the model, but the base artifact holds qparams "
-                "calibrated on the untransformed model; run it first in the chain"
+                f"calibrated on the untransformed model; run it first in the chain{hint}"
             )
         if new_transforms and base.policy.prefix is not None:
             raise KvqError(
                 f"{options.NAME} transforms the model, but the base artifact's prefix rows "
-                "come from the untransformed model; run it first in the chain"
+                f"come from the untransformed model; run it first in the chain{hint}"
             )
         carried = base.of_kind("transform") | base.of_kind("activation")
         clash = sorted(carried.keys() & new_transforms.keys())

@@ -8,6 +8,9 @@ measured KL with each layer-side quantized alone (across sides, `--mixed loss`).
 the same width (same code bits, same row overheads; vq's static codebooks are larger).
 The pass names its choice in a progress stage, in the policy name and in the manifest
 (the pass's recorded options carry `method`).
+
+Where `AUTO_ROTATE` says so, auto runs as the chain rotate -> auto (`AutoOptions.chain`):
+the values are rotated by a folded randomized Hadamard before anything is calibrated.
 """
 
 from __future__ import annotations

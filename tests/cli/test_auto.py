@@ -31,9 +31,11 @@ def auto_artifact(llama_dir, calib_txt, tmp_path_factory):
 
 def test_auto_records_its_choice_and_stays_within_the_bits(auto_artifact):
     manifest = json.loads((auto_artifact / "manifest.json").read_text())
-    auto = manifest["passes"][-1]
+    rotate, auto = manifest["passes"]  # the values are rotated first (AUTO_ROTATE[3])
+    assert rotate["method"] == "rotate" and "layers.0.rotate.value" in manifest["tensors"]
     assert auto["method"] == "auto" and auto["options"]["bits"] == 3
     assert auto["options"]["method"].startswith("vq:")
+    assert auto["options"]["method"].endswith("values rotated first (rotate pass)")
     assert any(s.startswith("auto 3 bits: vq") for s in auto["stage_seconds"])
     layers = manifest["policy"]["_data"]["layers"]
     widths = [layer[side]["bits"] for layer in layers for side in ("key", "value")]
@@ -107,6 +109,7 @@ def test_a_base_artifact_of_another_model_is_one_line(
     "args,needle",
     [
         (["auto", "--bits", "5"], "--bits must be 2, 3 or 4 for auto"),
+        (["auto", "--bits", "5", "--no-rotate"], "--bits must be 2, 3 or 4 for auto"),
         (["vq", "--bits", "5"], "--bits must be 1, 2, 3 or 4"),
         (["vq", "--bits", "4", "--dim", "4"], "4096 centroids"),
         (["vq", "--dim", "3"], "--dim must be"),
@@ -167,3 +170,15 @@ def test_vq_mixed_loss_writes_a_loadable_artifact_with_its_widths_and_table(
         "run-eval", "--model", gemma, "--artifact", out, "--dataset", calib_txt,
         "--windows", 1, "--seqlen", 32, "--tasks", "ppl,kld",
     ))  # fmt: skip
+
+
+def test_no_rotate_runs_auto_alone_and_a_quantized_base_says_so(llama_dir, calib_txt, tmp_path):
+    plain = tmp_path / "plain"
+    _ok(_calibrate_auto(llama_dir, calib_txt, plain, 4, "--no-rotate", samples=2))
+    manifest = json.loads((plain / "manifest.json").read_text())
+    assert [p["method"] for p in manifest["passes"]] == ["auto"]
+    assert not any(".rotate." in n for n in manifest["tensors"])
+    # the rotation would change the values the base's qparams were calibrated on
+    result = _calibrate_auto(llama_dir, calib_txt, tmp_path / "x", 3, "--base", plain, samples=2)
+    _one_line_error(result, "rotate transforms the model", "--no-rotate skips it")
+    assert not (tmp_path / "x").exists()
