@@ -106,6 +106,8 @@ def packed(kind: str, b: int, t: int, dev: str, seed: int = 0) -> Segment:
             centroids = torch.rand(2 ** (bits * m), m, generator=g, device=dev) * 2 - 1
             groups = vq.channel_groups(D, m, pairs=True).to(dev)  # RoPE pairs
             fmt = dict(kind="vector", table=centroids, groups=groups)
+            # values over neighbouring channels (`kvq.calibrators.vq`)
+            value_fmt = {**fmt, "groups": vq.channel_groups(D, m, pairs=False).to(dev)}
         row_bytes = packing.packed_len(D, bits)
         per_row = math.ceil(0.01 * D)  # ~1% of a row's channels as exact exceptions
         count = torch.full((b, HKV, t), per_row, dtype=torch.uint8, device=dev)
@@ -134,7 +136,7 @@ def packed(kind: str, b: int, t: int, dev: str, seed: int = 0) -> Segment:
             bits=bits,
             scale=half(b, HKV, t, 1),
             offset=half(b, HKV, t, 1),
-            **fmt,
+            **(fmt if kind == "nuq4" else value_fmt),
             slot_index=slots,
             slot_value=half(b, HKV, t, 2),
         )
