@@ -25,7 +25,8 @@ passes at run time (parameters Triton does not bind as constexprs), for the trac
 packed rows, a residual window: `layer_segments`). `--survey` also prints the general
 kernel's whole tuner table.
 
-The pre-RoPE layouts (LAYER_FORMATS: KV4 of a channel-scales artifact, KVQuant's NUQ4)
+The pre-RoPE layouts (LAYER_FORMATS: KV4 of a channel-scales artifact, KVQuant's NUQ4
+and the vq layouts)
 are also compiled as a whole-layer call (`call` "layer": full-precision pre-RoPE sink and
 residual rows around the packed ones, one launch, as `make demo` decodes Gemma 3): its
 spill, registers and resident warps are the kernel's, its instructions per row those of
@@ -57,7 +58,7 @@ SHAPES = {"llama-7b-like": (32, 8, 128), "gemma3-270m": (4, 1, 256)}
 FORMATS = ("kv4", "kv4-token", "kv4-pre", "kv8", "fp8", "nuq4", "nuq4-post", "vq3", "vq2")
 ROWS = 256  # cached rows of the traced call (a multiple of 16, as long contexts are)
 BATCH = 16
-LAYER_FORMATS = ("kv4-pre", "nuq4")  # pre-RoPE keys: their whole-layer call compiled too
+LAYER_FORMATS = ("kv4-pre", "nuq4", "vq3", "vq2")  # pre-RoPE keys: the whole-layer call too
 SINK_ROWS, RESIDUAL_ROWS = 4, 64  # full-precision rows around the packed ones in that call
 
 

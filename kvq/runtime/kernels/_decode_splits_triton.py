@@ -945,13 +945,14 @@ def _vq_tile_index(row, C0: tl.constexpr, N: tl.constexpr, ok, FIELD: tl.constex
 
 @triton.jit
 def _vq_centroids(row, C0: tl.constexpr, N: tl.constexpr, ok, cb, M: tl.constexpr,
-                  BITS: tl.constexpr, WORDS: tl.constexpr):  # fmt: skip
+                  BITS: tl.constexpr):  # fmt: skip
     """The M centroid coordinates, [BT, N] each, of groups C0 ... C0 + N - 1 in rows at
-    `row` [BT, 1], from the codebook cb [2^(BITS M), M] (rows contiguous). WORDS (an fp16
-    codebook): a 2-D centroid is one 32-bit load, split into its halves; else one M-wide
-    load per group."""
+    `row` [BT, 1], from the codebook cb [2^(BITS M), M] (rows contiguous). An fp16
+    codebook's 2-D centroid is one 32-bit load, split into its halves (one M-wide load
+    per group compiled to two 16-bit ones: 118 instead of 139 warp-instructions per row
+    for Llama-like 3 x 2 without exceptions, sm_90); else one M-wide load per group."""
     idx = _vq_tile_index(row, C0, N, ok, BITS * M)
-    if WORDS and M == 2:
+    if cb.dtype.element_ty == tl.float16 and M == 2:
         w = tl.load(cb.to(tl.pointer_type(tl.int32), bitcast=True) + idx, mask=ok, other=0)
         c0 = w.to(tl.int16).to(tl.float16, bitcast=True)
         c1 = (w >> 16).to(tl.int16).to(tl.float16, bitcast=True)
@@ -985,7 +986,7 @@ def _rope_vq_chunk(scores, rq, rk, row, ok, j, tab, trow, p0, run, C0: tl.conste
     HW: tl.constexpr = D // KP // 2
     qa_lo1, qa_lo2, qa_hi1, qa_hi2 = rq
     s_lo1, b_lo1, s_lo2, b_lo2, s_hi1, b_hi1, s_hi2, b_hi2 = rk
-    c0, c1, c2, c3 = _vq_centroids(row, C0, j.shape[0], ok, cb, M, BITS, tl.float16 == OP)
+    c0, c1, c2, c3 = _vq_centroids(row, C0, j.shape[0], ok, cb, M, BITS)
     if M == 2:  # (c0, c1): the pair's halves
         k1 = c0.to(OP) * s_lo1[None, :] + b_lo1[None, :]
         k2 = c1.to(OP) * s_lo2[None, :] + b_lo2[None, :]
@@ -1014,8 +1015,7 @@ def _vq_value_planes(ptr, rows, row_ok, stride_t, vs_ptr, vo_ptr, vq_t, M: tl.co
     BT: tl.constexpr = rows.shape[0]
     G: tl.constexpr = D // M
     ok = row_ok[:, None]
-    c0, c1, c2, c3 = _vq_centroids(ptr + rows[:, None] * stride_t, 0, G, ok, cb, M, BITS,
-                                   tl.float16 == OP)  # fmt: skip
+    c0, c1, c2, c3 = _vq_centroids(ptr + rows[:, None] * stride_t, 0, G, ok, cb, M, BITS)
     if M == 2:
         lo = c0
         hi = c1
@@ -1459,9 +1459,11 @@ def decode_splits_kernel(
     # segments' loops
     # (in NC chunks of columns: a chunk's keys are decoded, rotated and dotted before the
     # next one's, which keeps head_dim 256 within the registers of 8 resident warps)
-    # (vector keys: chunks of 32 groups, Gemma 3's 128 RoPE pairs in 4)
-    NC: tl.constexpr = ((D // KP // 64 if D // KP >= 64 else 1) if K_VQ else
-                        (2 if D // KP // 2 > 32 and not K_ROWQ else 1))  # fmt: skip
+    # (vector keys: one chunk, the groups' centroids gathered once per tile. sm_90, with
+    # exceptions: Llama-like 3 x 2 in chunks of 32 groups spilled 64 B at 204 warp-
+    # instructions per row, one chunk 148 and no spill; Gemma 3's 3 x 2 in 4 chunks 400
+    # and a 160 B spill, one chunk 297, none)
+    NC: tl.constexpr = 1 if K_VQ else (2 if D // KP // 2 > 32 and not K_ROWQ else 1)
     rope_q = (q_row, r_ok, q_scale, rope_amp, fk, HKV)  # what `_rope_prepare` reads
 
     m_i = tl.full([R], float("-inf"), tl.float32)

@@ -4,7 +4,10 @@ reduction, no device syncs (`_decode_splits_triton`, `launch_plan`).
 It takes the layouts a decode step mostly sees — full-precision segments (sink rows,
 the residual window) around at most one packed segment of 4- or 8-bit affine codes,
 fp8 codes (E4M3 / E5M2, decoded from their bits, `fp8.fp16_placement`) or 4-bit
-codebook codes (KVQuant's NUQ4: 16 levels, `nuq_table`) with static per-channel (or
+codebook codes (KVQuant's NUQ4: 16 levels, `nuq_table`) or vector-codebook codes (the
+layouts of `kvq calibrate vq` and `auto --bits 2 | 3`: RoPE-pair key groups stored before
+RoPE, neighbouring-channel value groups, 16, 64 or 256 centroids, `vq_table`,
+`_vq_unsupported`) with static per-channel (or
 per-head) or per-row grouped key qparams and per-row grouped or per-head value qparams,
 NUQ's exact exceptions (the keys' flat entries, the values' slots), keys stored after RoPE
 or before it (rotated in the tile loop at each row's position,
@@ -88,7 +91,10 @@ def kernel_config(head_dim: int, bits: int, key_rows: bool = False,
     scale + centre rotated in the loop): at head_dim 256 the per-channel normaliser held
     per column leaves no room for 4 warps (255 registers and a 552 B spill, 151 per row),
     so 8 warps share the state: 255 registers, no spill, 171 per row (general kernel:
-    426); at head_dim 128, 4 warps: 245 registers, 8 warps per SM, 87 per row (252)."""
+    426); at head_dim 128, 4 warps: 245 registers, 8 warps per SM, 87 per row (252).
+    `vector`: vq keys (pre-RoPE, centroids gathered in the loop): at head_dim 256, 8 warps
+    as for NUQ4 (3 x 2 codes: 222 registers, no spill, 297 per row; 4 warps spill); at
+    128, 4 warps (3 x 2: 199 registers, 8 warps per SM, 148 per row; 2 x 4: 244, 137)."""
     if (rope_lut or vector) and head_dim >= 256:
         return KernelConfig(64, 8, 2)
     if bits == 8 and head_dim >= 256:
@@ -248,11 +254,15 @@ def _value_planes_of(p) -> int:
 
 
 def vq_table(table: Tensor, half: bool) -> Tensor:
-    """[2^(bits m), m] centroids in the dots' dtype (fp16 compiled, fp32 under the
-    interpreter), contiguous; cached per table."""
+    """[2^(bits m), m] centroids as the kernel reads them, contiguous, cached per table:
+    float16 where they are float16 values (what calibration stores: the kernel then
+    reads a 2-D centroid as one word, under the interpreter too) or the dots are fp16;
+    else float32 (exact, for fp32 dots)."""
     cached = memoised(_VQ_TABLES, table, dict)
     if half not in cached:
-        cached[half] = table.to(torch.float16 if half else torch.float32).contiguous()
+        exact = bool(torch.equal(table.half().to(table.dtype), table))  # once per table
+        dtype = torch.float16 if half or exact else torch.float32
+        cached[half] = table.to(dtype).contiguous()
     return cached[half]
 
 
