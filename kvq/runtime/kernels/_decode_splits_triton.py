@@ -1005,17 +1005,80 @@ def _rope_vq_chunk(scores, rq, rk, row, ok, j, tab, trow, p0, run, C0: tl.conste
 
 
 @triton.jit
+def _vq_slot_words(w, rows, row_ok, nuq, vs_ptr, vo_ptr, vq_t, M: tl.constexpr,
+                   V_HAS_OFF: tl.constexpr, SLOTS: tl.constexpr):  # fmt: skip
+    """Centroid words w [BT, G] (a group's M fp16 coordinates, the first lowest: int32 for
+    M 2, int64 for 4) with the rows' SLOTS value exceptions patched in, as the normalised
+    value (exact - centre) / scale in fp16 (the scale and centre then applied to the
+    tile give it back, within fp16 rounding): per slot and group one compare and one
+    select of the word, where a select per channel of both planes cost twice the
+    instructions (and a PRMT per fp16 half). Slot channel D (unused) matches no group."""
+    si_ptr, sv_ptr, s_t = nuq[11], nuq[12], nuq[13]
+    G: tl.constexpr = w.shape[1]
+    col = tl.arange(0, G)[None, :]
+    scale = tl.load(vs_ptr + rows * vq_t, mask=row_ok, other=1.0).to(tl.float32)
+    center = 0.0
+    if V_HAS_OFF:
+        center = tl.load(vo_ptr + rows * vq_t, mask=row_ok, other=0.0).to(tl.float32)
+    for s in tl.static_range(SLOTS):
+        idx = tl.load(si_ptr + rows * s_t + s, mask=row_ok, other=0).to(tl.int32)
+        idx = tl.where(row_ok, idx, 1 << 20)
+        exact = tl.load(sv_ptr + rows * s_t + s, mask=row_ok, other=0.0).to(tl.float32)
+        bits = ((exact - center) / scale).to(tl.float16).to(tl.int16, bitcast=True)
+        bits = bits.to(tl.int32) & 0xFFFF
+        shift = (idx % M) * 16
+        if M == 2:
+            keep = tl.where(shift == 0, -65536, 0xFFFF)  # the other half's bits
+            put = bits << shift
+        else:
+            keep = ~(tl.full(shift.shape, 0xFFFF, tl.int64) << shift.to(tl.int64))
+            put = bits.to(tl.int64) << shift.to(tl.int64)
+        hit = col == (idx // M)[:, None]
+        w = tl.where(hit, (w & keep[:, None]) | put[:, None], w)
+    return w
+
+
+@triton.jit
+def _vq_patched_values(row, G: tl.constexpr, ok, cb, M: tl.constexpr, BITS: tl.constexpr,
+                       rows, row_ok, nuq, vs_ptr, vo_ptr, vq_t, V_HAS_OFF: tl.constexpr,
+                       SLOTS: tl.constexpr):  # fmt: skip
+    """The M coordinates [BT, G] each of a value tile's groups from an fp16 codebook read
+    as words (int32 for M 2, int64 for 4), the rows' value slots patched in
+    (`_vq_slot_words`)."""
+    idx = _vq_tile_index(row, 0, G, ok, BITS * M)
+    if M == 2:
+        w = tl.load(cb.to(tl.pointer_type(tl.int32), bitcast=True) + idx, mask=ok, other=0)
+    else:
+        w = tl.load(cb.to(tl.pointer_type(tl.int64), bitcast=True) + idx, mask=ok, other=0)
+    w = _vq_slot_words(w, rows, row_ok, nuq, vs_ptr, vo_ptr, vq_t, M, V_HAS_OFF, SLOTS)
+    c0 = w.to(tl.int16).to(tl.float16, bitcast=True)
+    c1 = (w >> 16).to(tl.int16).to(tl.float16, bitcast=True)
+    c2 = c0
+    c3 = c1
+    if M == 4:
+        c2 = (w >> 32).to(tl.int16).to(tl.float16, bitcast=True)
+        c3 = (w >> 48).to(tl.int16).to(tl.float16, bitcast=True)
+    return c0, c1, c2, c3
+
+
+@triton.jit
 def _vq_value_planes(ptr, rows, row_ok, stride_t, vs_ptr, vo_ptr, vq_t, M: tl.constexpr,
                      BITS: tl.constexpr, D: tl.constexpr, V_HAS_OFF: tl.constexpr,
-                     OP: tl.constexpr, cb):  # fmt: skip
+                     OP: tl.constexpr, cb, PATCH: tl.constexpr = 0, nuq=None):  # fmt: skip
     """A vector-codebook value tile in plane order (even channels, odd channels) [BT, D / 2]
     in OP: groups of M neighbouring channels (M 2: coordinates 0, 1 are the planes' column
     g; M 4: group g's coordinates 0, 2 are the even plane's columns 2g, 2g + 1, 1, 3 the
-    odd plane's), then the row's scale and centre."""
+    odd plane's), then the row's scale and centre. PATCH: that many value slots patched
+    into the centroid words (`_vq_slot_words`; an fp16 codebook and fp16 dots)."""
     BT: tl.constexpr = rows.shape[0]
     G: tl.constexpr = D // M
     ok = row_ok[:, None]
-    c0, c1, c2, c3 = _vq_centroids(ptr + rows[:, None] * stride_t, 0, G, ok, cb, M, BITS)
+    if PATCH:
+        c0, c1, c2, c3 = _vq_patched_values(ptr + rows[:, None] * stride_t, G, ok, cb, M, BITS,
+                                            rows, row_ok, nuq, vs_ptr, vo_ptr, vq_t, V_HAS_OFF,
+                                            PATCH)  # fmt: skip
+    else:
+        c0, c1, c2, c3 = _vq_centroids(ptr + rows[:, None] * stride_t, 0, G, ok, cb, M, BITS)
     if M == 2:
         lo = c0
         hi = c1
@@ -1214,6 +1277,12 @@ def _segment_loop(
     # value slots patched into the levels by the compiled lookup (`_word_levels_slots`):
     # per-row normalisers, codes read as words, at most MAX_PATCHED_SLOTS
     V_PATCH: tl.constexpr = (V_LUT == 2) * V_WORDS * (NG == 1) * (V_SLOTS <= 4)
+    # vq values: the slots patched into the centroid words where the dots take fp16 (the
+    # codebook is then fp16, `planned_decode.vq_table`), 4-D groups up to head_dim 128
+    # (sm_90, Llama-like 2 x 4: 104 warp-instructions per row against 137 replacing them
+    # in the decoded tile; 2-D groups: 152 against 148; Gemma 3's 2 x 4: 183 but a 40 B
+    # spill against 269, none); exact replacement in the tile otherwise
+    VQ_PATCH: tl.constexpr = V_SLOTS if V_VQ == 4 and tl.float16 == OP and D <= 128 else 0
     # pre-RoPE full-precision rows of head_dim 256 in tiles of BLOCK_T / SUB rows: whole
     # tiles of them spilled (`_rope_inputs`); the packed loop keeps BLOCK_T
     SUB: tl.constexpr = 4 if (FULL and ROPE and D >= 256) else 1
@@ -1264,13 +1333,14 @@ def _segment_loop(
         l_i = l_i * alpha + tl.sum(p, axis=1)
         if V_VQ and not FULL:
             v_lo, v_hi = _vq_value_planes(v_ptr, t, t_ok, v_t, vs_ptr, vo_ptr, vq_t, V_VQ,
-                                          V_VQB, D, V_HAS_OFF, OP, nuq[14])  # fmt: skip
+                                          V_VQB, D, V_HAS_OFF, OP, nuq[14], VQ_PATCH,
+                                          nuq)  # fmt: skip
         else:
             v_lo, v_hi = _value_planes(v_ptr, t, t_ok, v_t, vs_ptr, vo_ptr, vq_t, V_ZERO, VP,
                                        NG, GW, FULL, V_HAS_OFF, OP, ASM, V_FP8, V_FACTOR,
                                        V_WORDS and not FULL, V_LUT, nuq[14], nuq[16],
                                        V_SLOTS * V_PATCH, nuq)  # fmt: skip
-        if V_SLOTS and not FULL and not V_PATCH:  # NUQ values' exact exceptions
+        if V_SLOTS and not FULL and not V_PATCH and not VQ_PATCH:  # exact exceptions
             v_lo, v_hi = _value_slots(v_lo, v_hi, t, t_ok, nuq, VP, V_SLOTS)
         p16 = p.to(OP)
         acc_lo = acc_lo * alpha[:, None] + tl.dot(p16, v_lo, input_precision=PRECISION)

@@ -13,6 +13,7 @@ import torch
 from kvq.runtime.kernels import planned_decode
 from kvq.runtime.kernels.decode_attention import (
     Segment,
+    decode_attention_reference,
     decode_attention_triton,
     decode_path,
 )
@@ -205,3 +206,24 @@ def test_generate_with_an_auto_vq_cache_takes_the_planned_path(monkeypatch, plan
     assert mains and all(s.key.pre_rope and s.value.kind == "vector" for s in mains)
     assert len({(s.key.bits, s.key.vector_dim) for s in mains}) > 1
     assert sum(s.key.sparse_index.numel() for s in mains if s.key.sparse_index is not None)
+
+
+@pytest.mark.parametrize("widths", [(2, 4, 2, 4), (3, 2, 3, 2)])
+def test_fp16_dots_patch_value_slots_into_the_centroid_words(widths):
+    """With fp16 dots (the compiled path; here interpreted) the 4-D value groups' slots are
+    patched into the centroid words before the row normaliser (2-D groups replace them in
+    the decoded tile): within fp16 rounding of the reference, and the slots move the result
+    far beyond that (a value outlier of 12), so a patch that missed them would fail."""
+    b, d = 2, 64
+    segs = _vq_layer(widths, b, 2, d, rows=150, fraction=0.05, start=37, seed=3)
+    assert segs[1].value.slot_index is not None
+    q, rope = torch.randn(b, 8, 1, d) * 2, _rope(d)
+    kw = dict(scaling=d**-0.5, softcap=None, half=True, rope=rope)
+    call = planned_decode.planned_call(q, segs, **kw)
+    assert call.args["V_VQ"] == widths[3] and call.args["V_SLOTS"] == 3 and call.args["HALF"]
+    ref = decode_attention_reference(q, segs, scaling=d**-0.5, rope=rope)
+    out = planned_decode.run_planned(q, segs, **kw)
+    assert (out - ref).abs().max().item() < 2e-2
+    bare = [segs[0], _strip_exceptions(segs[1]), segs[2]]
+    without = planned_decode.run_planned(q, bare, **kw)
+    assert (without - ref).abs().max().item() > 0.2
