@@ -217,7 +217,7 @@ def test_fp16_dots_patch_value_slots_into_the_centroid_words(widths):
     b, d = 2, 64
     segs = _vq_layer(widths, b, 2, d, rows=150, fraction=0.05, start=37, seed=3)
     assert segs[1].value.slot_index is not None
-    q, rope = torch.randn(b, 8, 1, d) * 2, _rope(d)
+    q, segs, rope = _to((torch.randn(b, 8, 1, d) * 2, segs, _rope(d)), DEVICE)
     kw = dict(scaling=d**-0.5, softcap=None, half=True, rope=rope)
     call = planned_decode.planned_call(q, segs, **kw)
     assert call.args["V_VQ"] == widths[3] and call.args["V_SLOTS"] == 3 and call.args["HALF"]
