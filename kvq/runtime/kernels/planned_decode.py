@@ -73,7 +73,7 @@ class KernelConfig:
 
 
 def kernel_config(head_dim: int, bits: int, key_rows: bool = False,
-                  rope_lut: bool = False, vector: bool = False) -> KernelConfig:  # fmt: skip
+                  rope_lut: bool = False, vector: int = 0) -> KernelConfig:  # fmt: skip
     """Launch configuration per shape bucket (head_dim, code bits; `key_rows`, whether key
     qparams are per row, no longer changes it): 64-row tiles, 4 warps, 2 tiles of raw codes
     in flight, where that compiles without spilling. Picked from the sm_90 compile
@@ -92,10 +92,16 @@ def kernel_config(head_dim: int, bits: int, key_rows: bool = False,
     per column leaves no room for 4 warps (255 registers and a 552 B spill, 151 per row),
     so 8 warps share the state: 255 registers, no spill, 171 per row (general kernel:
     426); at head_dim 128, 4 warps: 245 registers, 8 warps per SM, 87 per row (252).
-    `vector`: vq keys (pre-RoPE, centroids gathered in the loop): at head_dim 256, 8 warps
-    as for NUQ4 (3 x 2 codes: 222 registers, no spill, 297 per row; 4 warps spill); at
-    128, 4 warps (3 x 2: 199 registers, 8 warps per SM, 148 per row; 2 x 4: 244, 137)."""
-    if (rope_lut or vector) and head_dim >= 256:
+    `vector`: the group size of vq keys (pre-RoPE, centroids gathered in the loop): at
+    head_dim 256, 8 warps as for NUQ4 (3 x 2 codes: 222 registers, no spill, 297 per row;
+    4 warps spill), and with 4-D groups one stage (their key entries' loop leaves the
+    packed codes unstaged anyway; the staged sink and residual loops of Gemma 3's layer
+    call spilled 88 B for 2 x 4 codes with 2 stages, 8 B with 1: 261 per row against
+    248); at 128, 4 warps (3 x 2: 199 registers, 8 warps per SM, 148 per row; 2 x 4:
+    200, 104)."""
+    if vector and head_dim >= 256:
+        return KernelConfig(64, 8, 1 if vector == 4 else 2)
+    if rope_lut and head_dim >= 256:
         return KernelConfig(64, 8, 2)
     if bits == 8 and head_dim >= 256:
         return KernelConfig(32, 4, 2)
@@ -640,7 +646,8 @@ def _site(query: Tensor, segments, src: list, *, scaling: float, softcap: float 
         vq, k_zero, v_zero = (None, None, None), 0.0, 0.0
         k_fp8 = v_fp8 = (0, 1.0)
     cfg = kernel_config(d, bits, k_rowq, packed is not None and packed.key.pre_rope
-                        and _nuq(packed.key), packed is not None and _vq(packed.key))  # fmt: skip
+                        and _nuq(packed.key),
+                        packed.key.vector_dim if packed is not None and _vq(packed.key) else 0)  # fmt: skip
     sq_b, sq_h, sq_q = query.stride()[:3]
     args = dict(q=_Src(SRC_Q), sq_b=None if sq_b == hq * q_len * d else sq_b,
                 sq_h=None if sq_h == d else sq_h,
