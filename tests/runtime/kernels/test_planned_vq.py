@@ -227,3 +227,37 @@ def test_fp16_dots_patch_value_slots_into_the_centroid_words(widths):
     bare = [segs[0], _strip_exceptions(segs[1]), segs[2]]
     without = planned_decode.run_planned(q, bare, **kw)
     assert (without - ref).abs().max().item() > 0.2
+
+
+def test_a_vq_layer_call_costs_two_launches_no_sync_and_three_allocations(monkeypatch):
+    """A vq layer's decode call (pre-RoPE sink, vq main rows with exceptions, residual) at
+    batch 4 under a sliding-window mask, through the runtime's dispatch: after the first
+    call (which checks the groups and converts the codebooks once), the host launches the
+    decode kernel and the reduction, allocates the partial states and the output, and never
+    waits on the device (kernels stubbed during the count, as for the other layouts)."""
+    from kvq.runtime.kernels.decode_attention import decode_attention
+
+    b, d = 4, 64
+    segs = _vq_layer((2, 4, 3, 2), b, 2, d, rows=300, fraction=0.05, pad=(3,), seed=9)
+    total = sum(s.rows for s in segs)
+    segs, rope = _to((segs, _rope(d)), DEVICE)
+    q = torch.randn(b, 8, 1, d, device=DEVICE)
+    mask = _window_mask(b, 1, total, window=200).to(DEVICE)
+    call = dict(scaling=0.125, mask=mask, backend="triton", rope=rope)
+    decode_attention(q, segs, **call)  # warm: compile, check the groups, convert the tables
+    names = []
+    monkeypatch.setattr(
+        planned_decode._Launcher, "launch", lambda self, fn, *a: names.append(fn.__name__)
+    )
+    with planned_tests._Ops() as mode:
+        decode_attention(q, segs, **call)
+    ops = mode.ops
+    allocations = sum(ops[n] for n in planned_tests.ALLOCATING)
+    syncs = sum(ops[n] for n in planned_tests.SYNCING)
+    compute = {
+        n: c for n, c in ops.items()
+        if n not in planned_tests.ALLOCATING and not planned_tests._is_view(n)
+    }  # fmt: skip
+    assert names == ["decode_splits_kernel", "combine_splits_kernel"]
+    assert syncs == 0 and not compute, ops
+    assert allocations <= 3, ops
