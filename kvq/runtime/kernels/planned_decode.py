@@ -73,7 +73,8 @@ class KernelConfig:
 
 
 def kernel_config(head_dim: int, bits: int, key_rows: bool = False,
-                  rope_lut: bool = False, vector: int = 0) -> KernelConfig:  # fmt: skip
+                  rope_lut: bool = False, vector: int = 0,
+                  key_entries: bool = False) -> KernelConfig:  # fmt: skip
     """Launch configuration per shape bucket (head_dim, code bits; `key_rows`, whether key
     qparams are per row, no longer changes it): 64-row tiles, 4 warps, 2 tiles of raw codes
     in flight, where that compiles without spilling. Picked from the sm_90 compile
@@ -92,15 +93,18 @@ def kernel_config(head_dim: int, bits: int, key_rows: bool = False,
     per column leaves no room for 4 warps (255 registers and a 552 B spill, 151 per row),
     so 8 warps share the state: 255 registers, no spill, 171 per row (general kernel:
     426); at head_dim 128, 4 warps: 245 registers, 8 warps per SM, 87 per row (252).
-    `vector`: the group size of vq keys (pre-RoPE, centroids gathered in the loop): at
-    head_dim 256, 8 warps as for NUQ4 (3 x 2 codes: 222 registers, no spill, 297 per row;
-    4 warps spill), and with 4-D groups one stage (their key entries' loop leaves the
-    packed codes unstaged anyway; the staged sink and residual loops of Gemma 3's layer
-    call spilled 88 B for 2 x 4 codes with 2 stages, 8 B with 1: 261 per row against
-    248); at 128, 4 warps (3 x 2: 199 registers, 8 warps per SM, 148 per row; 2 x 4:
-    200, 104)."""
-    if vector and head_dim >= 256:
-        return KernelConfig(64, 8, 1 if vector == 4 else 2)
+    `vector`: the group size of vq keys (pre-RoPE, centroids gathered in the loop), with
+    or without `key_entries` (flat exceptions): at head_dim 256, 8 warps as for NUQ4 (3 x
+    2 codes: 222 registers, no spill, 297 per row; 4 warps spill); at 128, 4 warps (3 x 2:
+    199 registers, 8 warps per SM, 148 per row; 2 x 4: 200, 104). One stage for 4-D groups
+    at 256 (the key entries' loop leaves the packed codes unstaged anyway; the staged sink
+    and residual loops of Gemma 3's layer call spilled 88 B for 2 x 4 codes with 2 stages,
+    8 B with 1: 261 per row against 248) and for 2-D groups without key entries (staged
+    codes spilled 64 B Llama-like, 248 B Gemma 3; one stage: none, 109 and 223 per row)."""
+    if vector:
+        one = (vector == 4 and head_dim >= 256) or (vector == 2 and not key_entries)
+        stages = 1 if one else 2
+        return KernelConfig(64, 8, stages) if head_dim >= 256 else KernelConfig(64, 4, stages)
     if rope_lut and head_dim >= 256:
         return KernelConfig(64, 8, 2)
     if bits == 8 and head_dim >= 256:
@@ -647,7 +651,8 @@ def _site(query: Tensor, segments, src: list, *, scaling: float, softcap: float 
         k_fp8 = v_fp8 = (0, 1.0)
     cfg = kernel_config(d, bits, k_rowq, packed is not None and packed.key.pre_rope
                         and _nuq(packed.key),
-                        packed.key.vector_dim if packed is not None and _vq(packed.key) else 0)  # fmt: skip
+                        packed.key.vector_dim if packed is not None and _vq(packed.key) else 0,
+                        src[SRC_PACKED + 6] is not None)  # fmt: skip
     sq_b, sq_h, sq_q = query.stride()[:3]
     args = dict(q=_Src(SRC_Q), sq_b=None if sq_b == hq * q_len * d else sq_b,
                 sq_h=None if sq_h == d else sq_h,

@@ -46,18 +46,21 @@ CASES = {  # name -> (batch, KV heads, head_dim, query heads)
     "vq3-pre-llama": (16, 8, 128, 32),
     "vq2-pre-llama": (16, 8, 128, 32),
     "vq2-pre-gemma": (16, 1, 256, 4),
+    "vq3-dense-pre-gemma": (16, 1, 256, 4),  # without exceptions (`kvq calibrate vq --outliers 0`)
 }
 # the NUQ4 keys' exceptions run a loop over each row's entries inside the tile loop, which
 # Triton's pipeliner does not stage: their codes load in the iteration that uses them
+# (vq without exceptions over 2-D groups: one stage, staged codes spilled, `kernel_config`)
 UNSTAGED = ("nuq4-llama", "nuq4-pre-llama", "nuq4-pre-gemma", "vq3-pre-llama", "vq2-pre-llama",
-            "vq2-pre-gemma")  # fmt: skip
+            "vq2-pre-gemma", "vq3-dense-pre-gemma")  # fmt: skip
 # below the 20 KB per SM in flight: unstaged, at 8 resident warps (pre-RoPE NUQ4 holds the
 # per-channel normaliser and the rotation: 242 / 255 registers), 18.1 KB (Llama-like) and
 # 17.1 KB (Gemma 3): not yet at the target
 BELOW_IN_FLIGHT = ("nuq4-pre-llama", "nuq4-pre-gemma")
 # vq rows: 3- and 2-bit codes, unstaged (the key entries' loop), 8 resident warps: 14.1 KB
 # per SM (Llama-like 3 x 2), 10.1 (2 x 4), 9.3 KB (Gemma 3's 2 x 4): below the target
-VQ_IN_FLIGHT_KB = {"vq3-pre-llama": 13, "vq2-pre-llama": 9.5, "vq2-pre-gemma": 9}
+VQ_IN_FLIGHT_KB = {"vq3-pre-llama": 13, "vq2-pre-llama": 9.5, "vq2-pre-gemma": 9,
+                   "vq3-dense-pre-gemma": 10}  # fmt: skip
 
 
 def _fp8_segment(b, hkv, t, d):
@@ -92,7 +95,7 @@ def _nuq4_segment(b, hkv, t, d, exceptions: bool, pre_rope: bool = False):
                    torch.arange(t).expand(b, t))  # fmt: skip
 
 
-def _vq_segment(b, hkv, t, d, bits: int, m: int):
+def _vq_segment(b, hkv, t, d, bits: int, m: int, exceptions: bool = True):
     """What `kvq calibrate auto` stores: vector codes (random) over the calibrator's groups,
     a random fp16 codebook, keys before RoPE with the static normaliser and 2 flat
     exceptions per row, values with their row normaliser and 2 slots."""
@@ -103,13 +106,16 @@ def _vq_segment(b, hkv, t, d, bits: int, m: int):
     codes = torch.randint(0, 256, (2, b, hkv, t, n_bytes), generator=g, dtype=torch.uint8)
     table = (torch.rand(2 ** (bits * m), m, generator=g) * 2 - 1).half()
     n = b * hkv * t * 2
-    key = dict(scale=torch.rand(hkv, d) + 0.5, offset=torch.rand(hkv, d),
-               sparse_count=torch.full((b, hkv, t), 2, dtype=torch.uint8),
-               sparse_index=torch.randint(0, d, (n,), generator=g).to(torch.uint8),
-               sparse_value=torch.randn(n).half())  # fmt: skip
-    slots = torch.stack([torch.zeros(b, hkv, t), torch.full((b, hkv, t), d // 2)], -1)
-    value = dict(scale=torch.rand(b, hkv, t, 1).half() + 0.5, offset=torch.rand(b, hkv, t, 1).half(),
-                 slot_index=slots.to(torch.uint8), slot_value=torch.randn(b, hkv, t, 2).half())  # fmt: skip
+    key = dict(scale=torch.rand(hkv, d) + 0.5, offset=torch.rand(hkv, d))
+    value = dict(
+        scale=torch.rand(b, hkv, t, 1).half() + 0.5, offset=torch.rand(b, hkv, t, 1).half()
+    )
+    if exceptions:
+        key |= dict(sparse_count=torch.full((b, hkv, t), 2, dtype=torch.uint8),
+                    sparse_index=torch.randint(0, d, (n,), generator=g).to(torch.uint8),
+                    sparse_value=torch.randn(n).half())  # fmt: skip
+        slots = torch.stack([torch.zeros(b, hkv, t), torch.full((b, hkv, t), d // 2)], -1)
+        value |= dict(slot_index=slots.to(torch.uint8), slot_value=torch.randn(b, hkv, t, 2).half())
     return Segment(
         PackedRows("vector", d, codes[0], bits, table=table,
                    groups=vq.channel_groups(d, m, pairs=True), pre_rope=True, **key),
@@ -163,7 +169,7 @@ def _compile(case: str) -> dict:
         row_bytes = 2 * d  # K and V codes
     elif case.startswith("vq"):
         bits = int(case[2])
-        seg = _vq_segment(b, hkv, 256, d, bits, 4 if bits == 2 else 2)
+        seg = _vq_segment(b, hkv, 256, d, bits, 4 if bits == 2 else 2, "dense" not in case)
         row_bytes = _row_bytes(seg)
     elif case.startswith("nuq4"):
         seg = _nuq4_segment(b, hkv, 256, d, exceptions="dense" not in case,
