@@ -97,15 +97,17 @@ def packed(kind: str, b: int, t: int, dev: str, seed: int = 0) -> Segment:
     if kind == "nuq4-post":  # NUQ4 with post-RoPE keys: the planned path's layout
         seg = packed("nuq4", b, t, dev, seed)
         return Segment(dataclasses.replace(seg.key, pre_rope=False), seg.value, seg.positions)
-    if kind in ("nuq4", "vq3", "vq2"):  # KVQuant's layout: scalar or vector codebooks
+    if kind in ("nuq4", "vq4", "vq3", "vq2", "vq1"):  # KVQuant's layout: scalar or vector codebooks
         if kind == "nuq4":
             bits, fmt = 4, dict(kind="lookup", table=torch.linspace(-1, 1, 16, device=dev))
-        else:  # what `kvq calibrate auto` stores at 3 and 2 bits
-            bits = int(kind[-1])
-            m = 4 if bits == 2 else 2
+        else:  # what `kvq calibrate auto` stores at 3 and 2 bits (vq3, vq2; their layers'
+            bits = int(kind[-1])  # mixed widths vq4 and vq1 too: 2-D above 2 bits, else 4-D)
+            m = 4 if bits <= 2 else 2
             centroids = torch.rand(2 ** (bits * m), m, generator=g, device=dev) * 2 - 1
             groups = vq.channel_groups(D, m, pairs=True).to(dev)  # RoPE pairs
             fmt = dict(kind="vector", table=centroids, groups=groups)
+            # values over neighbouring channels (`kvq.calibrators.vq`)
+            value_fmt = {**fmt, "groups": vq.channel_groups(D, m, pairs=False).to(dev)}
         row_bytes = packing.packed_len(D, bits)
         per_row = math.ceil(0.01 * D)  # ~1% of a row's channels as exact exceptions
         count = torch.full((b, HKV, t), per_row, dtype=torch.uint8, device=dev)
@@ -134,7 +136,7 @@ def packed(kind: str, b: int, t: int, dev: str, seed: int = 0) -> Segment:
             bits=bits,
             scale=half(b, HKV, t, 1),
             offset=half(b, HKV, t, 1),
-            **fmt,
+            **(fmt if kind == "nuq4" else value_fmt),
             slot_index=slots,
             slot_value=half(b, HKV, t, 2),
         )

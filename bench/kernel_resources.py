@@ -2,7 +2,8 @@
 
 For two head shapes (Llama-like 32 query / 8 KV heads x 128, and Gemma 3 270M's
 4 / 1 x 256) and each cache format of `bench/gpu_decode.py` (KV4, KV8, FP8, NUQ4, the
-vector-codebook layouts VQ3 and VQ2 of `kvq calibrate auto`, plus Gemma's own layout,
+vector-codebook layouts VQ3 and VQ2 of `kvq calibrate auto` and the mixed widths its layers
+take, VQ4 (2-D) and VQ1 (4-D), plus Gemma's own layout,
 KV4 with pre-RoPE keys, and NUQ4 with post-RoPE keys), the launch the runtime makes at
 batch 16 x 32K is compiled for sm_90 here (`kvq.runtime.kernels.offline`): the planned
 path's fixed configuration where it takes the layout (`planned_decode`), else every
@@ -25,7 +26,8 @@ passes at run time (parameters Triton does not bind as constexprs), for the trac
 packed rows, a residual window: `layer_segments`). `--survey` also prints the general
 kernel's whole tuner table.
 
-The pre-RoPE layouts (LAYER_FORMATS: KV4 of a channel-scales artifact, KVQuant's NUQ4)
+The pre-RoPE layouts (LAYER_FORMATS: KV4 of a channel-scales artifact, KVQuant's NUQ4
+and the vq layouts)
 are also compiled as a whole-layer call (`call` "layer": full-precision pre-RoPE sink and
 residual rows around the packed ones, one launch, as `make demo` decodes Gemma 3): its
 spill, registers and resident warps are the kernel's, its instructions per row those of
@@ -54,10 +56,12 @@ except ImportError:
     planned = None
 
 SHAPES = {"llama-7b-like": (32, 8, 128), "gemma3-270m": (4, 1, 256)}
-FORMATS = ("kv4", "kv4-token", "kv4-pre", "kv8", "fp8", "nuq4", "nuq4-post", "vq3", "vq2")
+FORMATS = ("kv4", "kv4-token", "kv4-pre", "kv8", "fp8", "nuq4", "nuq4-post", "vq3", "vq2", "vq4",
+           "vq1")  # fmt: skip
 ROWS = 256  # cached rows of the traced call (a multiple of 16, as long contexts are)
 BATCH = 16
-LAYER_FORMATS = ("kv4-pre", "nuq4")  # pre-RoPE keys: their whole-layer call compiled too
+# pre-RoPE keys: the whole-layer call too
+LAYER_FORMATS = ("kv4-pre", "nuq4", "vq3", "vq2", "vq4", "vq1")
 SINK_ROWS, RESIDUAL_ROWS = 4, 64  # full-precision rows around the packed ones in that call
 
 

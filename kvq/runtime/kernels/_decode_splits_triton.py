@@ -527,7 +527,8 @@ def _word_levels(words, tab, lut, LUT: tl.constexpr):
 @triton.jit
 def _key_exceptions(scores, rows, row_ok, k_ptr, k_t, nuq, OP: tl.constexpr,
                     PRECISION: tl.constexpr, ROPE: tl.constexpr = False, rope=None,
-                    D: tl.constexpr = 0, KP: tl.constexpr = 1):  # fmt: skip
+                    D: tl.constexpr = 0, KP: tl.constexpr = 1, VQ: tl.constexpr = 0,
+                    VQB: tl.constexpr = 0):  # fmt: skip
     """Scores [R, BT] plus the flat key exceptions of the tile's rows (KVQuant's ~1% exact
     keys): entry e of row t replaces channel idx, so its score moves by q[idx] x (exact -
     decoded), decoded = level[code] x scale[idx] + offset[idx] as the dense dot saw it
@@ -540,7 +541,8 @@ def _key_exceptions(scores, rows, row_ok, k_ptr, k_t, nuq, OP: tl.constexpr,
     amplitude; `planned_decode.rope_planes`): the correction delta at channel c rotates
     with its partner channel c -/+ D/2, so it moves the score by delta x a_f (cos q[c] +/-
     sin q[partner]) at the row's position (f = c mod D/2, + below D/2): a second query
-    gather and two table gathers per entry."""
+    gather and two table gathers per entry. VQ (M), VQB (bits): vector-codebook keys over
+    RoPE pairs, tab their codebook (`_vq_key_coordinate`)."""
     tab, cnt_ptr, cnt_t, first_ptr, first_t, e_idx, e_val = nuq[:7]
     fk, fkb, q_row, q_scale = nuq[7], nuq[8], nuq[9], nuq[10]
     cnt = tl.load(cnt_ptr + rows * cnt_t, mask=row_ok, other=0).to(tl.int32)  # [BT]
@@ -554,8 +556,11 @@ def _key_exceptions(scores, rows, row_ok, k_ptr, k_t, nuq, OP: tl.constexpr,
         has = e < cnt
         idx = tl.load(e_idx + first + e, mask=has, other=0).to(tl.int32)
         exact = tl.load(e_val + first + e, mask=has, other=0.0).to(tl.float32)
-        byte = tl.load(k_ptr + rows * k_t + (idx >> 1), mask=has, other=0).to(tl.int32)
-        level = tl.load(tab + ((byte >> ((idx & 1) * 4)) & 15), mask=has, other=0.0)
+        if VQ:  # vector codebook keys: the coordinate of the channel's group
+            level = _vq_key_coordinate(k_ptr + rows * k_t, idx, has, tab, D, VQ, VQB)
+        else:
+            byte = tl.load(k_ptr + rows * k_t + (idx >> 1), mask=has, other=0).to(tl.int32)
+            level = tl.load(tab + ((byte >> ((idx & 1) * 4)) & 15), mask=has, other=0.0)
         s = tl.load(fk + idx, mask=has, other=0.0)
         o = tl.load(fkb + idx, mask=has, other=0.0)
         delta = tl.where(has, exact - (level * s + o), 0.0)  # [BT]
@@ -879,6 +884,236 @@ def _rope_lut_chunk(scores, rq, rk, row, ok, j, tab, trow, p0, run, C0: tl.const
                      PRECISION)  # fmt: skip
 
 
+# Vector codebooks (`kvq calibrate vq`, what `kvq calibrate auto --bits 2 | 3` stores): each
+# group of M channels is one codebook index, its M digits of BITS bits side by side, so the
+# index of group g is the (BITS x M)-bit field at bit g x BITS x M of the row (a nibble, a
+# 6-bit field of a 3-byte unit or a byte: 16, 64 or 256 centroids). The planned path takes
+# the calibrator's groups (`planned_decode._vq_unsupported`): keys over RoPE pairs (M 2:
+# channels c, c + D/2, one column of each half of the one-plane rotation; M 4: channels 2i,
+# 2i + 1 and their partners, column i of each plane and half of the two-plane rotation),
+# values over neighbouring channels (column c of the even / odd plane: channel 2c / 2c + 1).
+# A group's M coordinates come from one vector load of its centroid (the codebook, at most
+# 256 x 4 fp16 = 2 KB, stays in L1), then the static per-channel normaliser (keys, before
+# rotation) or the row's (values) as for NUQ.
+
+
+@triton.jit
+def _vq_index(row, g, ok, FIELD: tl.constexpr):
+    """int32 codebook index of groups g in rows at `row` (uint8 pointers; broadcast
+    against g): the FIELD-bit field at bit g x FIELD (4, 6 or 8 bits; a 6-bit field may
+    straddle two bytes)."""
+    if FIELD == 8:
+        idx = tl.load(row + g, mask=ok, other=0).to(tl.int32)
+    elif FIELD == 4:
+        byte = tl.load(row + (g >> 1), mask=ok, other=0).to(tl.int32)
+        idx = (byte >> ((g & 1) * 4)) & 15
+    else:  # 6 bits: 4 fields per 3-byte unit, fields 1 and 2 straddle a byte boundary
+        bit = g * FIELD
+        shift = bit & 7
+        lo = tl.load(row + (bit >> 3), mask=ok, other=0).to(tl.int32)
+        hi = tl.load(row + (bit >> 3) + 1, mask=ok & (shift > 8 - FIELD), other=0).to(tl.int32)
+        idx = ((lo | (hi << 8)) >> shift) & ((1 << FIELD) - 1)
+    return idx
+
+
+@triton.jit
+def _vq_tile_index(row, C0: tl.constexpr, N: tl.constexpr, ok, FIELD: tl.constexpr):
+    """[BT, N] int32 codebook indices of groups C0 ... C0 + N - 1 (C0 a multiple of 4) in
+    rows at `row` [BT, 1]: each code byte read once. 4-bit fields: a byte's two nibbles are
+    groups 2i, 2i + 1; 6-bit fields: a 3-byte unit's bits are groups 4u ... 4u + 3 (the
+    second and third straddle a byte); joined back into group order in registers."""
+    BT: tl.constexpr = row.shape[0]
+    if FIELD == 8:
+        idx = tl.load(row + C0 + tl.arange(0, N)[None, :], mask=ok, other=0).to(tl.int32)
+    elif FIELD == 4:
+        b = tl.load(row + C0 // 2 + tl.arange(0, N // 2)[None, :], mask=ok, other=0)
+        b = b.to(tl.int32)
+        idx = tl.reshape(tl.join(b & 15, b >> 4), (BT, N))
+    else:
+        at = row + C0 // 4 * 3 + (tl.arange(0, N // 4) * 3)[None, :]
+        b0 = tl.load(at, mask=ok, other=0).to(tl.int32)
+        b1 = tl.load(at + 1, mask=ok, other=0).to(tl.int32)
+        b2 = tl.load(at + 2, mask=ok, other=0).to(tl.int32)
+        g0 = b0 & 63
+        g1 = (b0 >> 6) | ((b1 & 15) << 2)
+        g2 = (b1 >> 4) | ((b2 & 3) << 4)
+        g3 = b2 >> 2
+        # join(join(g0, g2), join(g1, g3)) flattens to g0, g1, g2, g3 per unit
+        idx = tl.reshape(tl.join(tl.join(g0, g2), tl.join(g1, g3)), (BT, N))
+    return idx
+
+
+@triton.jit
+def _vq_centroids(row, C0: tl.constexpr, N: tl.constexpr, ok, cb, M: tl.constexpr,
+                  BITS: tl.constexpr):  # fmt: skip
+    """The M centroid coordinates, [BT, N] each, of groups C0 ... C0 + N - 1 in rows at
+    `row` [BT, 1], from the codebook cb [2^(BITS M), M] (rows contiguous). An fp16
+    codebook's 2-D centroid is one 32-bit load, split into its halves (one M-wide load
+    per group compiled to two 16-bit ones: 118 instead of 139 warp-instructions per row
+    for Llama-like 3 x 2 without exceptions, sm_90); else one M-wide load per group."""
+    idx = _vq_tile_index(row, C0, N, ok, BITS * M)
+    if cb.dtype.element_ty == tl.float16 and M == 2:
+        w = tl.load(cb.to(tl.pointer_type(tl.int32), bitcast=True) + idx, mask=ok, other=0)
+        c0 = w.to(tl.int16).to(tl.float16, bitcast=True)
+        c1 = (w >> 16).to(tl.int16).to(tl.float16, bitcast=True)
+        c2 = c0
+        c3 = c1
+    else:
+        coord = tl.arange(0, M)[None, None, :]
+        x = tl.load(cb + idx[:, :, None] * M + coord, mask=ok[:, :, None], other=0.0)
+        if M == 2:
+            c0, c1 = tl.split(x)
+            c2 = c0
+            c3 = c1
+        else:
+            BT: tl.constexpr = x.shape[0]
+            even, odd = tl.split(tl.reshape(x, (BT, N, 2, 2)))  # coordinates (0, 2), (1, 3)
+            c0, c2 = tl.split(even)
+            c1, c3 = tl.split(odd)
+    return c0, c1, c2, c3
+
+
+@triton.jit
+def _rope_vq_chunk(scores, rq, rk, row, ok, j, tab, trow, p0, run, C0: tl.constexpr,
+                   KP: tl.constexpr, D: tl.constexpr, OP: tl.constexpr,
+                   PRECISION: tl.constexpr, M: tl.constexpr, BITS: tl.constexpr,
+                   cb):  # fmt: skip
+    """`_rope_chunk` of vector-codebook keys over RoPE-pair groups j (C0 ...; see
+    `_vq_index`): the groups' centroids with the static per-channel normaliser applied
+    (coordinate x scale + centre) before they rotate. M 2 (KP 1): coordinates 0 and 1 are
+    the pair's two halves; M 4 (KP 2): 0, 1 the even and odd plane of half 0, 2, 3 of
+    half 1."""
+    HW: tl.constexpr = D // KP // 2
+    qa_lo1, qa_lo2, qa_hi1, qa_hi2 = rq
+    s_lo1, b_lo1, s_lo2, b_lo2, s_hi1, b_hi1, s_hi2, b_hi2 = rk
+    c0, c1, c2, c3 = _vq_centroids(row, C0, j.shape[0], ok, cb, M, BITS)
+    if M == 2:  # (c0, c1): the pair's halves
+        k1 = c0.to(OP) * s_lo1[None, :] + b_lo1[None, :]
+        k2 = c1.to(OP) * s_lo2[None, :] + b_lo2[None, :]
+        scores = _rope_dot(scores, qa_lo1, qa_lo2, k1, k2, tab, trow, p0, run, C0, D, OP,
+                           PRECISION)  # fmt: skip
+    else:
+        k1 = c0.to(OP) * s_lo1[None, :] + b_lo1[None, :]
+        k2 = c2.to(OP) * s_lo2[None, :] + b_lo2[None, :]
+        scores = _rope_dot(scores, qa_lo1, qa_lo2, k1, k2, tab, trow, p0, run, C0, D, OP,
+                           PRECISION)  # fmt: skip
+        k1 = c1.to(OP) * s_hi1[None, :] + b_hi1[None, :]
+        k2 = c3.to(OP) * s_hi2[None, :] + b_hi2[None, :]
+        scores = _rope_dot(scores, qa_hi1, qa_hi2, k1, k2, tab, trow, p0, run, HW + C0, D, OP,
+                           PRECISION)  # fmt: skip
+    return scores
+
+
+@triton.jit
+def _vq_slot_words(w, rows, row_ok, nuq, vs_ptr, vo_ptr, vq_t, M: tl.constexpr,
+                   V_HAS_OFF: tl.constexpr, SLOTS: tl.constexpr):  # fmt: skip
+    """Centroid words w [BT, G] (a group's M fp16 coordinates, the first lowest: int32 for
+    M 2, int64 for 4) with the rows' SLOTS value exceptions patched in, as the normalised
+    value (exact - centre) / scale in fp16 (the scale and centre then applied to the
+    tile give it back, within fp16 rounding): per slot and group one compare and one
+    select of the word, where a select per channel of both planes cost twice the
+    instructions (and a PRMT per fp16 half). Slot channel D (unused) matches no group."""
+    si_ptr, sv_ptr, s_t = nuq[11], nuq[12], nuq[13]
+    G: tl.constexpr = w.shape[1]
+    col = tl.arange(0, G)[None, :]
+    scale = tl.load(vs_ptr + rows * vq_t, mask=row_ok, other=1.0).to(tl.float32)
+    center = 0.0
+    if V_HAS_OFF:
+        center = tl.load(vo_ptr + rows * vq_t, mask=row_ok, other=0.0).to(tl.float32)
+    for s in tl.static_range(SLOTS):
+        idx = tl.load(si_ptr + rows * s_t + s, mask=row_ok, other=0).to(tl.int32)
+        idx = tl.where(row_ok, idx, 1 << 20)
+        exact = tl.load(sv_ptr + rows * s_t + s, mask=row_ok, other=0.0).to(tl.float32)
+        bits = ((exact - center) / scale).to(tl.float16).to(tl.int16, bitcast=True)
+        bits = bits.to(tl.int32) & 0xFFFF
+        shift = (idx % M) * 16
+        if M == 2:
+            keep = tl.where(shift == 0, -65536, 0xFFFF)  # the other half's bits
+            put = bits << shift
+        else:
+            keep = ~(tl.full(shift.shape, 0xFFFF, tl.int64) << shift.to(tl.int64))
+            put = bits.to(tl.int64) << shift.to(tl.int64)
+        hit = col == (idx // M)[:, None]
+        w = tl.where(hit, (w & keep[:, None]) | put[:, None], w)
+    return w
+
+
+@triton.jit
+def _vq_patched_values(row, G: tl.constexpr, ok, cb, M: tl.constexpr, BITS: tl.constexpr,
+                       rows, row_ok, nuq, vs_ptr, vo_ptr, vq_t, V_HAS_OFF: tl.constexpr,
+                       SLOTS: tl.constexpr):  # fmt: skip
+    """The M coordinates [BT, G] each of a value tile's groups from an fp16 codebook read
+    as words (int32 for M 2, int64 for 4), the rows' value slots patched in
+    (`_vq_slot_words`)."""
+    idx = _vq_tile_index(row, 0, G, ok, BITS * M)
+    if M == 2:
+        w = tl.load(cb.to(tl.pointer_type(tl.int32), bitcast=True) + idx, mask=ok, other=0)
+    else:
+        w = tl.load(cb.to(tl.pointer_type(tl.int64), bitcast=True) + idx, mask=ok, other=0)
+    w = _vq_slot_words(w, rows, row_ok, nuq, vs_ptr, vo_ptr, vq_t, M, V_HAS_OFF, SLOTS)
+    c0 = w.to(tl.int16).to(tl.float16, bitcast=True)
+    c1 = (w >> 16).to(tl.int16).to(tl.float16, bitcast=True)
+    c2 = c0
+    c3 = c1
+    if M == 4:
+        c2 = (w >> 32).to(tl.int16).to(tl.float16, bitcast=True)
+        c3 = (w >> 48).to(tl.int16).to(tl.float16, bitcast=True)
+    return c0, c1, c2, c3
+
+
+@triton.jit
+def _vq_value_planes(ptr, rows, row_ok, stride_t, vs_ptr, vo_ptr, vq_t, M: tl.constexpr,
+                     BITS: tl.constexpr, D: tl.constexpr, V_HAS_OFF: tl.constexpr,
+                     OP: tl.constexpr, cb, PATCH: tl.constexpr = 0, nuq=None):  # fmt: skip
+    """A vector-codebook value tile in plane order (even channels, odd channels) [BT, D / 2]
+    in OP: groups of M neighbouring channels (M 2: coordinates 0, 1 are the planes' column
+    g; M 4: group g's coordinates 0, 2 are the even plane's columns 2g, 2g + 1, 1, 3 the
+    odd plane's), then the row's scale and centre. PATCH: that many value slots patched
+    into the centroid words (`_vq_slot_words`; an fp16 codebook and fp16 dots)."""
+    BT: tl.constexpr = rows.shape[0]
+    G: tl.constexpr = D // M
+    ok = row_ok[:, None]
+    if PATCH:
+        c0, c1, c2, c3 = _vq_patched_values(ptr + rows[:, None] * stride_t, G, ok, cb, M, BITS,
+                                            rows, row_ok, nuq, vs_ptr, vo_ptr, vq_t, V_HAS_OFF,
+                                            PATCH)  # fmt: skip
+    else:
+        c0, c1, c2, c3 = _vq_centroids(ptr + rows[:, None] * stride_t, 0, G, ok, cb, M, BITS)
+    if M == 2:
+        lo = c0
+        hi = c1
+    else:  # even plane: coordinates 0, 2 of each group; odd: 1, 3
+        lo = tl.reshape(tl.join(c0, c2), (BT, 2 * G))
+        hi = tl.reshape(tl.join(c1, c3), (BT, 2 * G))
+    s = tl.load(vs_ptr + rows * vq_t, mask=row_ok, other=0.0).to(OP)[:, None]
+    if V_HAS_OFF:
+        o = tl.load(vo_ptr + rows * vq_t, mask=row_ok, other=0.0).to(OP)[:, None]
+        lo = lo.to(OP) * s + o
+        hi = hi.to(OP) * s + o
+    else:
+        lo = lo.to(OP) * s
+        hi = hi.to(OP) * s
+    return lo, hi
+
+
+@triton.jit
+def _vq_key_coordinate(row, idx, has, cb, D: tl.constexpr, M: tl.constexpr,
+                       BITS: tl.constexpr):  # fmt: skip
+    """float32 [BT] decoded coordinate (before the normaliser) of channel idx [BT] of
+    RoPE-pair vector keys, rows at `row` [BT]: its group's centroid coordinate."""
+    H: tl.constexpr = D // 2
+    half = idx // H
+    c = idx % H
+    if M == 2:
+        g = c
+        coord = half
+    else:
+        g = c // 2
+        coord = (c % 2) + 2 * half
+    index = _vq_index(row, g, has, BITS * M)
+    return tl.load(cb + index * M + coord, mask=has, other=0.0).to(tl.float32)
+
+
 @triton.jit
 def _rope_row_groups(scores, rq, k_ptr, k_t, ks_ptr, ko_ptr, kq_t, t, t_ok, tab, trow, p0,
                      run, K_ZERO: tl.constexpr, KP: tl.constexpr, D: tl.constexpr,
@@ -913,7 +1148,8 @@ def _rope_scores(rq, rk, k_ptr, k_t, ks_ptr, ko_ptr, kq_t, t, t_ok, tile, pos_pt
                  K_NG: tl.constexpr, K_HAS_OFF: tl.constexpr, K_FP8: tl.constexpr,
                  K_FACTOR: tl.constexpr, K_WORDS: tl.constexpr,
                  NC: tl.constexpr, K_LUT: tl.constexpr = 0, K_FLAT: tl.constexpr = False,
-                 nuq=None, amp=None):  # fmt: skip
+                 nuq=None, amp=None, K_VQ: tl.constexpr = 0,
+                 K_VQB: tl.constexpr = 0):  # fmt: skip
     """Scores [R, BT] of a tile of pre-RoPE keys, each rotated at its row's position. A
     tile whose rows sit at one run of positions p0, p0 + 1, ... (a sequence's rows, the
     usual case) is rotated by angle addition: R(p0 + i) = R(p0) R(i), R(p0) taken onto the
@@ -924,7 +1160,8 @@ def _rope_scores(rq, rk, k_ptr, k_t, ks_ptr, ko_ptr, kq_t, t, t_ok, tile, pos_pt
     the unit table holds plain rotations) and the static key qparams (`_rope_setup`).
     K_LUT: 4-bit codebook (NUQ) codes; K_FLAT: with their flat exact exceptions, corrected
     rotated (`_key_exceptions`; nuq: the kernel's NUQ pointers, amp: the table's
-    amplitude)."""
+    amplitude). K_VQ (M), K_VQB (bits): vector-codebook keys over RoPE pairs
+    (`_rope_vq_chunk`, the codebook in nuq[0])."""
     pos = tl.load(pos_ptr + t * pos_t, mask=t_ok, other=0).to(tl.int32)
     p0 = tl.load(pos_ptr + tile * BLOCK_T * pos_t).to(tl.int32)
     local = tl.arange(0, BLOCK_T)
@@ -936,6 +1173,14 @@ def _rope_scores(rq, rk, k_ptr, k_t, ks_ptr, ko_ptr, kq_t, t, t_ok, tile, pos_pt
         scores = _rope_row_groups(scores, rq[0], k_ptr, k_t, ks_ptr, ko_ptr, kq_t, t, t_ok, tab,
                                   trow, p0, run, K_ZERO, KP, D, OP, PRECISION, ASM, K_FP8, K_NG,
                                   K_HAS_OFF, K_FACTOR, K_WORDS)  # fmt: skip
+    elif K_VQ and not FULL:
+        VW: tl.constexpr = D // KP // 2 // NC
+        vrow = k_ptr + t[:, None] * k_t
+        vok = t_ok[:, None]
+        for c in tl.static_range(NC):
+            scores = _rope_vq_chunk(scores, rq[c], rk[c], vrow, vok, c * VW + tl.arange(0, VW),
+                                    tab, trow, p0, run, c * VW, KP, D, OP, PRECISION, K_VQ,
+                                    K_VQB, nuq[0])  # fmt: skip
     else:
         CW: tl.constexpr = D // KP // 2 // NC
         LUT: tl.constexpr = 0 if FULL else K_LUT
@@ -950,7 +1195,7 @@ def _rope_scores(rq, rk, k_ptr, k_t, ks_ptr, ko_ptr, kq_t, t, t_ok, tile, pos_pt
                                  K_FP8, LUT, ltab, lut)  # fmt: skip
     if K_FLAT and not FULL:  # NUQ keys' exact exceptions, rotated at each row's position
         scores = _key_exceptions(scores, t, t_ok, k_ptr, k_t, nuq, OP, PRECISION, True,
-                                 (pos, tab, amp), D, KP)  # fmt: skip
+                                 (pos, tab, amp), D, KP, K_VQ, K_VQB)  # fmt: skip
     return scores
 
 
@@ -1011,14 +1256,17 @@ def _segment_loop(
     ROPE: tl.constexpr = False, rope_q=None, pos_ptr=None, pos_t=0, tab=None,
     tab_rows=0, D: tl.constexpr = 0, NC: tl.constexpr = 1,
     K_LUT: tl.constexpr = 0, V_LUT: tl.constexpr = 0, K_FLAT: tl.constexpr = False,
-    V_SLOTS: tl.constexpr = 0, nuq=None, tab1=None, amp1=None,
+    V_SLOTS: tl.constexpr = 0, nuq=None, tab1=None, amp1=None, K_VQ: tl.constexpr = 0,
+    K_VQB: tl.constexpr = 0, V_VQ: tl.constexpr = 0, V_VQB: tl.constexpr = 0,
 ):  # fmt: skip
     """Folds tiles [first, last) of one segment into the online-softmax state (m, l,
     acc_lo, acc_hi: the numerator's planes). FULL: a full-precision segment (keys
     post-RoPE); otherwise packed codes with the key qparams already in q and k_bias.
     ROPE: keys stored before RoPE, rotated at positions pos_ptr (`_rope_scores`);
     full-precision ones in channel order (tab1, amp1: the unit table and amplitude of one
-    plane), whatever the packed codes' planes."""
+    plane), whatever the packed codes' planes. K_VQ, V_VQ (M; K_VQB, V_VQB: bits):
+    vector-codebook keys (pre-RoPE, `_rope_vq_chunk`) and values (`_vq_value_planes`),
+    their codebooks in nuq[0] and nuq[14]."""
     m_i, l_i, acc_lo, acc_hi = state
     LOG2E: tl.constexpr = 1.4426950408889634
     if ROPE:
@@ -1029,6 +1277,12 @@ def _segment_loop(
     # value slots patched into the levels by the compiled lookup (`_word_levels_slots`):
     # per-row normalisers, codes read as words, at most MAX_PATCHED_SLOTS
     V_PATCH: tl.constexpr = (V_LUT == 2) * V_WORDS * (NG == 1) * (V_SLOTS <= 4)
+    # vq values: the slots patched into the centroid words where the dots take fp16 (the
+    # codebook is then fp16, `planned_decode.vq_table`), 4-D groups up to head_dim 128
+    # (sm_90, Llama-like 2 x 4: 104 warp-instructions per row against 137 replacing them
+    # in the decoded tile; 2-D groups: 152 against 148; Gemma 3's 2 x 4: 183 but a 40 B
+    # spill against 269, none); exact replacement in the tile otherwise
+    VQ_PATCH: tl.constexpr = V_SLOTS if V_VQ == 4 and tl.float16 == OP and D <= 128 else 0
     # pre-RoPE full-precision rows of head_dim 256 in tiles of BLOCK_T / SUB rows: whole
     # tiles of them spilled (`_rope_inputs`); the packed loop keeps BLOCK_T
     SUB: tl.constexpr = 4 if (FULL and ROPE and D >= 256) else 1
@@ -1043,7 +1297,7 @@ def _segment_loop(
                                   pos_ptr, pos_t, rtab, tab_rows, R, K_ZERO, BT, FULL, KPR,
                                   D, OP, PRECISION, ASM, K_ROWQ, K_NG, K_HAS_OFF, K_FP8,
                                   K_FACTOR, K_WORDS, NCS, K_LUT, K_FLAT, nuq,
-                                  rope_q[3])  # fmt: skip
+                                  rope_q[3], K_VQ, K_VQB)  # fmt: skip
         else:
             if K_ROWQ and not FULL:
                 k_lo, k_hi = _value_planes(k_ptr, t, t_ok, k_t, ks_ptr, ko_ptr, kq_t, K_ZERO,
@@ -1077,11 +1331,16 @@ def _segment_loop(
         alpha = tl.exp2(m_i - m_safe)
         p = tl.exp2(scores - m_safe[:, None])  # [R, BT]
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        v_lo, v_hi = _value_planes(v_ptr, t, t_ok, v_t, vs_ptr, vo_ptr, vq_t, V_ZERO, VP, NG,
-                                   GW, FULL, V_HAS_OFF, OP, ASM, V_FP8, V_FACTOR,
-                                   V_WORDS and not FULL, V_LUT, nuq[14], nuq[16],
-                                   V_SLOTS * V_PATCH, nuq)  # fmt: skip
-        if V_SLOTS and not FULL and not V_PATCH:  # NUQ values' exact exceptions
+        if V_VQ and not FULL:
+            v_lo, v_hi = _vq_value_planes(v_ptr, t, t_ok, v_t, vs_ptr, vo_ptr, vq_t, V_VQ,
+                                          V_VQB, D, V_HAS_OFF, OP, nuq[14], VQ_PATCH,
+                                          nuq)  # fmt: skip
+        else:
+            v_lo, v_hi = _value_planes(v_ptr, t, t_ok, v_t, vs_ptr, vo_ptr, vq_t, V_ZERO, VP,
+                                       NG, GW, FULL, V_HAS_OFF, OP, ASM, V_FP8, V_FACTOR,
+                                       V_WORDS and not FULL, V_LUT, nuq[14], nuq[16],
+                                       V_SLOTS * V_PATCH, nuq)  # fmt: skip
+        if V_SLOTS and not FULL and not V_PATCH and not VQ_PATCH:  # exact exceptions
             v_lo, v_hi = _value_slots(v_lo, v_hi, t, t_ok, nuq, VP, V_SLOTS)
         p16 = p.to(OP)
         acc_lo = acc_lo * alpha[:, None] + tl.dot(p16, v_lo, input_precision=PRECISION)
@@ -1117,6 +1376,8 @@ def decode_splits_kernel(
     V_SLOTS: tl.constexpr = 0, k_tab=None, v_tab=None, k_cnt=None, kc_b=0, kc_h=0, kc_t=0,
     k_first=None, kf_b=0, kf_h=0, kf_t=0, k_eidx=None, k_eval=None, v_sidx=None, v_sval=None,
     vs_b=0, vs_h=0, vs_t=0, RQ: tl.constexpr = 16, rope_tab1=None, rope_amp1=None,
+    K_VQ: tl.constexpr = 0, K_VQB: tl.constexpr = 0, V_VQ: tl.constexpr = 0,
+    V_VQB: tl.constexpr = 0,
 ):  # fmt: skip
     """Segments 0, 1, 2 (KIND 0: absent, 1: full precision, 2: packed; one packed at
     most): key and value data with their batch, head and row strides (elements of the
@@ -1139,7 +1400,10 @@ def decode_splits_kernel(
     applied before rotation). K_FLAT: the keys' flat exact exceptions, count k_cnt [B, H_kv, T] and
     first entry k_first (strides kc_*, kf_*) of each row into k_eidx (channels) and k_eval
     (values); V_SLOTS: the values' exceptions per row, slots v_sidx, v_sval
-    [B, H_kv, T, V_SLOTS] (strides vs_*; channel D: unused).
+    [B, H_kv, T, V_SLOTS] (strides vs_*; channel D: unused). K_VQ, V_VQ: vector-codebook
+    codes (`_vq_index`), groups of that many channels (0: none), digits of K_VQB, V_VQB
+    bits, centroids from k_tab, v_tab ([2^(bits M), M] in the dots' dtype); keys pre-RoPE
+    over RoPE pairs in KP = M / 2 planes, values over neighbouring channels in VP = 2.
 
     None for an argument (Triton binds it as a constexpr: no runtime argument) where the
     host's layout fixes its value (`planned_decode._layout_strides`): row strides of
@@ -1213,6 +1477,8 @@ def decode_splits_kernel(
     b = (bh // HKV).to(tl.int64)  # batch offsets of a long cache pass 2^31 bytes
     h = bh % HKV
     KW: tl.constexpr = D // KP
+    KRB: tl.constexpr = D // KP if K_VQ == 0 else D * K_VQB // 8  # bytes of a packed row
+    VRB: tl.constexpr = D // VP if V_VQ == 0 else D * V_VQB // 8
     GW: tl.constexpr = D // (NG * VP)
     OP: tl.constexpr = tl.float16 if HALF else tl.float32
     PRECISION: tl.constexpr = "tf32" if HALF else "ieee"
@@ -1263,7 +1529,11 @@ def decode_splits_kernel(
     # segments' loops
     # (in NC chunks of columns: a chunk's keys are decoded, rotated and dotted before the
     # next one's, which keeps head_dim 256 within the registers of 8 resident warps)
-    NC: tl.constexpr = 2 if D // KP // 2 > 32 and not K_ROWQ else 1
+    # (vector keys: one chunk, the groups' centroids gathered once per tile. sm_90, with
+    # exceptions: Llama-like 3 x 2 in chunks of 32 groups spilled 64 B at 204 warp-
+    # instructions per row, one chunk 148 and no spill; Gemma 3's 3 x 2 in 4 chunks 400
+    # and a 160 B spill, one chunk 297, none)
+    NC: tl.constexpr = 1 if K_VQ else (2 if D // KP // 2 > 32 and not K_ROWQ else 1)
     rope_q = (q_row, r_ok, q_scale, rope_amp, fk, HKV)  # what `_rope_prepare` reads
 
     m_i = tl.full([R], float("-inf"), tl.float32)
@@ -1294,8 +1564,8 @@ def decode_splits_kernel(
            v_sval + b * vs_b + h * vs_h, vs_t, v_tab, _lut_words(k_tab, K_MODE),
            _lut_words(v_tab, V_MODE))  # fmt: skip
     if KIND0 != 0:
-        k0_t = (D if KIND0 == 1 else D // KP) if k0_t is None else k0_t
-        v0_t = (D if KIND0 == 1 else D // VP) if v0_t is None else v0_t
+        k0_t = (D if KIND0 == 1 else KRB) if k0_t is None else k0_t
+        v0_t = (D if KIND0 == 1 else VRB) if v0_t is None else v0_t
         v0_h = k0_h if v0_h is None else v0_h
         k0_b = HKV * k0_h if k0_b is None else k0_b
         v0_b = HKV * v0_h if v0_b is None else v0_b
@@ -1310,10 +1580,11 @@ def decode_splits_kernel(
             m_row, HAS_MASK, K_FP8, V_FP8, K_FACTOR, V_FACTOR, K_WORDS, V_WORDS,
             ROPE0, rope_q, pos0 + b * pos0_b, pos0_t, rope_tab, rope_rows, D, NC,
             K_MODE, V_MODE, K_FLAT, V_SLOTS, nuq, rope_tab1, rope_amp1,
+            K_VQ, K_VQB, V_VQ, V_VQB,
         )  # fmt: skip
     if KIND1 != 0:
-        k1_t = (D if KIND1 == 1 else D // KP) if k1_t is None else k1_t
-        v1_t = (D if KIND1 == 1 else D // VP) if v1_t is None else v1_t
+        k1_t = (D if KIND1 == 1 else KRB) if k1_t is None else k1_t
+        v1_t = (D if KIND1 == 1 else VRB) if v1_t is None else v1_t
         v1_h = k1_h if v1_h is None else v1_h
         k1_b = HKV * k1_h if k1_b is None else k1_b
         v1_b = HKV * v1_h if v1_b is None else v1_b
@@ -1333,10 +1604,11 @@ def decode_splits_kernel(
             K_HAS_OFF, m_row, HAS_MASK, K_FP8, V_FP8, K_FACTOR, V_FACTOR, K_WORDS, V_WORDS,
             ROPE1, rope_q, pos1 + b * pos1_b, pos1_t, rope_tab, rope_rows, D, NC,
             K_MODE, V_MODE, K_FLAT, V_SLOTS, nuq, rope_tab1, rope_amp1,
+            K_VQ, K_VQB, V_VQ, V_VQB,
         )  # fmt: skip
     if KIND2 != 0:
-        k2_t = (D if KIND2 == 1 else D // KP) if k2_t is None else k2_t
-        v2_t = (D if KIND2 == 1 else D // VP) if v2_t is None else v2_t
+        k2_t = (D if KIND2 == 1 else KRB) if k2_t is None else k2_t
+        v2_t = (D if KIND2 == 1 else VRB) if v2_t is None else v2_t
         v2_h = k2_h if v2_h is None else v2_h
         k2_b = HKV * k2_h if k2_b is None else k2_b
         v2_b = HKV * v2_h if v2_b is None else v2_b
@@ -1352,6 +1624,7 @@ def decode_splits_kernel(
             K_WORDS, V_WORDS,
             ROPE2, rope_q, pos2 + b * pos2_b, pos2_t, rope_tab, rope_rows, D, NC,
             K_MODE, V_MODE, K_FLAT, V_SLOTS, nuq, rope_tab1, rope_amp1,
+            K_VQ, K_VQB, V_VQ, V_VQB,
         )  # fmt: skip
     if KIND1 != 0 and MAIN_LAST:  # the same call, after segment 2
         kp = k1 + b * k1_b + h * k1_h
@@ -1365,6 +1638,7 @@ def decode_splits_kernel(
             K_HAS_OFF, m_row, HAS_MASK, K_FP8, V_FP8, K_FACTOR, V_FACTOR, K_WORDS, V_WORDS,
             ROPE1, rope_q, pos1 + b * pos1_b, pos1_t, rope_tab, rope_rows, D, NC,
             K_MODE, V_MODE, K_FLAT, V_SLOTS, nuq, rope_tab1, rope_amp1,
+            K_VQ, K_VQB, V_VQ, V_VQB,
         )  # fmt: skip
     m_i, l_i, acc_lo, acc_hi = state
 

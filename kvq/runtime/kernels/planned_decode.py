@@ -4,7 +4,10 @@ reduction, no device syncs (`_decode_splits_triton`, `launch_plan`).
 It takes the layouts a decode step mostly sees — full-precision segments (sink rows,
 the residual window) around at most one packed segment of 4- or 8-bit affine codes,
 fp8 codes (E4M3 / E5M2, decoded from their bits, `fp8.fp16_placement`) or 4-bit
-codebook codes (KVQuant's NUQ4: 16 levels, `nuq_table`) with static per-channel (or
+codebook codes (KVQuant's NUQ4: 16 levels, `nuq_table`) or vector-codebook codes (the
+layouts of `kvq calibrate vq` and `auto --bits 2 | 3`: RoPE-pair key groups stored before
+RoPE, neighbouring-channel value groups, 16, 64 or 256 centroids, `vq_table`,
+`_vq_unsupported`) with static per-channel (or
 per-head) or per-row grouped key qparams and per-row grouped or per-head value qparams,
 NUQ's exact exceptions (the keys' flat entries, the values' slots), keys stored after RoPE
 or before it (rotated in the tile loop at each row's position,
@@ -40,6 +43,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from kvq.quant import packing, vq
 from kvq.quant.fp8 import fp16_placement
 from kvq.runtime.fp8_codecs import fp8_format_of
 from kvq.runtime.kernels.backend import interpreting, next_pow2
@@ -69,7 +73,8 @@ class KernelConfig:
 
 
 def kernel_config(head_dim: int, bits: int, key_rows: bool = False,
-                  rope_lut: bool = False) -> KernelConfig:  # fmt: skip
+                  rope_lut: bool = False, vector: int = 0,
+                  key_entries: bool = False) -> KernelConfig:  # fmt: skip
     """Launch configuration per shape bucket (head_dim, code bits; `key_rows`, whether key
     qparams are per row, no longer changes it): 64-row tiles, 4 warps, 2 tiles of raw codes
     in flight, where that compiles without spilling. Picked from the sm_90 compile
@@ -87,7 +92,19 @@ def kernel_config(head_dim: int, bits: int, key_rows: bool = False,
     scale + centre rotated in the loop): at head_dim 256 the per-channel normaliser held
     per column leaves no room for 4 warps (255 registers and a 552 B spill, 151 per row),
     so 8 warps share the state: 255 registers, no spill, 171 per row (general kernel:
-    426); at head_dim 128, 4 warps: 245 registers, 8 warps per SM, 87 per row (252)."""
+    426); at head_dim 128, 4 warps: 245 registers, 8 warps per SM, 87 per row (252).
+    `vector`: the group size of vq keys (pre-RoPE, centroids gathered in the loop), with
+    or without `key_entries` (flat exceptions): at head_dim 256, 8 warps as for NUQ4 (3 x
+    2 codes: 222 registers, no spill, 297 per row; 4 warps spill); at 128, 4 warps (3 x 2:
+    199 registers, 8 warps per SM, 148 per row; 2 x 4: 200, 104). One stage for 4-D groups
+    at 256 (the key entries' loop leaves the packed codes unstaged anyway; the staged sink
+    and residual loops of Gemma 3's layer call spilled 88 B for 2 x 4 codes with 2 stages,
+    8 B with 1: 261 per row against 248) and for 2-D groups without key entries (staged
+    codes spilled 64 B Llama-like, 248 B Gemma 3; one stage: none, 109 and 223 per row)."""
+    if vector:
+        one = (vector == 4 and head_dim >= 256) or (vector == 2 and not key_entries)
+        stages = 1 if one else 2
+        return KernelConfig(64, 8, stages) if head_dim >= 256 else KernelConfig(64, 4, stages)
     if rope_lut and head_dim >= 256:
         return KernelConfig(64, 8, 2)
     if bits == 8 and head_dim >= 256:
@@ -126,7 +143,7 @@ def planned_unsupported(query: Tensor, segments, mask: Tensor | None) -> str | N
         reason = _packed_unsupported(packed[0], d)
         if reason:
             return reason
-    planes = 2 if packed and packed[0].key.bits == 4 else 1
+    planes = _key_planes(packed[0].key) if packed else 1
     if any(s.key.pre_rope for s in segments) and d // planes // 2 < 16:
         return "pre-RoPE keys: fewer than 16 channels per plane and half (a dot's K)"
     return None
@@ -149,13 +166,17 @@ def _packed_unsupported(seg, d: int) -> str | None:
     k, v = seg.key, seg.value
     for p in (k, v):
         fp8 = p.kind == "lookup" and p.bits == 8 and fp8_format_of(p.table) is not None
-        if not fp8 and not _nuq(p) and (p.kind != "affine" or p.bits not in (4, 8)):
-            return "codes other than 4- or 8-bit affine, fp8 or 4-bit NUQ"
+        vector = p.kind == "vector"
+        if not fp8 and not _nuq(p) and not vector and (p.kind != "affine" or p.bits not in (4, 8)):
+            return "codes other than 4- or 8-bit affine, fp8, 4-bit NUQ or vector codebooks"
+        reason = _vq_unsupported(p, p is k, d) if vector else None
+        if reason:
+            return reason
     # NUQ exceptions: the keys' flat entries, the values' slots (`_key_exceptions`,
     # `_value_slots`)
-    if k.slot_index is not None or (k.sparse_count is not None and not _nuq(k)):
+    if k.slot_index is not None or (k.sparse_count is not None and not _nuq(k) and not _vq(k)):
         return "key exceptions other than NUQ's flat entries"
-    if v.sparse_count is not None or (v.slot_index is not None and not _nuq(v)):
+    if v.sparse_count is not None or (v.slot_index is not None and not _nuq(v) and not _vq(v)):
         return "value exceptions other than NUQ's slots"
     if v.slot_index is not None and v.slot_value.stride() != v.slot_index.stride():
         return "value slots: values must share the channels' layout"
@@ -165,6 +186,8 @@ def _packed_unsupported(seg, d: int) -> str | None:
         reason = _row_groups_unsupported(k, d)
         if reason:
             return f"keys: {reason}"
+    if _vq(v):  # per-row normaliser, checked by _vq_unsupported
+        return None
     if v.qaxis == "head":  # a static scale per head: read per row with a zero row stride
         return "values: per-head zero points" if v.zero_point is not None else None
     reason = _row_groups_unsupported(v, d)
@@ -175,6 +198,93 @@ def _nuq(p) -> bool:
     """Whether `p` holds 4-bit codebook codes (KVQuant's NUQ4): a table of 16 levels that
     the kernel reads as fp16 bytes (`_lut_planes`)."""
     return p.kind == "lookup" and p.bits == 4 and p.table.numel() == 16
+
+
+def _vq(p) -> bool:
+    """Whether `p` holds vector-codebook codes (`kvq.quant.vq`)."""
+    return p.kind == "vector"
+
+
+# the group index widths the kernel reads (`_decode_splits_triton._vq_index`): a nibble, a
+# 6-bit field of a 3-byte unit, a byte (16, 64, 256 centroids: every layout `kvq calibrate
+# auto` writes: 1 bit x 4, 2 x 2, 2 x 4, 3 x 2, 4 x 2)
+VQ_FIELDS = (4, 6, 8)
+
+
+def _vq_unsupported(p, key: bool, d: int) -> str | None:
+    """Vector codes the planned kernel reads: the calibrator's groups (keys over RoPE pairs
+    and stored before RoPE, values over neighbouring channels: `vq.channel_groups`),
+    indices of 4, 6 or 8 bits, the keys' static per-channel normaliser, the values' per-row
+    one."""
+    m = p.vector_dim
+    if p.bits * m not in VQ_FIELDS:
+        return f"vector codebooks of {2 ** (p.bits * m)} centroids (16, 64 or 256 decode planned)"
+    if not _canonical_groups(p.groups, d, key):
+        side = "keys over RoPE pairs" if key else "values over neighbouring channels"
+        return f"vector groups other than the calibrator's ({side})"
+    if key:
+        if not p.pre_rope:
+            return "vector keys after RoPE (the calibrator stores them before)"
+        if p.qaxis not in ("channel", "head") or p.zero_point is not None:
+            return "vector keys without a static per-channel normaliser"
+        return None
+    if p.qaxis != "row" or p.scale.shape[-1] != 1 or p.zero_point is not None:
+        return "vector values without a per-row normaliser"
+    if p.offset is not None and p.offset.stride() != p.scale.stride():
+        return "offsets must share the scales' layout"
+    return None
+
+
+def _canonical_groups(groups: Tensor, d: int, key: bool) -> bool:
+    """Whether groups [D / m, m] are `vq.channel_groups(d, m, pairs=key)`, checked once per
+    groups tensor (a codec's static state: no device sync per call)."""
+
+    def build():
+        want = vq.channel_groups(d, groups.shape[1], pairs=key)
+        return bool(torch.equal(groups.long().cpu(), want))
+
+    return memoised(_GROUPS_KEY if key else _GROUPS_VALUE, groups, build)
+
+
+_GROUPS_KEY: Memo = {}
+_GROUPS_VALUE: Memo = {}
+
+
+def _key_planes(p) -> int:
+    """Planes of a packed key tile: 2 for 4-bit codes (even, odd channels) and 4-D vector
+    groups (RoPE pairs of neighbouring channels), else 1."""
+    if _vq(p):
+        return p.vector_dim // 2
+    return 2 if p.bits == 4 else 1
+
+
+def _value_planes_of(p) -> int:
+    """Planes of a packed value tile: 2 for 4-bit codes and vector groups, else 1."""
+    return 2 if p.bits == 4 or _vq(p) else 1
+
+
+def vq_table(table: Tensor, half: bool) -> Tensor:
+    """[2^(bits m), m] centroids as the kernel reads them, contiguous, cached per table:
+    float16 where they are float16 values (what calibration stores: the kernel then
+    reads a 2-D centroid as one word, under the interpreter too) or the dots are fp16;
+    else float32 (exact, for fp32 dots)."""
+    cached = memoised(_VQ_TABLES, table, dict)
+    if half not in cached:
+        exact = bool(torch.equal(table.half().to(table.dtype), table))  # once per table
+        dtype = torch.float16 if half or exact else torch.float32
+        cached[half] = table.to(dtype).contiguous()
+    return cached[half]
+
+
+_VQ_TABLES: Memo = {}
+
+
+def _table(p, half: bool) -> Tensor | None:
+    """The codebook the kernel reads for `p`: NUQ4's (`nuq_table`), a vector one's
+    (`vq_table`), else None."""
+    if _nuq(p):
+        return nuq_table(p.table)
+    return vq_table(p.table, half) if _vq(p) else None
 
 
 def nuq_table(table: Tensor) -> Tensor:
@@ -456,8 +566,7 @@ def _sources(query: Tensor, segments, rows: list, mask: Tensor | None, rope, hal
             src += (k.scale, k.offset)
         else:
             src += (_key_fold(k), None)
-        src += (v.scale, v.offset, nuq_table(k.table) if _nuq(k) else None,
-                nuq_table(v.table) if _nuq(v) else None)  # fmt: skip
+        src += (v.scale, v.offset, _table(k, half), _table(v, half))
         if k.sparse_count is not None and k.sparse_index.numel():
             src += (k.sparse_count, _flat_starts(k.sparse_count), k.sparse_index,
                     k.sparse_value)  # fmt: skip
@@ -469,7 +578,7 @@ def _sources(query: Tensor, segments, rows: list, mask: Tensor | None, rope, hal
             src += (None, None)
     dtype = torch.float16 if half else torch.float32
     if pre:
-        planes = 2 if packed is not None and packed.key.bits == 4 else 1
+        planes = _key_planes(packed.key) if packed is not None else 1
         src += rope_planes(rope, planes, dtype)
     else:
         src += (None, None)
@@ -492,7 +601,8 @@ def _layout_key(query: Tensor, segments, rows: list, src: list, scaling: float, 
         if k.kind != "full":
             slots = None if v.slot_index is None else v.slot_index.shape[-1]
             key.append((k.scale.shape[-1], v.scale.shape[-1], k.scale.dim(), v.scale.dim(),
-                        _fp8(k), _fp8(v), _nuq(k), _nuq(v), slots))  # fmt: skip
+                        _fp8(k), _fp8(v), _nuq(k), _nuq(v), slots, k.vector_dim,
+                        v.vector_dim))  # fmt: skip
     if src[SRC_MASK] is not None:
         key.append(src[SRC_MASK].shape[0])
     if src[SRC_ROPE] is not None:
@@ -521,8 +631,7 @@ def _site(query: Tensor, segments, src: list, *, scaling: float, softcap: float 
     packed = next((s for s in segments if s.key.kind != "full"), None)
     k_rowq, k_ng, kq, k_off = False, 1, (None, None, None), None
     if packed is not None:
-        kp = 2 if packed.key.bits == 4 else 1
-        vp = 2 if packed.value.bits == 4 else 1
+        kp, vp = _key_planes(packed.key), _value_planes_of(packed.value)
         bits = packed.key.bits
         k_fp8, v_fp8 = _fp8(packed.key), _fp8(packed.value)
         k_rowq = packed.key.qaxis == "row"
@@ -541,7 +650,9 @@ def _site(query: Tensor, segments, src: list, *, scaling: float, softcap: float 
         vq, k_zero, v_zero = (None, None, None), 0.0, 0.0
         k_fp8 = v_fp8 = (0, 1.0)
     cfg = kernel_config(d, bits, k_rowq, packed is not None and packed.key.pre_rope
-                        and _nuq(packed.key))  # fmt: skip
+                        and _nuq(packed.key),
+                        packed.key.vector_dim if packed is not None and _vq(packed.key) else 0,
+                        src[SRC_PACKED + 6] is not None)  # fmt: skip
     sq_b, sq_h, sq_q = query.stride()[:3]
     args = dict(q=_Src(SRC_Q), sq_b=None if sq_b == hq * q_len * d else sq_b,
                 sq_h=None if sq_h == d else sq_h,
@@ -557,8 +668,10 @@ def _site(query: Tensor, segments, src: list, *, scaling: float, softcap: float 
         full = seg.key.kind == "full"
         kinds.append(1 if full else 2)
         on_device = src[SRC_LENGTHS] is not None  # the kernel reads the rows from `lengths`
-        k_b, k_h, k_t = _layout_strides(seg.key.data.stride()[:3], hkv, d if full else d // kp)
-        v_b, v_h, v_t = _layout_strides(seg.value.data.stride()[:3], hkv, d if full else d // vp)
+        k_row = d if full else packing.packed_len(d, seg.key.bits)  # the kernel's default
+        v_row = d if full else packing.packed_len(d, seg.value.bits)
+        k_b, k_h, k_t = _layout_strides(seg.key.data.stride()[:3], hkv, k_row)
+        v_b, v_h, v_t = _layout_strides(seg.value.data.stride()[:3], hkv, v_row)
         if v_h == k_h:  # the values' head stride is the keys'
             v_h = None
         args.update({f"k{i}": _Src(SRC_SEG + 3 * i), f"v{i}": _Src(SRC_SEG + 3 * i + 1),
@@ -581,13 +694,15 @@ def _site(query: Tensor, segments, src: list, *, scaling: float, softcap: float 
         D=d, BLOCK_T=cfg.block_t, KIND0=kinds[0], KIND1=kinds[1], KIND2=kinds[2], KP=kp,
         VP=vp, NG=ng, V_HAS_OFF=v_off is not None, K_FP8=k_fp8[0], V_FP8=v_fp8[0],
         K_FACTOR=k_fp8[1] if k_rowq else 1.0, V_FACTOR=v_fp8[1],
-        K_WORDS=k_rowq and _words(packed.key), V_WORDS=packed is not None and _words(packed.value),
+        K_WORDS=k_rowq and _words(packed.key),
+        V_WORDS=packed is not None and _words(packed.value) and not _vq(packed.value),
         HAS_SOFTCAP=bool(softcap), CAUSAL=q_len > 1, HALF=half, DIRECT=False,
         HAS_MASK=mask is not None,
         NUM_STAGES=cfg.num_stages, ASM=ASM and not interpreting() and query.device.type == "cuda",
     )  # fmt: skip
     args.update(_rope_args(segments, src))
     args.update(_nuq_args(packed, src, hkv), RQ=next_pow2(group * q_len))
+    args.update(_vq_args(packed))
     # every parameter: the ones left out here take the kernel's defaults
     params = inspect.signature(kern.decode_splits_kernel.fn).parameters
     names = tuple(params)
@@ -696,6 +811,17 @@ def _nuq_args(packed, src: list, hkv: int) -> dict:
         out.update(V_SLOTS=slots, v_sidx=_Src(at + 6), v_sval=_Src(at + 7))
         out.update(zip(("vs_b", "vs_h", "vs_t"),
                        _layout_strides(slot_index.stride()[:3], hkv, slots), strict=True))  # fmt: skip
+    return out
+
+
+def _vq_args(packed) -> dict:
+    """The kernel's vector-codebook constexprs: group size and digit bits per side (0:
+    other codes; the codebooks travel as k_tab, v_tab, `_nuq_args`)."""
+    out = dict(K_VQ=0, K_VQB=0, V_VQ=0, V_VQB=0)
+    if packed is not None and _vq(packed.key):
+        out.update(K_VQ=packed.key.vector_dim, K_VQB=packed.key.bits)
+    if packed is not None and _vq(packed.value):
+        out.update(V_VQ=packed.value.vector_dim, V_VQB=packed.value.bits)
     return out
 
 

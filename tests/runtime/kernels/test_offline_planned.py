@@ -41,14 +41,26 @@ CASES = {  # name -> (batch, KV heads, head_dim, query heads)
     "nuq4-pre-gemma": (16, 1, 256, 4),
     # Gemma 3's whole-layer call (`make demo`): pre-RoPE sink rows, KV4, residual rows
     "kv4-pre-gemma-layer": (16, 1, 256, 4),
+    # vector codebooks as `kvq calibrate auto` stores them (pre-RoPE keys over RoPE pairs,
+    # KVQuant's normalisers and exceptions): --bits 3 (3 x 2) and --bits 2 (2 x 4)
+    "vq3-pre-llama": (16, 8, 128, 32),
+    "vq2-pre-llama": (16, 8, 128, 32),
+    "vq2-pre-gemma": (16, 1, 256, 4),
+    "vq3-dense-pre-gemma": (16, 1, 256, 4),  # without exceptions (`kvq calibrate vq --outliers 0`)
 }
 # the NUQ4 keys' exceptions run a loop over each row's entries inside the tile loop, which
 # Triton's pipeliner does not stage: their codes load in the iteration that uses them
-UNSTAGED = ("nuq4-llama", "nuq4-pre-llama", "nuq4-pre-gemma")
+# (vq without exceptions over 2-D groups: one stage, staged codes spilled, `kernel_config`)
+UNSTAGED = ("nuq4-llama", "nuq4-pre-llama", "nuq4-pre-gemma", "vq3-pre-llama", "vq2-pre-llama",
+            "vq2-pre-gemma", "vq3-dense-pre-gemma")  # fmt: skip
 # below the 20 KB per SM in flight: unstaged, at 8 resident warps (pre-RoPE NUQ4 holds the
 # per-channel normaliser and the rotation: 242 / 255 registers), 18.1 KB (Llama-like) and
 # 17.1 KB (Gemma 3): not yet at the target
 BELOW_IN_FLIGHT = ("nuq4-pre-llama", "nuq4-pre-gemma")
+# vq rows: 3- and 2-bit codes, unstaged (the key entries' loop), 8 resident warps: 14.1 KB
+# per SM (Llama-like 3 x 2), 10.1 (2 x 4), 9.3 KB (Gemma 3's 2 x 4): below the target
+VQ_IN_FLIGHT_KB = {"vq3-pre-llama": 13, "vq2-pre-llama": 9.5, "vq2-pre-gemma": 9,
+                   "vq3-dense-pre-gemma": 10}  # fmt: skip
 
 
 def _fp8_segment(b, hkv, t, d):
@@ -81,6 +93,36 @@ def _nuq4_segment(b, hkv, t, d, exceptions: bool, pre_rope: bool = False):
     return Segment(PackedRows("lookup", d, codes[0], 4, table=table, pre_rope=pre_rope, **key),
                    PackedRows("lookup", d, codes[1], 4, table=table, **value),
                    torch.arange(t).expand(b, t))  # fmt: skip
+
+
+def _vq_segment(b, hkv, t, d, bits: int, m: int, exceptions: bool = True):
+    """What `kvq calibrate auto` stores: vector codes (random) over the calibrator's groups,
+    a random fp16 codebook, keys before RoPE with the static normaliser and 2 flat
+    exceptions per row, values with their row normaliser and 2 slots."""
+    from kvq.quant import packing, vq
+
+    g = torch.Generator().manual_seed(0)
+    n_bytes = packing.packed_len(d, bits)
+    codes = torch.randint(0, 256, (2, b, hkv, t, n_bytes), generator=g, dtype=torch.uint8)
+    table = (torch.rand(2 ** (bits * m), m, generator=g) * 2 - 1).half()
+    n = b * hkv * t * 2
+    key = dict(scale=torch.rand(hkv, d) + 0.5, offset=torch.rand(hkv, d))
+    value = dict(
+        scale=torch.rand(b, hkv, t, 1).half() + 0.5, offset=torch.rand(b, hkv, t, 1).half()
+    )
+    if exceptions:
+        key |= dict(sparse_count=torch.full((b, hkv, t), 2, dtype=torch.uint8),
+                    sparse_index=torch.randint(0, d, (n,), generator=g).to(torch.uint8),
+                    sparse_value=torch.randn(n).half())  # fmt: skip
+        slots = torch.stack([torch.zeros(b, hkv, t), torch.full((b, hkv, t), d // 2)], -1)
+        value |= dict(slot_index=slots.to(torch.uint8), slot_value=torch.randn(b, hkv, t, 2).half())
+    return Segment(
+        PackedRows("vector", d, codes[0], bits, table=table,
+                   groups=vq.channel_groups(d, m, pairs=True), pre_rope=True, **key),
+        PackedRows("vector", d, codes[1], bits, table=table,
+                   groups=vq.channel_groups(d, m, pairs=False), **value),
+        torch.arange(t).expand(b, t),
+    )  # fmt: skip
 
 
 def _row_bytes(seg: Segment) -> float:
@@ -125,6 +167,10 @@ def _compile(case: str) -> dict:
     if case.startswith("fp8"):
         seg = _fp8_segment(b, hkv, 256, d)
         row_bytes = 2 * d  # K and V codes
+    elif case.startswith("vq"):
+        bits = int(case[2])
+        seg = _vq_segment(b, hkv, 256, d, bits, 4 if bits == 2 else 2, "dense" not in case)
+        row_bytes = _row_bytes(seg)
     elif case.startswith("nuq4"):
         seg = _nuq4_segment(b, hkv, 256, d, exceptions="dense" not in case,
                             pre_rope="-pre-" in case)  # fmt: skip
@@ -203,6 +249,7 @@ def test_enough_bytes_in_flight_per_sm(compiled, case):
     stages = 1 if case in UNSTAGED else r["num_stages"]
     in_flight = stages * r["block_t"] * r["row_bytes"] * res.programs_per_sm
     want = 17 * 1024 if case in BELOW_IN_FLIGHT else 20 * 1024
+    want = int(VQ_IN_FLIGHT_KB[case] * 1024) if case in VQ_IN_FLIGHT_KB else want
     assert in_flight >= want, (in_flight, res.as_dict())
 
 
@@ -246,6 +293,24 @@ def test_pre_rope_nuq4_loops_per_row(compiled):
     assert res.warps_per_sm >= 8, res.as_dict()
 
 
+def test_vq_loops_per_row(compiled):
+    """Vector codebooks as `kvq calibrate auto` stores them, with the bench's exceptions:
+    each group's index read from the staged code bytes, its centroid gathered from the
+    codebook (L1), normalised and rotated as NUQ4's levels. Llama-like 3 x 2: 148 per row
+    at 8 warps per SM (the general kernel: 295 with a 176 B spill); 2 x 4, its value slots
+    patched into the centroid words: 104 (255, 104 B); Gemma 3's 2 x 4: 269 at 8 warps
+    per program (428, 24 B spill). NUQ4 (a PRMT lookup): 87 and 171."""
+    res, r = compiled["vq3-pre-llama"]
+    assert _per_row(res, r) <= 160, (_per_row(res, r), res.loop.most_common(12))
+    assert res.warps_per_sm >= 8, res.as_dict()
+    res, r = compiled["vq2-pre-llama"]
+    assert _per_row(res, r) <= 115, (_per_row(res, r), res.loop.most_common(12))
+    assert res.warps_per_sm >= 8, res.as_dict()
+    res, r = compiled["vq2-pre-gemma"]
+    assert _per_row(res, r) <= 290, (_per_row(res, r), res.loop.most_common(12))
+    assert res.warps_per_sm >= 8, res.as_dict()
+
+
 def test_gemma_pre_rope_layer_call_keeps_the_packed_loop(compiled):
     """The whole-layer call (pre-RoPE sink and residual rows around KV4) compiles without
     spilling (it spilled 472 B) and its packed loop (the one with the most MMAs) issues what
@@ -282,10 +347,11 @@ def test_a_layer_call_binds_few_runtime_arguments(compiled):
     at run time for KV4 and fp8 (of 117 parameters: strides the layout fixes, absent
     segments and features are None, which Triton binds as constexprs), at most 32 with
     pre-RoPE keys or NUQ exceptions (positions, tables, exception arrays), at most 44 with
-    both (KVQuant's layout: positions and two unit tables, NUQ tables and exceptions)."""
+    both (KVQuant's layout: positions and two unit tables, NUQ tables and exceptions; vq:
+    the same with codebooks)."""
     for case, (_, r) in compiled.items():
         limit = 25 if case in ("kv4-llama", "kv4-gemma", "fp8-llama") else 32
-        limit = 44 if case.startswith("nuq4-pre") else limit
+        limit = 44 if case.startswith(("nuq4-pre", "vq")) else limit
         assert r["runtime_args_layer"] <= limit, (case, r["runtime_args_layer"])
 
 
