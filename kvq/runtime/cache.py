@@ -161,7 +161,7 @@ class QuantizedKVCache(Cache):
     def _publish(self, txn: _Transaction) -> None:
         # every layer's successor exists; swap them in together, then evict
         for idx, layer in enumerate(self.layers):
-            layer.state = layer.evict(txn.prepared[idx])
+            layer.state = layer.evict(layer.committed(txn.prepared[idx]))
         self._txn = None
         self.publications += 1
 

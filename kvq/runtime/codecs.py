@@ -30,6 +30,9 @@ class Codec:
     """Base: full precision. Stores rows unchanged in the activation dtype."""
 
     group_rows = 1  # rows encoded together (KIVI keys: a group of tokens shares qparams)
+    # every row is stored in fixed-width row tensors, never as variable-length entries
+    # (`Flat`): its rows can be written at an offset the device holds (a replayable step)
+    fixed_width = True
 
     #: tensors of the codec's own (static) state, for the ledger
     static: dict[str, Tensor]

@@ -87,6 +87,20 @@ class RowStore:
         pos[:, self.length : need] = positions
         return RowStore(buffers=buffers, length=need, positions=pos)
 
+    def appended_at(self, rows: Rows, positions: Tensor, at: Tensor) -> RowStore:
+        """Successor with `rows` (each [B, H, T, ...]) at positions [B, T] written at rows
+        `at` ([T] int64 on the device: the committed length as the device counts it) of
+        the buffers themselves, which must hold them (`fits`): no host offset reaches the
+        device, so the same ops append row after row (a replayable decode step)."""
+        for name, r in rows.items():
+            self.buffers[name].index_copy_(2, at, r)
+        self.positions.index_copy_(1, at, positions)
+        return RowStore(self.buffers, self.length + positions.shape[1], self.positions)
+
+    def fits(self, rows: int) -> bool:
+        """Whether `rows` more rows go into the buffers themselves (no growth, no copy)."""
+        return bool(self.buffers) and not self.shared and self.length + rows <= self.capacity
+
     def dropped_front(self, count: int) -> RowStore:
         """Successor without the oldest `count` rows (sliding-window eviction); copies."""
         if count <= 0:
