@@ -311,13 +311,31 @@ class KvqLayer(CacheLayerMixin):
         dev = self._device_rows
         if dev is None or dev.pending is not state:
             return None
-        segments = self.segments(replace(state, main=RowStore.empty()))  # the sink's
-        main = state.main
+        segments, main, d = [], state.main, self.key_codec.head_dim
+        if state.sink is not None:
+            r = state.sink.rows
+            sink = (PackedRows("full", d, r["k"]), PackedRows("full", d, r["v"]))
+            segments.append(Segment(*sink, state.sink.positions))
         key = self.key_codec.packed(_strip(main.buffers, "k."), {})
         value = self.value_codec.packed(_strip(main.buffers, "v."), {})
         segments.append(Segment(key, value, main.positions))
         rows = (*(s.rows for s in segments[:-1]), main.length)
         return Counted(segments, dev.next, rows)
+
+    def replay_room(self) -> int:
+        """Rows a captured replayable step may still append into the main buffers (0 when
+        this layer's last step was host-driven)."""
+        dev, st = self._device_rows, self.state
+        if dev is None or dev.state is not st:
+            return 0
+        return st.main.capacity - st.main.length
+
+    def replayed(self, steps: int) -> None:
+        """The host side of `steps` replayed replayable steps (`QuantizedKVCache.replayed`):
+        the device already holds their rows and counts."""
+        st = self.state
+        main = replace(st.main, length=st.main.length + steps)
+        self.state = self._device_rows.state = replace(st, main=main, seen=st.seen + steps)
 
     def _phase(self, first_real: Tensor | None, lead: int, evicted: int):
         """(phase [B] or None, its max): the shift that starts each sequence's groups at its

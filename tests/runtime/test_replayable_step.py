@@ -20,6 +20,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AttentionInterface
 
+from kvq.errors import KvqError
 from kvq.models.adapters import get_adapter
 from kvq.quant.schemes import CachePolicy, LayerPolicy, named_policy
 from kvq.runtime import attention as kvq_attention_module
@@ -271,30 +272,70 @@ def _inputs(b, hq, hkv, d, layers, t, start, device, seed):
     return per, positions
 
 
+@torch.no_grad()
+@pytest.mark.parametrize("policy", ["int4", "int4-sink2"])
+def test_replays_that_leave_the_host_behind_are_caught_up_by_replayed(monkeypatch, policy):
+    """What a CUDA graph's replays do, emulated on the CPU: each step of every layer runs
+    (append + attention) and its host side is then undone, as a replay runs no Python.
+    The rows go where the device counts say and the kernel reads those counts, so every
+    such step attends as an eager twin of the cache does (bit for bit), and `replayed`
+    brings the host state level again: the next eager steps match the twin's too."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    model = make_tiny_model("llama", **MODELS["llama"])
+    cache = _cache(model, policy)
+    shape = (2, 4, 2, 32, model.config.num_hidden_layers)  # B, H_q, H_kv, D, layers
+    scaling = 32**-0.5
+    _decode_step(cache, _inputs(*shape, 12, 0, "cpu", 0), scaling)  # prefill: 64-row buffers
+    assert cache.replay_room() == 0  # nothing replayable captured yet
+    _decode_step(cache, _inputs(*shape, 1, 12, "cpu", 12), scaling)  # counts to the device
+    room = cache.replay_room()
+    assert room == 64 - cache.layers[0].state.main.length  # 13 tokens, less the sink's
+    twin = copy.deepcopy(cache)
+    held = [layer.state for layer in cache.layers]
+    for n in range(13, 17):
+        new = _inputs(*shape, 1, n, "cpu", n)
+        got = _decode_step(cache, new, scaling)
+        for layer, state in zip(cache.layers, held, strict=True):  # the replay's host side
+            layer.state = layer._device_rows.state = state
+        want = _decode_step(twin, new, scaling)
+        assert all(map(torch.equal, got, want)), n
+    with pytest.raises(KvqError, match="room"):
+        cache.replayed(cache.replay_room() + 1)
+    cache.replayed(4)
+    assert [x.state.seen for x in cache.layers] == [x.state.seen for x in twin.layers] == [17] * 2
+    assert cache.replay_room() == room - 4
+    for n in range(17, 19):
+        new = _inputs(*shape, 1, n, "cpu", n)
+        got, want = _decode_step(cache, new, scaling), _decode_step(twin, new, scaling)
+        assert all(map(torch.equal, got, want)), n
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @torch.no_grad()
-@pytest.mark.parametrize("policy", ["int4", "int8"])
+@pytest.mark.parametrize("policy", ["int4", "int4-sink2", "int8", "fp8-e4m3"])
 def test_a_decode_step_captures_in_a_cuda_graph_and_replays_token_after_token(policy,
                                                                               monkeypatch):  # fmt: skip
     """Every layer's decode step (append + attention) captured once in a CUDA graph and
     replayed for several tokens, new inputs copied into the captured ones, gives what an
-    eager twin of the cache (a deep copy taken before the capture) gives token by token."""
+    eager twin of the cache (a deep copy taken before the capture) gives token by token;
+    after `replayed`, eager steps of the cache go on where the replays left it."""
     monkeypatch.setenv("KVQ_BACKEND", "triton")
     model = make_tiny_model("llama", head_dim=64).cuda()
     cache = _cache(model, policy)
-    b, hq, hkv, d, layers = 2, 4, 2, 64, model.config.num_hidden_layers
-    scaling = d**-0.5
-    _decode_step(cache, _inputs(b, hq, hkv, d, layers, 20, 0, "cuda", 0), scaling)  # prefill
+    shape = (2, 4, 2, 64, model.config.num_hidden_layers)
+    scaling = 64**-0.5
+    _decode_step(cache, _inputs(*shape, 20, 0, "cuda", 0), scaling)  # prefill
     for n in (20, 21):  # the first step copies the counts to the device; both compile
-        _decode_step(cache, _inputs(b, hq, hkv, d, layers, 1, n, "cuda", n), scaling)
+        _decode_step(cache, _inputs(*shape, 1, n, "cuda", n), scaling)
     torch.cuda.synchronize()
     twin = copy.deepcopy(cache)
-    static = _inputs(b, hq, hkv, d, layers, 1, 22, "cuda", 0)
+    static = _inputs(*shape, 1, 22, "cuda", 0)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         outs = _decode_step(cache, static, scaling)
-    for n in range(22, 30):
-        new = _inputs(b, hq, hkv, d, layers, 1, n, "cuda", 100 + n)
+    replays = range(22, 30)
+    for n in replays:
+        new = _inputs(*shape, 1, n, "cuda", 100 + n)
         for dst, src in zip(static[0], new[0], strict=True):
             for x, y in zip(dst, src, strict=True):
                 x.copy_(y)
@@ -304,3 +345,8 @@ def test_a_decode_step_captures_in_a_cuda_graph_and_replays_token_after_token(po
         torch.cuda.synchronize()
         for got, want in zip(outs, eager, strict=True):
             torch.testing.assert_close(got, want, atol=2e-3, rtol=0)
+    cache.replayed(len(replays) - 1)
+    new = _inputs(*shape, 1, 30, "cuda", 130)
+    for got, want in zip(_decode_step(cache, new, scaling), _decode_step(twin, new, scaling),
+                         strict=True):  # fmt: skip
+        torch.testing.assert_close(got, want, atol=2e-3, rtol=0)
