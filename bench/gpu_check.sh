@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # GPU check for a lent CUDA machine (needs only torch, triton, transformers, safetensors,
-# typer, rich), unattended, under 8 minutes on an H200 (each step has its own timeout;
-# they add up to 470 s):
+# typer, rich), unattended, under 8.5 minutes on an H200 (each step has its own timeout;
+# they add up to 510 s):
 #   1. kernel parity on CUDA: the general and the planned decode kernels, exact fp32
 #      dots (the planned path's inline-PTX decode included), and the CUDA-graph capture;
 #      then the vector-codebook (vq) layouts, down to greedy generate with a vq cache;
+#      then every layer's decode step through the cache captured in a CUDA graph and
+#      replayed token after token against eager (tests/runtime/test_replayable_step.py);
 #   2. decode attention per format and head shape (Llama-like 8 x 128, Gemma 3 1 x 256):
 #      us, GB/s, share of the HBM peak, speed against fp16 SDPA and the launch chosen
 #      (plan: splits, programs, waves, fill; configuration); then KV4 through the general
@@ -24,6 +26,8 @@ KVQ_TRITON_DOT=ieee timeout 140 python3 -m pytest -q -p no:cacheprovider \
   tests/runtime/kernels/test_planned_decode.py tests/runtime/kernels/test_decode_attention.py 2>&1 | tail -15
 KVQ_TRITON_DOT=ieee timeout 60 python3 -m pytest -q -p no:cacheprovider \
   tests/runtime/kernels/test_decode_vq.py 2>&1 | tail -8
+timeout 40 python3 -m pytest -q -p no:cacheprovider tests/runtime/test_replayable_step.py \
+  -k "cuda_graph and (sink2 or int8)" 2>&1 | tail -8
 echo "== decode attention benchmark (per format and shape: us, GB/s, HBM share, launch)"
 timeout 180 python3 bench/gpu_decode.py --json "$OUT/gpu_decode.json" 2>&1 \
   | grep -v -i "warn" | tail -80
