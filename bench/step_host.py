@@ -7,7 +7,9 @@ timed on this CPU-only machine with the append kernels' and the planned kernels'
 replaced by no-ops (tensors on the CPU; `torch.empty` stands in for the caching
 allocator). The cache is driven through its public interface the way a model's attention
 layers drive it (update, then the attention function), after a prefill of `--context`
-tokens, on a Llama-like head layout of `bench/gpu_decode.py`'s shapes.
+tokens, on a Llama-like head layout of `bench/gpu_decode.py`'s shapes. Besides the time,
+one step is counted op by op (`host_overhead.Counter`): torch compute ops (each a launch
+on CUDA), device syncs, and the stubbed Triton launches, per layer.
 
     python bench/step_host.py --json F
 """
@@ -24,6 +26,7 @@ import time
 
 import gpu_decode
 import torch
+from host_overhead import Counter
 from planned_host import _Compiled, _stub_launcher
 from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -38,6 +41,7 @@ from kvq.runtime.kernels import planned_decode as planned
 SHAPES = gpu_decode.SHAPES
 POLICIES = ("int4", "int8", "fp8-e4m3")
 LAYERS = 2
+LAUNCHES: list[str] = []  # every stubbed launch, by kernel
 
 
 def _model(hq: int, hkv: int, d: int):
@@ -48,17 +52,24 @@ def _model(hq: int, hkv: int, d: int):
     return LlamaForCausalLM(config).eval()
 
 
-def _stub() -> tuple[_Compiled, list]:
-    """Every launch a no-op: the planned kernels' compiled launches and the append kernels
-    (whose flags then read as "nothing wrong")."""
-    stub, appends = _Compiled(), []
+def _stub() -> _Compiled:
+    """Every launch a no-op, recorded in LAUNCHES: the planned kernels' compiled launches
+    and the append kernels (whose flags then read as "nothing wrong")."""
+    stub = _Compiled()
     for f in (kern.decode_splits_kernel, kern.combine_splits_kernel):
         f.warmup = lambda *a, **k: stub
     launcher = _stub_launcher()
     planned._launcher = lambda device: launcher
-    append._launch = lambda kernel, *a, **k: appends.append(kernel)
+    launch = planned._Launcher.launch
+
+    def counted(self, fn, *args):
+        LAUNCHES.append(fn.__name__)
+        return launch(self, fn, *args)
+
+    planned._Launcher.launch = counted
+    append._launch = lambda kernel, *a, **k: LAUNCHES.append(kernel)
     append._flags = lambda n, device: torch.zeros(n, dtype=torch.uint8, device=device)
-    return stub, appends
+    return stub
 
 
 def measure(policy: str, shape: str, batch: int, context: int, steps: int, repeats: int) -> dict:
@@ -76,7 +87,7 @@ def measure(policy: str, shape: str, batch: int, context: int, steps: int, repea
         cache.attended(i)
     q = torch.randn(batch, hq, 1, d, generator=g)
     k1, v1 = k[:, :, :1].clone(), v[:, :, :1].clone()
-    total = 4 + repeats * steps
+    total = 5 + repeats * steps  # warm-up, timed, counted
     pos = [torch.full((batch, 1), context + n) for n in range(total)]
     calls = iter(pos)
 
@@ -94,8 +105,16 @@ def measure(policy: str, shape: str, batch: int, context: int, steps: int, repea
         for _ in range(steps):
             step()
         means.append((time.thread_time() - t0) / steps / LAYERS * 1e6)
+    counter, launched = Counter(), len(LAUNCHES)
+    with counter:
+        step()
+    per_layer = {
+        "ops_per_layer_step": sum(counter.ops.values()) / LAYERS,
+        "syncs_per_layer_step": sum(counter.syncs.values()) / LAYERS,
+        "launches_per_layer_step": (len(LAUNCHES) - launched) / LAYERS,
+    }
     return {"policy": policy, "shape": shape, "batch": batch, "context": context,
-            "us_per_layer_step": round(min(means), 1)}  # fmt: skip
+            "us_per_layer_step": round(min(means), 1), **per_layer}  # fmt: skip
 
 
 def main() -> None:
@@ -108,9 +127,9 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--json", help="write the rows here")
     args = ap.parse_args()
-    if args.repeats * args.steps + 4 > args.context:
+    if args.repeats * args.steps + 5 > args.context:
         raise SystemExit("--context must leave room for every timed step in the buffers")
-    stub, appends = _stub()
+    stub = _stub()
     rows = []
     with torch.no_grad():
         for shape in args.shapes:
@@ -119,7 +138,7 @@ def main() -> None:
                     rows.append(measure(policy, shape, batch, args.context, args.steps,
                                         args.repeats))  # fmt: skip
                     print(json.dumps(rows[-1]), flush=True)
-    assert stub.launched and appends  # the stubs took the launches
+    assert stub.launched and LAUNCHES  # the stubs took the launches
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"layers": LAYERS, "rows": rows}, f, indent=1)

@@ -39,9 +39,9 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 def check_finite(x: Tensor, what: str) -> None:
     """Raise KvqError if `x` holds a NaN or an infinity (inside `deferred_checks`: record
-    the verdict on the device instead, without waiting for it)."""
+    where on the device instead, without waiting for it)."""
     if _DEFERRED is not None:
-        _DEFERRED.append(torch.isfinite(x).all())
+        _DEFERRED.append(torch.isfinite(x).logical_not_())
         return
     if not bool(torch.isfinite(x).all()):
         raise KvqError(f"{what} contains NaN or Inf")
@@ -55,18 +55,18 @@ def deferring() -> bool:
     return _DEFERRED is not None
 
 
-def defer_check(ok: Tensor) -> None:
-    """Record a device bool verdict (True: the rows are fine) inside `deferred_checks`."""
+def defer_check(bad: Tensor) -> None:
+    """Record device flags (nonzero: a row could not be stored) inside `deferred_checks`."""
     assert _DEFERRED is not None
-    _DEFERRED.append(ok.reshape(()))
+    _DEFERRED.append(bad)
 
 
 @contextlib.contextmanager
 def deferred_checks() -> Iterator[list[Tensor]]:
     """Within: the checks of device values that would wait for the device (finite rows,
-    the append kernels' flags) append a device bool verdict to the yielded list instead
-    of reading it, so a replayable decode step never syncs (its caller reads the
-    verdicts later, `KvqLayer`)."""
+    the append kernels' flags) append their flags (bool or uint8, any shape; nonzero:
+    bad) to the yielded list instead of reading them, so a replayable decode step never
+    syncs (its caller reduces and reads them later, `KvqLayer`)."""
     global _DEFERRED
     outer, _DEFERRED = _DEFERRED, []
     try:

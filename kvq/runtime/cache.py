@@ -177,6 +177,16 @@ class QuantizedKVCache(Cache):
         (`KvqLayer._replayable`: then nothing is captured that replays)."""
         return min((layer.replay_room() for layer in self.layers), default=0)
 
+    def reserve(self, tokens: int) -> None:
+        """Grow every layer's main buffers now to hold `tokens` more tokens, so that a
+        captured decode step replays that many times (`replay_room`) without an eager step
+        growing them in between (a copy of the rows held; no-op where they fit). The
+        next step copies the row counts to the device again: capture after it."""
+        if self._txn is not None:
+            raise KvqError("reserve() in the middle of a forward")
+        for layer in self.layers:
+            layer.reserve(tokens)
+
     def replayed(self, steps: int) -> None:
         """The host side of `steps` decode steps that a CUDA graph replayed.
 

@@ -2,7 +2,10 @@
 
 A layer's public state is an immutable `LayerState`. `prepare` computes the
 successor for new rows without touching the public one; the owning cache
-publishes all layers' successors together (see `cache.py`).
+publishes all layers' successors together (see `cache.py`). A single-token decode step
+of a fixed-width layout may instead be *replayable* (`KvqLayer._replayable`): it appends
+at row counts the device holds and hands attention the buffers with those counts, so a
+CUDA graph captured once replays it.
 """
 
 from __future__ import annotations
@@ -82,14 +85,14 @@ class _DeviceRows:
     """A layer's segment row counts on the device, for replayable decode steps
     (`KvqLayer._replayable`): `counts` those of the committed `state`, `next` those of
     `pending`, the successor a step prepared in place (the kernel reads `next`; publishing
-    copies it into `counts`), `delta` what a step adds; `ok` stays True while every row
-    appended since was finite and storable (the deferred append checks)."""
+    copies it into `counts`), `delta` what a step adds; `bad` turns True once a row
+    appended since was not finite or not storable (the deferred append checks)."""
 
     state: LayerState
     counts: Tensor  # int32 [SEGMENT_SLOTS]
     next: Tensor  # int32 [SEGMENT_SLOTS]
     delta: Tensor  # int32 [SEGMENT_SLOTS]
-    ok: Tensor  # bool []
+    bad: Tensor  # bool []
     pending: LayerState | None = None
 
 
@@ -256,8 +259,8 @@ class KvqLayer(CacheLayerMixin):
                 }
                 codec.append_into(x, scratch, 0)
                 rows |= {f"{part}.{n}": r for n, r in scratch.items()}
-        if verdicts:
-            dev.ok.logical_and_(torch.stack(verdicts).all())
+        if verdicts:  # (uint8 and bool flags: cat promotes to uint8)
+            dev.bad.logical_or_(torch.cat([v.reshape(-1) for v in verdicts]).any())
         main = st.main.appended_at(rows, positions, at)
         torch.add(dev.counts, dev.delta, out=dev.next)
         dev.pending = replace(st, main=main, seen=st.seen + 1)
@@ -281,15 +284,15 @@ class KvqLayer(CacheLayerMixin):
         counts = torch.tensor(host, dtype=torch.int32, device=device)
         delta = torch.tensor([int(i == seg) for i in range(SEGMENT_SLOTS)], dtype=torch.int32,
                              device=device)  # fmt: skip
-        ok = torch.ones((), dtype=torch.bool, device=device)
-        self._device_rows = _DeviceRows(st, counts, torch.empty_like(counts), delta, ok)
+        bad = torch.zeros((), dtype=torch.bool, device=device)
+        self._device_rows = _DeviceRows(st, counts, torch.empty_like(counts), delta, bad)
         return self._device_rows
 
     def _leave_device_rows(self) -> None:
         """Before a host-driven append: read the deferred checks of the replayable steps
         since the counts were made (one sync, on a step that syncs anyway) and drop them."""
         dev, self._device_rows = self._device_rows, None
-        if dev is not None and not bool(dev.ok):
+        if dev is not None and bool(dev.bad):
             raise KvqError(
                 f"layer {self.layer_idx}: a row appended by a recent decode step holds NaN or "
                 "Inf, or its scale overflows its dtype"
@@ -329,6 +332,14 @@ class KvqLayer(CacheLayerMixin):
         if dev is None or dev.state is not st:
             return 0
         return st.main.capacity - st.main.length
+
+    def reserve(self, tokens: int) -> None:
+        """Room in the main buffers for `tokens` more single-token steps (see
+        `QuantizedKVCache.reserve`); layers that never replay (rows waiting in a residual
+        window, sliding windows) keep their own growth."""
+        if not self.windowed and not self.is_sliding:
+            st = self.state
+            self.state = replace(st, main=st.main.reserved(tokens))
 
     def replayed(self, steps: int) -> None:
         """The host side of `steps` replayed replayable steps (`QuantizedKVCache.replayed`):

@@ -310,6 +310,50 @@ def test_replays_that_leave_the_host_behind_are_caught_up_by_replayed(monkeypatc
         assert all(map(torch.equal, got, want)), n
 
 
+@torch.no_grad()
+def test_reserve_makes_room_for_replays(monkeypatch):
+    """`reserve` grows the main buffers ahead (the next step copies the counts to the
+    device again); steps after it attend as those of a cache that grows on its own."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    model = make_tiny_model("llama", **MODELS["llama"])
+    cache = _cache(model, "int4")
+    shape = (2, 4, 2, 32, model.config.num_hidden_layers)
+    scaling = 32**-0.5
+    _decode_step(cache, _inputs(*shape, 12, 0, "cpu", 0), scaling)
+    _decode_step(cache, _inputs(*shape, 1, 12, "cpu", 12), scaling)
+    twin = copy.deepcopy(cache)
+    assert cache.replay_room() == 64 - 13
+    cache.reserve(200)
+    assert cache.replay_room() == 0  # the next step copies the counts again
+    for n in (13, 14):  # (the plan follows the capacity: other splits, other rounding)
+        new = _inputs(*shape, 1, n, "cpu", n)
+        got, want = _decode_step(cache, new, scaling), _decode_step(twin, new, scaling)
+        for x, y in zip(got, want, strict=True):
+            torch.testing.assert_close(x, y, atol=1e-5, rtol=0)
+    assert cache.replay_room() == 200 - 2
+    assert [x.state.main.capacity for x in cache.layers] == [13 + 200] * 2
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("policy", ["int4", "fp8-e4m3"])
+def test_a_non_finite_row_is_refused_at_the_next_host_driven_append(monkeypatch, policy):
+    """A replayable step does not wait for the append checks (the kernel's flags, or the
+    finiteness of the rows): it keeps them on the device, and the layer's next host-driven
+    append reads them and refuses, naming the layer."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    model = make_tiny_model("llama", **MODELS["llama"])
+    cache = _cache(model, policy)
+    shape = (2, 4, 2, 32, model.config.num_hidden_layers)
+    scaling = 32**-0.5
+    _decode_step(cache, _inputs(*shape, 12, 0, "cpu", 0), scaling)
+    _decode_step(cache, _inputs(*shape, 1, 12, "cpu", 12), scaling)
+    bad = _inputs(*shape, 1, 13, "cpu", 13)
+    bad[0][1][1][0, 0, 0, 3] = float("nan")  # layer 1's key
+    _decode_step(cache, bad, scaling)  # replayable: nothing read
+    with pytest.raises(KvqError, match="layer 1: .* NaN or Inf"):
+        _decode_step(cache, _inputs(*shape, 2, 14, "cpu", 14), scaling)  # two tokens
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @torch.no_grad()
 @pytest.mark.parametrize("policy", ["int4", "int4-sink2", "int8", "fp8-e4m3"])

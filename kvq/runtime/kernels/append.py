@@ -848,7 +848,7 @@ def _refuse_flagged(
     length are not visible until the append commits. Inside `qparams.deferred_checks` the
     flags are recorded as a device verdict instead (a replayable decode step)."""
     if deferring():
-        defer_check(~bad.any())
+        defer_check(bad)
         return
     if not bool(bad.any()):
         return
