@@ -14,6 +14,9 @@ scale with `.float()` before encoding. The policy (see the live-data notes,
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 from torch import Tensor
 
@@ -35,9 +38,41 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def check_finite(x: Tensor, what: str) -> None:
-    """Raise KvqError if `x` holds a NaN or an infinity."""
+    """Raise KvqError if `x` holds a NaN or an infinity (inside `deferred_checks`: record
+    where on the device instead, without waiting for it)."""
+    if _DEFERRED is not None:
+        _DEFERRED.append(torch.isfinite(x).logical_not_())
+        return
     if not bool(torch.isfinite(x).all()):
         raise KvqError(f"{what} contains NaN or Inf")
+
+
+_DEFERRED: list[Tensor] | None = None
+
+
+def deferring() -> bool:
+    """Whether checks of device values are being deferred (`deferred_checks`)."""
+    return _DEFERRED is not None
+
+
+def defer_check(bad: Tensor) -> None:
+    """Record device flags (nonzero: a row could not be stored) inside `deferred_checks`."""
+    assert _DEFERRED is not None
+    _DEFERRED.append(bad)
+
+
+@contextlib.contextmanager
+def deferred_checks() -> Iterator[list[Tensor]]:
+    """Within: the checks of device values that would wait for the device (finite rows,
+    the append kernels' flags) append their flags (bool or uint8, any shape; nonzero:
+    bad) to the yielded list instead of reading them, so a replayable decode step never
+    syncs (its caller reduces and reads them later, `KvqLayer`)."""
+    global _DEFERRED
+    outer, _DEFERRED = _DEFERRED, []
+    try:
+        yield _DEFERRED
+    finally:
+        _DEFERRED = outer
 
 
 def step(x: Tensor, up: bool) -> Tensor:

@@ -48,14 +48,22 @@ def kvq_attention(
     scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
     mask = _bool_mask(attention_mask, query, view.columns)
     state = view.prepare(mask)
+    counted = view.layer.counted(state)
+    if counted is not None:  # a replayable step: the buffers and their device row counts
+        segments, rows_mask = counted.segments, None
+        lengths = (counted.lengths, counted.rows)
+    else:
+        segments, rows_mask = view.layer.segments(state), _rows_mask(mask, view, state, query)
+        lengths = None
     out = decode_attention(
         query,
-        view.layer.segments(state),
+        segments,
         scaling=scaling,
         rope=view.layer.rope(state),
-        mask=_rows_mask(mask, view, state, query),
+        mask=rows_mask,
         softcap=kwargs.get("softcap"),
         backend=view.cache.backend,
+        lengths=lengths,
     )
     view.cache.attended(view.layer.layer_idx)
     assert out.shape[2] == q_len

@@ -161,13 +161,50 @@ class QuantizedKVCache(Cache):
     def _publish(self, txn: _Transaction) -> None:
         # every layer's successor exists; swap them in together, then evict
         for idx, layer in enumerate(self.layers):
-            layer.state = layer.evict(txn.prepared[idx])
+            layer.state = layer.evict(layer.committed(txn.prepared[idx]))
         self._txn = None
         self.publications += 1
 
     def abort(self) -> None:
         """Forget the pending transaction (the committed state is untouched)."""
         self._txn = None
+
+    # --- CUDA graphs ----------------------------------------------------------------------
+
+    def replay_room(self) -> int:
+        """Single-token decode steps that a captured step may still replay: the rows left
+        in the fullest layer's main buffers; 0 when some layer's last step was host-driven
+        (`KvqLayer._replayable`: then nothing is captured that replays)."""
+        return min((layer.replay_room() for layer in self.layers), default=0)
+
+    def reserve(self, tokens: int) -> None:
+        """Grow every layer's main buffers now to hold `tokens` more tokens, so that a
+        captured decode step replays that many times (`replay_room`) without an eager step
+        growing them in between (a copy of the rows held; no-op where they fit). The
+        next step copies the row counts to the device again: capture after it."""
+        if self._txn is not None:
+            raise KvqError("reserve() in the middle of a forward")
+        for layer in self.layers:
+            layer.reserve(tokens)
+
+    def replayed(self, steps: int) -> None:
+        """The host side of `steps` decode steps that a CUDA graph replayed.
+
+        A captured step (every layer's append and attention, each replayable) holds its
+        device side — rows written where the device row counts say, counts moved on — but
+        a replay runs no Python, so the committed host state (tokens seen, rows held)
+        stays where the capture left it. A runner calls this after its replays; the
+        capture itself ran the host side of one step, so after n replays, `replayed(n -
+        1)`. Refused past `replay_room` (the buffers would have overflowed: re-capture
+        after an eager step grows them) or in the middle of a forward."""
+        if self._txn is not None:
+            raise KvqError("replayed() in the middle of a forward")
+        room = self.replay_room()
+        if not 0 <= steps <= room:
+            raise KvqError(f"{steps} replayed steps, but a captured step has room for {room}")
+        for layer in self.layers:
+            layer.replayed(steps)
+        self.publications += steps
 
     # --- state beyond one request -------------------------------------------------------
 

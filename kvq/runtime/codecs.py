@@ -30,6 +30,9 @@ class Codec:
     """Base: full precision. Stores rows unchanged in the activation dtype."""
 
     group_rows = 1  # rows encoded together (KIVI keys: a group of tokens shares qparams)
+    # every row is stored in fixed-width row tensors, never as variable-length entries
+    # (`Flat`): its rows can be written at an offset the device holds (a replayable step)
+    fixed_width = True
 
     #: tensors of the codec's own (static) state, for the ledger
     static: dict[str, Tensor]
@@ -228,6 +231,7 @@ class IntChannelStaticCodec(Codec):
             raise KvqError("asymmetric per-channel scheme needs an offset shaped like its scale")
         self.static = {"scale": scale} if self.symmetric else {"scale": scale, "offset": offset}
         self._offset = None if offset is None else offset[None, :, None, :]
+        self._per_head: dict[int, Tensor] = {}  # see `_packed_scale`
 
     def _channel_scale(self, h: int) -> Tensor:
         """[H, D]: the stored scale broadcast to every channel (the encoders' layout)."""
@@ -237,9 +241,15 @@ class IntChannelStaticCodec(Codec):
         return s.float().view(-1, 1).expand(h, self.head_dim).contiguous()
 
     def _packed_scale(self, h: int) -> Tensor:
-        """The stored scale as the decoders index it: [H, D] or [H] (a tensor's repeated)."""
+        """The stored scale as the decoders index it: [H, D] or [H] (a tensor's repeated,
+        built once per head count: the kernels' folds are cached per scale tensor, and a
+        replayable decode step passes the same tensors step after step)."""
         s = self.static["scale"]
-        return s.float().expand(h).contiguous() if self.axis == "tensor" else s
+        if self.axis != "tensor":
+            return s
+        if h not in self._per_head:
+            self._per_head[h] = s.float().expand(h).contiguous()
+        return self._per_head[h]
 
     def encode(self, x: Tensor) -> tuple[Rows, Flat]:
         check_finite(x, "key/value rows")

@@ -2,7 +2,10 @@
 
 A layer's public state is an immutable `LayerState`. `prepare` computes the
 successor for new rows without touching the public one; the owning cache
-publishes all layers' successors together (see `cache.py`).
+publishes all layers' successors together (see `cache.py`). A single-token decode step
+of a fixed-width layout may instead be *replayable* (`KvqLayer._replayable`): it appends
+at row counts the device holds and hands attention the buffers with those counts, so a
+CUDA graph captured once replays it.
 """
 
 from __future__ import annotations
@@ -14,6 +17,8 @@ import torch
 from torch import Tensor
 from transformers.cache_utils import CacheLayerMixin
 
+from kvq.errors import KvqError
+from kvq.quant.qparams import deferred_checks
 from kvq.quant.schemes import LayerPolicy
 from kvq.runtime.codecs import Codec
 from kvq.runtime.kernels.backend import resolve_backend
@@ -72,6 +77,35 @@ class LayerState:
 
 EMPTY = LayerState(None, RowStore.empty(), 0, 0)
 
+SEGMENT_SLOTS = 3  # row counts the planned kernel reads (`planned_decode.MAX_SEGMENTS`)
+
+
+@dataclass
+class _DeviceRows:
+    """A layer's segment row counts on the device, for replayable decode steps
+    (`KvqLayer._replayable`): `counts` those of the committed `state`, `next` those of
+    `pending`, the successor a step prepared in place (the kernel reads `next`; publishing
+    copies it into `counts`), `delta` what a step adds; `bad` turns True once a row
+    appended since was not finite or not storable (the deferred append checks)."""
+
+    state: LayerState
+    counts: Tensor  # int32 [SEGMENT_SLOTS]
+    next: Tensor  # int32 [SEGMENT_SLOTS]
+    delta: Tensor  # int32 [SEGMENT_SLOTS]
+    bad: Tensor  # bool []
+    pending: LayerState | None = None
+
+
+@dataclass(frozen=True)
+class Counted:
+    """A replayable step's view for attention: the segments over the buffers' capacity
+    and their row counts, on the device (for the kernel) and on the host (for any path
+    that cuts the segments to their rows)."""
+
+    segments: list[Segment]
+    lengths: Tensor  # int32 [SEGMENT_SLOTS]
+    rows: tuple[int, ...]
+
 
 class KvqLayer(CacheLayerMixin):
     """A transformers cache layer whose rows are stored by a K codec and a V codec.
@@ -114,6 +148,7 @@ class KvqLayer(CacheLayerMixin):
         self.prefix_kv, self.rotate = prefix, rotate  # the artifact's prefix rows, RoPE
         self._rope: Rope | None = None
         self._in_lead: tuple | None = None  # (sink rows, lead, result) of `sink_in_lead`
+        self._device_rows: _DeviceRows | None = None  # see `_replayable`
         self.state = EMPTY
         self.record_past = False  # see activate_past_recording
         self.is_initialized = True
@@ -135,6 +170,9 @@ class KvqLayer(CacheLayerMixin):
         `sink_tokens` real rows are also kept exact. backend: where rows are quantized.
         """
         st = self.state
+        if self._replayable(st, key, real, backend):
+            return self._appended_in_place(st, key, value, positions)
+        self._leave_device_rows()
         b, h, t, d = key.shape
         prefix = self._placed_prefix(st, b, positions, real, key.device)
         if self.policy.key_stage == "pre-rope":
@@ -180,6 +218,135 @@ class KvqLayer(CacheLayerMixin):
             lead=lead, skipped=st.skipped + skip, flat=flat, prefix=prefix,
             phase=phase, phase_max=phase_max, first_real=first_real,
         )  # fmt: skip
+
+    # --- the replayable decode step ------------------------------------------------------
+
+    def _replayable(self, st: LayerState, key: Tensor, real: Tensor | None, backend) -> bool:
+        """Whether this append is a replayable decode step: one token of every sequence
+        (none padding) into the main rows' own buffers, keys after RoPE, rows of fixed
+        width written by the Triton append kernels, and nothing else moving (no sink still
+        filling, prefix, residual window or groups, sliding window). Decided from host
+        values alone; any other append is host-driven (and the next replayable step then
+        copies the row counts to the device afresh)."""
+        if key.shape[2] != 1 or real is not None or self.windowed or self.is_sliding:
+            return False
+        if self.policy.key_stage != "post-rope" or self.prefix_kv is not None:
+            return False
+        if st.flat or st.phase is not None or st.settled or not st.main.fits(1):
+            return False
+        if st.sink is not None and not (st.sink.full and self.sink_in_lead(st)):
+            return False
+        for codec in (self.key_codec, self.value_codec):
+            if not codec.fixed_width or codec.row_spec(key) is None:
+                return False
+        return resolve_backend(backend, key.device) == "triton"
+
+    def _appended_in_place(self, st: LayerState, key: Tensor, value: Tensor, positions: Tensor):
+        """The successor of a replayable step: the append kernels encode the new row into
+        scratch rows, which go into the main buffers at the row the device counts
+        (`RowStore.appended_at`); the device counts advance into their pending copy; the
+        append checks are recorded on the device (`deferred_checks`). The same ops with
+        the same host values, step after step: nothing reads the device."""
+        dev = self._device_counts(st)
+        seg = 0 if st.sink is None else 1  # the main rows' segment
+        at = dev.counts[seg : seg + 1].long()  # [1] the first new row
+        rows = {}
+        with deferred_checks() as verdicts:
+            for part, codec, x in (("k", self.key_codec, key), ("v", self.value_codec, value)):
+                scratch = {
+                    n: x.new_empty((*x.shape[:3], *shape), dtype=dtype)
+                    for n, (shape, dtype) in codec.row_spec(x).items()
+                }
+                codec.append_into(x, scratch, 0)
+                rows |= {f"{part}.{n}": r for n, r in scratch.items()}
+        if verdicts:  # (uint8 and bool flags: cat promotes to uint8)
+            dev.bad.logical_or_(torch.cat([v.reshape(-1) for v in verdicts]).any())
+        main = st.main.appended_at(rows, positions, at)
+        torch.add(dev.counts, dev.delta, out=dev.next)
+        dev.pending = replace(st, main=main, seen=st.seen + 1)
+        return dev.pending
+
+    def _device_counts(self, st: LayerState) -> _DeviceRows:
+        """The device row counts of committed state `st`: those of the last replayable step
+        when `st` is the state it published, else new tensors made from the host counts (a
+        catch-up step, after a prefill, growth, crop, reorder or fork: it alone copies
+        counts to the device)."""
+        dev = self._device_rows
+        if dev is not None and dev.state is st:
+            return dev
+        self._leave_device_rows()
+        seg = 0 if st.sink is None else 1
+        host = [0] * SEGMENT_SLOTS
+        host[seg] = st.main.length
+        if st.sink is not None:
+            host[0] = st.sink.slots
+        device = st.main.positions.device
+        counts = torch.tensor(host, dtype=torch.int32, device=device)
+        delta = torch.tensor([int(i == seg) for i in range(SEGMENT_SLOTS)], dtype=torch.int32,
+                             device=device)  # fmt: skip
+        bad = torch.zeros((), dtype=torch.bool, device=device)
+        self._device_rows = _DeviceRows(st, counts, torch.empty_like(counts), delta, bad)
+        return self._device_rows
+
+    def _leave_device_rows(self) -> None:
+        """Before a host-driven append: read the deferred checks of the replayable steps
+        since the counts were made (one sync, on a step that syncs anyway) and drop them."""
+        dev, self._device_rows = self._device_rows, None
+        if dev is not None and bool(dev.bad):
+            raise KvqError(
+                f"layer {self.layer_idx}: a row appended by a recent decode step holds NaN or "
+                "Inf, or its scale overflows its dtype"
+            )
+
+    def committed(self, state: LayerState) -> LayerState:
+        """`state`, about to be published by the cache: a successor prepared by a replayable
+        step takes the device counts with it (a copy on the device)."""
+        dev = self._device_rows
+        if dev is not None and dev.pending is state:
+            dev.counts.copy_(dev.next)
+            dev.state, dev.pending = state, None
+        return state
+
+    def counted(self, state: LayerState) -> Counted | None:
+        """For a successor a replayable step prepared: its segments over the buffers'
+        capacity and their row counts (the sink slots, then the main rows); None for any
+        other state (attention then reads `segments`)."""
+        dev = self._device_rows
+        if dev is None or dev.pending is not state:
+            return None
+        segments, main, d = [], state.main, self.key_codec.head_dim
+        if state.sink is not None:
+            r = state.sink.rows
+            sink = (PackedRows("full", d, r["k"]), PackedRows("full", d, r["v"]))
+            segments.append(Segment(*sink, state.sink.positions))
+        key = self.key_codec.packed(_strip(main.buffers, "k."), {})
+        value = self.value_codec.packed(_strip(main.buffers, "v."), {})
+        segments.append(Segment(key, value, main.positions))
+        rows = (*(s.rows for s in segments[:-1]), main.length)
+        return Counted(segments, dev.next, rows)
+
+    def replay_room(self) -> int:
+        """Rows a captured replayable step may still append into the main buffers (0 when
+        this layer's last step was host-driven)."""
+        dev, st = self._device_rows, self.state
+        if dev is None or dev.state is not st:
+            return 0
+        return st.main.capacity - st.main.length
+
+    def reserve(self, tokens: int) -> None:
+        """Room in the main buffers for `tokens` more single-token steps (see
+        `QuantizedKVCache.reserve`); layers that never replay (rows waiting in a residual
+        window, sliding windows) keep their own growth."""
+        if not self.windowed and not self.is_sliding:
+            st = self.state
+            self.state = replace(st, main=st.main.reserved(tokens))
+
+    def replayed(self, steps: int) -> None:
+        """The host side of `steps` replayed replayable steps (`QuantizedKVCache.replayed`):
+        the device already holds their rows and counts."""
+        st = self.state
+        main = replace(st.main, length=st.main.length + steps)
+        self.state = self._device_rows.state = replace(st, main=main, seen=st.seen + steps)
 
     def _phase(self, first_real: Tensor | None, lead: int, evicted: int):
         """(phase [B] or None, its max): the shift that starts each sequence's groups at its

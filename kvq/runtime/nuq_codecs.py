@@ -71,6 +71,7 @@ class NuqKeyCodec(_NuqCodec):
         self._center = state["center"][None, :, None, :]
         self._lower = state["lower"][None, :, None, :] if self.fraction else None
         self._upper = state["upper"][None, :, None, :] if self.fraction else None
+        self.fixed_width = not self.fraction  # exceptions: variable-length flat entries
 
     def encode(self, x: Tensor) -> tuple[Rows, Flat]:
         check_finite(x, "key rows")

@@ -87,6 +87,34 @@ class RowStore:
         pos[:, self.length : need] = positions
         return RowStore(buffers=buffers, length=need, positions=pos)
 
+    def appended_at(self, rows: Rows, positions: Tensor, at: Tensor) -> RowStore:
+        """Successor with `rows` (each [B, H, T, ...]) at positions [B, T] written at rows
+        `at` ([T] int64 on the device: the committed length as the device counts it) of
+        the buffers themselves, which must hold them (`fits`): no host offset reaches the
+        device, so the same ops append row after row (a replayable decode step)."""
+        for name, r in rows.items():
+            self.buffers[name].index_copy_(2, at, r)
+        self.positions.index_copy_(1, at, positions)
+        return RowStore(self.buffers, self.length + positions.shape[1], self.positions)
+
+    def reserved(self, rows: int) -> RowStore:
+        """Successor whose buffers hold `rows` more rows without growing: itself when they
+        do, else a copy into buffers of exactly that capacity (writes never touch the
+        predecessor's, like `prepared_into`)."""
+        need = self.length + rows
+        if not self.buffers or (need <= self.capacity and not self.shared):
+            return self
+        buffers = {
+            n: _grow(b, b.shape[:2], b.shape[3:], b.dtype, b.device, self.length, need)
+            for n, b in self.buffers.items()
+        }
+        return RowStore(buffers, self.length, _grow_pos(self.positions, self.positions,
+                                                        self.length, need))  # fmt: skip
+
+    def fits(self, rows: int) -> bool:
+        """Whether `rows` more rows go into the buffers themselves (no growth, no copy)."""
+        return bool(self.buffers) and not self.shared and self.length + rows <= self.capacity
+
     def dropped_front(self, count: int) -> RowStore:
         """Successor without the oldest `count` rows (sliding-window eviction); copies."""
         if count <= 0:

@@ -59,7 +59,7 @@ from torch import Tensor
 
 from kvq.errors import KvqError
 from kvq.quant import affine, fp8, nuq, packing, sparse
-from kvq.quant.qparams import check_finite, dtype_name
+from kvq.quant.qparams import check_finite, defer_check, deferring, dtype_name
 from kvq.runtime.kernels.backend import next_pow2, resolve_backend
 
 #: sparse exception values are fp16, as in `kvq.runtime.nuq_codecs.SPARSE_DTYPE`
@@ -845,7 +845,11 @@ def _refuse_flagged(
     op and one device sync on the happy path (an append runs per layer and step; on CUDA
     every sync stalls the launch queue, and every op is a launch). On a flag the separate
     checks run in order and raise their own message. The rows written past the cache's
-    length are not visible until the append commits."""
+    length are not visible until the append commits. Inside `qparams.deferred_checks` the
+    flags are recorded as a device verdict instead (a replayable decode step)."""
+    if deferring():
+        defer_check(bad)
+        return
     if not bool(bad.any()):
         return
     check_finite(x, what)

@@ -721,13 +721,23 @@ def decode_attention(
     mask: Tensor | None = None,
     softcap: float | None = None,
     backend: str | None = None,
+    lengths: tuple[Tensor, tuple[int, ...]] | None = None,
 ) -> Tensor:
     """Attention of `query` over packed segments on the chosen backend (see module doc).
 
     With backend auto, calls the kernel cannot take (long query blocks, per-head
     masks) run on the reference; an explicit "triton" refuses them instead.
+    lengths: for segments that are a cache's buffers (their rows: its capacity), the
+    segments' row counts on the device (int32 [3]) and on the host. The planned kernel
+    reads the device counts (`planned_decode.run_planned`), so that the call replays in a
+    CUDA graph; any other path runs on the segments cut to the host counts.
     """
     _check(query, segments, rope, mask)
+    if lengths is not None:
+        out = _counted_attention(query, segments, scaling, rope, mask, softcap, backend, lengths)
+        if out is not None:
+            return out
+        segments = [_cut(s, n) for s, n in zip(segments, lengths[1], strict=True)]
     path = decode_path(query, segments, mask, backend=backend)
     if path.kernel != "reference":  # routing checks once per call: passed on
         return decode_attention_triton(
@@ -736,6 +746,26 @@ def decode_attention(
     return decode_attention_reference(
         query, segments, scaling=scaling, rope=rope, mask=mask, softcap=softcap
     )
+
+
+def _counted_attention(query, segments, scaling, rope, mask, softcap, backend, lengths):
+    """The planned kernel over buffers with device row counts (`decode_attention`'s
+    `lengths`), or None where that path does not take the call."""
+    if decode_path(query, segments, mask, backend=backend).kernel != "planned":
+        return None
+    from kvq.runtime.kernels import planned_decode
+
+    half = _dot_mode(query.device) != "ieee"
+    return planned_decode.run_planned(
+        query, segments, scaling=scaling, softcap=softcap, half=half, mask=mask, rope=rope,
+        lengths=lengths[0],
+    )  # fmt: skip
+
+
+def _cut(seg: Segment, rows: int) -> Segment:
+    """`seg`'s first `rows` rows (views)."""
+    positions = None if seg.positions is None else seg.positions[:, :rows]
+    return Segment(seg.key.narrow(0, rows), seg.value.narrow(0, rows), positions)
 
 
 @dataclass(frozen=True)
