@@ -177,6 +177,16 @@ class QuantizedKVCache(Cache):
         (`KvqLayer._replayable`: then nothing is captured that replays)."""
         return min((layer.replay_room() for layer in self.layers), default=0)
 
+    def prepare_replay(self, tokens: int = 0) -> None:
+        """Take replayable decode steps from now on (the prelude to capturing one in a
+        CUDA graph: README "Decode steps in CUDA graphs"), with room for `tokens` more
+        (`reserve`). Until then every step is host-driven: eager decoding keeps its host
+        row counts and refuses a non-finite row at the step that appends it."""
+        for layer in self.layers:
+            layer.replay = True
+        if tokens:
+            self.reserve(tokens)
+
     def reserve(self, tokens: int) -> None:
         """Grow every layer's main buffers now to hold `tokens` more tokens, so that a
         captured decode step replays that many times (`replay_room`) without an eager step

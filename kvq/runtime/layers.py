@@ -149,6 +149,7 @@ class KvqLayer(CacheLayerMixin):
         self._rope: Rope | None = None
         self._in_lead: tuple | None = None  # (sink rows, lead, result) of `sink_in_lead`
         self._device_rows: _DeviceRows | None = None  # see `_replayable`
+        self.replay = False  # replayable steps asked for (`QuantizedKVCache.prepare_replay`)
         self.state = EMPTY
         self.record_past = False  # see activate_past_recording
         self.is_initialized = True
@@ -228,6 +229,8 @@ class KvqLayer(CacheLayerMixin):
         filling, prefix, residual window or groups, sliding window). Decided from host
         values alone; any other append is host-driven (and the next replayable step then
         copies the row counts to the device afresh)."""
+        if not self.replay:  # eager decoding keeps host counts and immediate checks
+            return False
         if key.shape[2] != 1 or real is not None or self.windowed or self.is_sliding:
             return False
         if self.policy.key_stage != "post-rope" or self.prefix_kv is not None:

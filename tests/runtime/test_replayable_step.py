@@ -165,7 +165,9 @@ def _cache(model, name: str, backend: str = "triton"):
     if sink:
         layer = LayerPolicy(**{**policy.layers[0].__dict__, "sink_tokens": int(sink)})
         policy = CachePolicy(name, (layer,) * ad.info.num_layers)
-    return build_cache(model, policy, unit_scales(policy), ad, backend=backend)
+    cache = build_cache(model, policy, unit_scales(policy), ad, backend=backend)
+    cache.prepare_replay()
+    return cache
 
 
 def _launch_diff(a, b) -> list[str]:
@@ -394,3 +396,24 @@ def test_a_decode_step_captures_in_a_cuda_graph_and_replays_token_after_token(po
     for got, want in zip(_decode_step(cache, new, scaling), _decode_step(twin, new, scaling),
                          strict=True):  # fmt: skip
         torch.testing.assert_close(got, want, atol=2e-3, rtol=0)
+
+
+@torch.no_grad()
+def test_eager_decoding_stays_host_driven_until_a_replay_is_prepared(monkeypatch):
+    """Without `prepare_replay` a decode step keeps host counts and its checks immediate:
+    a non-finite row is refused at the step that appends it."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    model = make_tiny_model("llama", **MODELS["llama"])
+    ad = get_adapter(model)
+    policy = named_policy("int4", ad.info.num_layers, ad.info.head_dim)
+    cache = build_cache(model, policy, unit_scales(policy), ad, backend="triton")
+    shape = (2, 4, 2, 32, model.config.num_hidden_layers)
+    scaling = 32**-0.5
+    _decode_step(cache, _inputs(*shape, 12, 0, "cpu", 0), scaling)
+    _decode_step(cache, _inputs(*shape, 1, 12, "cpu", 12), scaling)
+    assert all(layer._device_rows is None for layer in cache.layers)
+    assert cache.replay_room() == 0
+    bad = _inputs(*shape, 1, 13, "cpu", 13)
+    bad[0][1][1][0, 0, 0, 3] = float("nan")  # layer 1's key
+    with pytest.raises(KvqError, match="NaN or Inf"):  # at this very step
+        _decode_step(cache, bad, scaling)
