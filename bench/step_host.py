@@ -11,7 +11,8 @@ tokens, on a Llama-like head layout of `bench/gpu_decode.py`'s shapes. Besides t
 one step is counted op by op (`host_overhead.Counter`): torch compute ops (each a launch
 on CUDA), device syncs, and the stubbed Triton launches, per layer.
 
-    python bench/step_host.py --json F
+    python bench/step_host.py --json F            # replayable steps (prepare_replay)
+    python bench/step_host.py --eager --json F    # what eager decoding does by default
 """
 
 from __future__ import annotations
@@ -72,12 +73,16 @@ def _stub() -> _Compiled:
     return stub
 
 
-def measure(policy: str, shape: str, batch: int, context: int, steps: int, repeats: int) -> dict:
+def measure(
+    policy: str, shape: str, batch: int, context: int, steps: int, repeats: int, replay: bool
+) -> dict:
     hq, hkv, d = SHAPES[shape]
     model = _model(hq, hkv, d)
     ad = get_adapter(model)
     lp = named_policy(policy, LAYERS, d)
     cache = build_cache(model, lp, unit_scales(lp), ad, backend="triton")
+    if replay:
+        cache.prepare_replay()
     g = torch.Generator().manual_seed(0)
     k, v = (torch.randn(batch, hkv, context, d, generator=g) for _ in range(2))
     positions = torch.arange(context).expand(batch, context)
@@ -113,7 +118,7 @@ def measure(policy: str, shape: str, batch: int, context: int, steps: int, repea
         "syncs_per_layer_step": sum(counter.syncs.values()) / LAYERS,
         "launches_per_layer_step": (len(LAUNCHES) - launched) / LAYERS,
     }
-    return {"policy": policy, "shape": shape, "batch": batch, "context": context,
+    return {"policy": policy, "shape": shape, "batch": batch, "context": context, "replay": replay,
             "us_per_layer_step": round(min(means), 1), **per_layer}  # fmt: skip
 
 
@@ -125,6 +130,7 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=1000)
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--eager", action="store_true", help="no prepare_replay: host-driven steps")
     ap.add_argument("--json", help="write the rows here")
     args = ap.parse_args()
     if args.repeats * args.steps + 5 > args.context:
@@ -136,7 +142,7 @@ def main() -> None:
             for policy in args.policies:
                 for batch in args.batches:
                     rows.append(measure(policy, shape, batch, args.context, args.steps,
-                                        args.repeats))  # fmt: skip
+                                        args.repeats, not args.eager))  # fmt: skip
                     print(json.dumps(rows[-1]), flush=True)
     assert stub.launched and LAUNCHES  # the stubs took the launches
     if args.json:
