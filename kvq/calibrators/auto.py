@@ -41,4 +41,5 @@ def fit(ctx: FitContext) -> PassResult:
 
 
 def policy_name(v) -> str:
-    return f"vq{v.bits}-d{v.dim}" + {"none": "", "fisher": "-mixed", "loss": "-mixed-loss"}[v.mixed]
+    dims = str(v.dim) if v.dim else ("4" if v.bits <= 2 else "2+4")
+    return f"vq{v.bits}-d{dims}" + {"none": "", "fisher": "-mixed", "loss": "-mixed-loss"}[v.mixed]

@@ -424,17 +424,27 @@ class VQOptions(PassOptions):
 #   4 bits: scalar 1.0094 / 0.0098 / 0.944, vq 2-D + mixed 1.0135 / 0.0106 / 0.946: scalar
 AUTO_CHOICES: dict[int, tuple[str, int, str]] = {
     2: ("vq", 4, "loss"),
-    3: ("vq", 2, "fisher"),
+    3: ("vq", 0, "fisher"),  # 2-D codebooks, 4-D where a layer-side takes 2 bits
     4: ("kvquant", 0, "none"),
 }
 # per width: whether auto runs `rotate` first (values rotated by a folded randomized
 # Hadamard). Ratio / KLD / top-1 without -> with (16 x 512 prefill, README "Low-bit caches"):
-#   3 bits, vq + Fisher bits: 1.0425 / 0.0354 / 0.898 -> 1.0362 / 0.0321 / 0.899
+#   3 bits, vq + Fisher bits: 1.0425 / 0.0354 / 0.898 -> 1.0337 / 0.0337 / 0.893 (2-D at
+#           2-bit sides), 1.0362 / 0.0321 / 0.899 (4-D there: chosen, AUTO_CHOICES[3];
+#           decode protocol 1.0326 / 0.0352 / 0.896 against 1.0351 / 0.0328 / 0.903)
 #           (scalar NUQ3: 1.0355 / 0.0394 / 0.889 -> 1.0311 / 0.0351 / 0.893)
 #   4 bits, scalar NUQ4: 1.0094 / 0.0098 / 0.944 -> 1.0097 / 0.0091 / 0.945
 #   2 bits, vq 4-D + measured-loss bits: 1.1644 / 0.1473 / 0.795 -> 1.1518 / 0.1419 / 0.795
 #           (scalar NUQ2: 1.2159 / 0.1824 / 0.777 -> 1.1897 / 0.1636 / 0.787)
 AUTO_ROTATE: dict[int, bool] = {2: True, 3: True, 4: True}
+
+
+def vq_dims(v: VQOptions) -> str:
+    """The codebook dimensions of `v` in words: --dim, or the default's (4 up to 2 bits,
+    else 2, and 4 on the layer-sides that --mixed moves down to 2 bits or fewer)."""
+    if v.dim:
+        return f"{v.dim}-D"
+    return "4-D" if v.bits <= 2 else "2-D (4-D at 1-2-bit layer-sides)"
 
 
 @dataclass(frozen=True)
@@ -484,7 +494,7 @@ class AutoOptions(PassOptions):
             "loss": ", per-layer/side bits by measured KL (across sides)",
         }[v.mixed]
         return (
-            f"vq: KVQuant normalisers + 1% exact outliers + sink 1, {v.dim}-D Fisher-weighted "
+            f"vq: KVQuant normalisers + 1% exact outliers + sink 1, {vq_dims(v)} Fisher-weighted "
             f"codebooks (keys over RoPE pairs){mixed}"
         )
 
