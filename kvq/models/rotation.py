@@ -16,20 +16,14 @@ import re
 import torch
 from torch import Tensor
 
-from kvq.errors import KvqError
+from kvq.models.smoothing import layer_tensors
 
 _NAME = re.compile(r"^layers\.(\d+)\.rotate\.value$")
 
 
 def value_rotations(tensors: dict[str, Tensor], num_layers: int) -> dict[int, Tensor]:
     """layer -> R [H_kv, D, D] from an artifact's `rotate` tensors (names checked)."""
-    out: dict[int, Tensor] = {}
-    for name, t in tensors.items():
-        m = _NAME.match(name)
-        if m is None or int(m.group(1)) >= num_layers:
-            raise KvqError(f"unexpected rotate tensor {name!r}")
-        out[int(m.group(1))] = t
-    return out
+    return layer_tensors(tensors, _NAME, num_layers, "rotate")
 
 
 def fold_rotation(loaded, tensors: dict[str, Tensor]) -> None:

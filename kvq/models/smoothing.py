@@ -19,15 +19,23 @@ from kvq.errors import KvqError
 _NAME = re.compile(r"^layers\.(\d+)\.smooth\.lambda$")
 
 
-def smooth_lambdas(tensors: dict[str, Tensor], num_layers: int) -> dict[int, Tensor]:
-    """layer -> lambda [H_kv, D] from an artifact's `smooth` tensors (names checked)."""
+def layer_tensors(
+    tensors: dict[str, Tensor], name: re.Pattern, num_layers: int, kind: str
+) -> dict[int, Tensor]:
+    """layer -> tensor from one transform kind's tensors, each named by `name` (whose
+    group 1 is the layer index, below num_layers), else KvqError."""
     out: dict[int, Tensor] = {}
-    for name, t in tensors.items():
-        m = _NAME.match(name)
+    for full, t in tensors.items():
+        m = name.match(full)
         if m is None or int(m.group(1)) >= num_layers:
-            raise KvqError(f"unexpected smooth tensor {name!r}")
+            raise KvqError(f"unexpected {kind} tensor {full!r}")
         out[int(m.group(1))] = t
     return out
+
+
+def smooth_lambdas(tensors: dict[str, Tensor], num_layers: int) -> dict[int, Tensor]:
+    """layer -> lambda [H_kv, D] from an artifact's `smooth` tensors (names checked)."""
+    return layer_tensors(tensors, _NAME, num_layers, "smooth")
 
 
 def fold_smooth(loaded, tensors: dict[str, Tensor]) -> None:
