@@ -395,6 +395,14 @@ class VQOptions(PassOptions):
     sink: int = option(1, "first N positions kept in full precision")
     fisher: bool = option(True, "Fisher-weighted codebooks", flag="--fisher/--no-fisher")
     mixed: str = option("none", MIXED_HELP)
+    # values' exceptions apart: rotated values (`rotate`) have no outlier channel left, and
+    # with --mixed the bytes their exceptions would take go to wider value layers
+    v_outliers: float | None = option(
+        None,
+        "fraction of each value row kept exactly (default: --outliers); with --mixed the "
+        "bits it saves widen value layers",
+        flag="--v-outliers",
+    )
     seed: int = 0  # k-means; the command line passes its --seed
 
     def __post_init__(self) -> None:
@@ -406,7 +414,13 @@ class VQOptions(PassOptions):
         if self.dim and 2 ** (self.bits * self.dim) > 4096:
             raise KvqError(f"--dim {self.dim} at {self.bits} bits needs over 4096 centroids")
         check_range("--outliers", self.outliers, 0, 0.5, open_hi=True)
+        if self.v_outliers is not None:
+            check_range("--v-outliers", self.v_outliers, 0, 0.5, open_hi=True)
         check_range("--sink", self.sink, 0)
+
+    @property
+    def value_outliers(self) -> float:
+        return self.outliers if self.v_outliers is None else self.v_outliers
 
 
 # What `kvq calibrate auto --bits B` runs, from the measurements on Gemma 3 270M

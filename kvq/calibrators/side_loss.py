@@ -123,13 +123,14 @@ def allocate_by_loss(
     template: LayerPolicy,
     nominal: int,
     progress: Progress,
+    spare: int = 0,
 ) -> tuple[list[int], dict[str, Tensor]]:
     """The width of every layer-side from its measured loss at each fitted width.
 
     fitted: per side, layer-major (layer 0 keys, layer 0 values, layer 1 keys, ...): width
     -> the state fitted at that width (the same widths for every side). The widths of least
-    summed KL whose code bits do not exceed the uniform `nominal` policy's (an exact
-    knapsack; sides weighted by their elements per token), and the measured table as
+    summed KL whose code bits do not exceed the uniform `nominal` policy's plus `spare`
+    bits per token (bits other overheads freed; an exact knapsack; sides weighted by their elements per token), and the measured table as
     provenance: `mixed.kld` [L, 2, W] (nats per position) over `mixed.widths` [W].
     """
     n_layers = adapter.info.num_layers
@@ -145,7 +146,7 @@ def allocate_by_loss(
     elements = adapter.info.num_kv_heads * adapter.info.head_dim  # per token, either side
     chosen = choose_widths(
         table.tolist(), [widths] * len(sides), [elements] * len(sides),
-        nominal * elements * len(sides),
+        nominal * elements * len(sides) + spare,
     )  # fmt: skip
     provenance = {
         "mixed.kld": table.view(n_layers, 2, len(widths)).contiguous(),  # [L, K|V, W]

@@ -48,6 +48,7 @@ from kvq.models.adapters import rope_partners
 from kvq.progress import Progress
 from kvq.quant import nuq, sparse, vq
 from kvq.quant.schemes import FULL_PRECISION, CachePolicy, LayerPolicy, QuantScheme
+from kvq.runtime.nuq_codecs import SPARSE_DTYPE, _index_dtype
 
 MIN_BITS, MAX_BITS = 1, 4
 
@@ -138,14 +139,21 @@ def _error(side: _Side, state: dict[str, Tensor], bits: int, rows: int = 4096) -
     return float((w * (rec - xn).square()).sum())
 
 
-def allocate_bits(errors: list[float], nominal: int) -> list[int]:
+def allocate_bits(errors: list[float], nominal: int, spare: int = 0) -> list[int]:
     """Widths per side (see the module doc): swaps of one bit while the modelled error falls.
-    errors: the Fisher-weighted error of each side at the nominal width."""
+    errors: the Fisher-weighted error of each side at the nominal width; spare: bits (one
+    per layer-side) beyond the uniform policy's, each given first where it cuts most."""
     bits = [nominal] * len(errors)
     lo, hi = max(MIN_BITS, nominal - 1), min(MAX_BITS, nominal + 1)
 
     def err(i: int, b: int) -> float:
         return errors[i] * 4.0 ** (nominal - b)
+
+    for _ in range(spare):
+        ups = [(err(i, b) - err(i, b + 1), i) for i, b in enumerate(bits) if b < hi]
+        if not ups:
+            break
+        bits[max(ups)[1]] += 1
 
     for _ in range(4 * len(errors)):
         ups = [(err(i, b) - err(i, b + 1), i) for i, b in enumerate(bits) if b < hi]
@@ -169,8 +177,17 @@ def _scheme(bits: int, dim: int, side: str, opts: VQOptions) -> QuantScheme:
         )  # fmt: skip
     return QuantScheme(
         format="vq", bits=bits, axis="token", lifetime="dynamic",
-        outlier_fraction=opts.outliers, vector_dim=dim,
+        outlier_fraction=opts.value_outliers, vector_dim=dim,
     )  # fmt: skip
+
+
+def spare_value_bits(head_dim: int, opts: VQOptions) -> float:
+    """Bits per value element that fewer value exceptions than `--outliers` free: each
+    exception slot of a row stores an index and an fp16 value (`NuqValueCodec`)."""
+    slots = sparse.range_count(head_dim, opts.outliers)
+    slots -= sparse.range_count(head_dim, opts.value_outliers)
+    index_bits = 8 * torch.empty(0, dtype=_index_dtype(head_dim)).element_size()
+    return slots * (index_bits + 8 * SPARSE_DTYPE.itemsize) / head_dim
 
 
 def _dim_at(width: int, opts: VQOptions) -> int:
@@ -203,6 +220,9 @@ def calibrate_vq(
             f"--seqlen {windows.shape[1]} leaves no tokens after {opts.sink} sink tokens"
         )
     kv = KVQuantOptions(bits=max(2, opts.bits), outliers=opts.outliers, sink=opts.sink)
+    kv_values = KVQuantOptions(bits=kv.bits, outliers=opts.value_outliers, sink=opts.sink)
+    # layer-bits the values' budget gains from fewer exceptions (whole layer-sides only)
+    spare = int(adapter.info.num_layers * spare_value_bits(adapter.info.head_dim, opts))
     keys, values = capture_kv(model, adapter, windows, opts.sink, "pre-rope", progress)
     n_layers = adapter.info.num_layers
     widths_fitted = loss_widths(opts.bits) if opts.mixed == "loss" else (opts.bits,)
@@ -216,7 +236,7 @@ def calibrate_vq(
             fv = fisher[1][layer] if fisher is not None else None
             for part, side in (
                 ("key", _key_side(keys[layer].float(), fk, kv)),
-                ("value", _value_side(values[layer].float(), fv, kv)),
+                ("value", _value_side(values[layer].float(), fv, kv_values)),
             ):
                 states = {}
                 for w in widths_fitted:
@@ -234,7 +254,9 @@ def calibrate_vq(
     if opts.mixed == "fisher":  # keys' bits among the keys, values' among the values
         for part in ("key", "value"):
             idx = [i for i, (_, p, _) in enumerate(sides) if p == part]
-            for i, b in zip(idx, allocate_bits([errors[i] for i in idx], opts.bits), strict=True):
+            gained = spare if part == "value" else 0
+            chosen = allocate_bits([errors[i] for i in idx], opts.bits, gained)
+            for i, b in zip(idx, chosen, strict=True):
                 widths[i] = b
         changed = [i for i, b in enumerate(widths) if b != opts.bits]
         if changed:
@@ -251,8 +273,9 @@ def calibrate_vq(
 
         template = LayerPolicy(FULL_PRECISION, FULL_PRECISION, "pre-rope", opts.sink)
         widths, extra = allocate_by_loss(
-            model, adapter, windows, fitted, scheme_at, template, opts.bits, progress
-        )
+            model, adapter, windows, fitted, scheme_at, template, opts.bits, progress,
+            spare * adapter.info.num_kv_heads * adapter.info.head_dim,
+        )  # fmt: skip
     tensors: dict[str, Tensor] = {}
     schemes: dict[tuple[int, str], QuantScheme] = {}
     for (layer, part, _), states, bits in zip(sides, fitted, widths, strict=True):
