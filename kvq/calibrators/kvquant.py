@@ -36,7 +36,7 @@ from kvq.errors import KvqError
 from kvq.progress import Progress
 from kvq.quant import nuq, sparse
 from kvq.quant.schemes import FULL_PRECISION, CachePolicy, LayerPolicy, QuantScheme
-from kvq.runtime.nuq_codecs import VALUE_SPLIT
+from kvq.runtime.nuq_codecs import SPARSE_DTYPE, VALUE_SPLIT, _index_dtype
 
 
 def capture_kv(
@@ -178,7 +178,7 @@ def fit_value_widths(
     samples: Tensor, fisher: Tensor | None, opts: KVQuantOptions, widths: tuple[int, ...]
 ) -> dict[int, dict[str, Tensor]]:
     """`fit_value_layer` at each of `widths`."""
-    inlier, scale, center = value_rows(samples, opts.outliers)
+    inlier, scale, center = value_rows(samples, opts.value_outliers)
     normed = nuq.normalize(samples, scale[..., None], center[..., None])
     return {w: _levels(normed, inlier, fisher, opts, w) for w in widths}
 
@@ -191,8 +191,19 @@ def loss_widths(nominal: int) -> tuple[int, ...]:
 
 def _scheme(opts: KVQuantOptions, part: str, bits: int) -> QuantScheme:
     axis, lifetime = ("channel", "static") if part == "key" else ("token", "dynamic")
+    fraction = opts.outliers if part == "key" else opts.value_outliers
     return QuantScheme(format="nuq", bits=bits, axis=axis, lifetime=lifetime,
-                       outlier_fraction=opts.outliers, qnorm=opts.qnorm)  # fmt: skip
+                       outlier_fraction=fraction, qnorm=opts.qnorm)  # fmt: skip
+
+
+def spare_value_bits(head_dim: int, opts) -> float:
+    """Bits per value element that fewer value exceptions than `--outliers` free
+    (`opts.value_outliers`): each exception slot of a row stores an index and an fp16
+    value (`NuqValueCodec`)."""
+    slots = sparse.range_count(head_dim, opts.outliers)
+    slots -= sparse.range_count(head_dim, opts.value_outliers)
+    index_bits = 8 * torch.empty(0, dtype=_index_dtype(head_dim)).element_size()
+    return slots * (index_bits + 8 * SPARSE_DTYPE.itemsize) / head_dim
 
 
 def kvquant_policy(
@@ -246,6 +257,8 @@ def calibrate_kvquant(
             model, adapter, windows, fitted,
             lambda _layer, part, bits, _state: _scheme(opts, part, bits),
             template, opts.bits, progress,
+            int(n_layers * spare_value_bits(adapter.info.head_dim, opts))
+            * adapter.info.num_kv_heads * adapter.info.head_dim,
         )  # fmt: skip
     tensors: dict[str, Tensor] = {}
     for i, (states, bits) in enumerate(zip(fitted, widths, strict=True)):

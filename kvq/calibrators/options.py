@@ -209,6 +209,14 @@ class KVQuantOptions(PassOptions):
         "per-layer, per-side bits: none, or loss (measured KL of each layer-side at each "
         "NUQ width, bits move across sides; --bits 3 or 4)",
     )
+    # values' exceptions apart (as vq's --v-outliers): with --mixed loss the bits they free
+    # widen layer-sides
+    v_outliers: float | None = option(
+        None,
+        "fraction of each value row kept exactly (default: --outliers); with --mixed loss "
+        "the bits it saves widen layer-sides",
+        flag="--v-outliers",
+    )
     nonuniform: bool = True  # False: uniform levels on the same normalised grid (ablation)
     key_stage: KeyStage = "pre-rope"
     # "fisher": the K outlier budget goes to the channels whose Fisher-weighted range it
@@ -229,8 +237,14 @@ class KVQuantOptions(PassOptions):
         if self.mixed == "loss" and self.bits == 2:
             raise KvqError("--mixed loss needs --bits 3 or 4 for kvquant: NUQ has no 1-bit width")
         check_range("--outliers", self.outliers, 0, 0.5, open_hi=True)
+        if self.v_outliers is not None:
+            check_range("--v-outliers", self.v_outliers, 0, 0.5, open_hi=True)
         check_range("--sink", self.sink, 0)
         check_choice("key_outliers", self.key_outliers, ("fisher", "uniform"))
+
+    @property
+    def value_outliers(self) -> float:
+        return self.outliers if self.v_outliers is None else self.v_outliers
 
 
 KVFormat = Literal["fp8-e4m3", "fp8-e5m2", "int8"]

@@ -40,7 +40,13 @@ from torch import Tensor
 
 from kvq.calibrators.base import FitContext, PassResult
 from kvq.calibrators.fisher import fisher_cached
-from kvq.calibrators.kvquant import _key_thresholds, capture_kv, key_fraction, value_rows
+from kvq.calibrators.kvquant import (
+    _key_thresholds,
+    capture_kv,
+    key_fraction,
+    spare_value_bits,
+    value_rows,
+)
 from kvq.calibrators.options import KVQuantOptions, VQOptions
 from kvq.calibrators.side_loss import allocate_by_loss
 from kvq.errors import KvqError
@@ -48,7 +54,6 @@ from kvq.models.adapters import rope_partners
 from kvq.progress import Progress
 from kvq.quant import nuq, sparse, vq
 from kvq.quant.schemes import FULL_PRECISION, CachePolicy, LayerPolicy, QuantScheme
-from kvq.runtime.nuq_codecs import SPARSE_DTYPE, _index_dtype
 
 MIN_BITS, MAX_BITS = 1, 4
 
@@ -179,15 +184,6 @@ def _scheme(bits: int, dim: int, side: str, opts: VQOptions) -> QuantScheme:
         format="vq", bits=bits, axis="token", lifetime="dynamic",
         outlier_fraction=opts.value_outliers, vector_dim=dim,
     )  # fmt: skip
-
-
-def spare_value_bits(head_dim: int, opts: VQOptions) -> float:
-    """Bits per value element that fewer value exceptions than `--outliers` free: each
-    exception slot of a row stores an index and an fp16 value (`NuqValueCodec`)."""
-    slots = sparse.range_count(head_dim, opts.outliers)
-    slots -= sparse.range_count(head_dim, opts.value_outliers)
-    index_bits = 8 * torch.empty(0, dtype=_index_dtype(head_dim)).element_size()
-    return slots * (index_bits + 8 * SPARSE_DTYPE.itemsize) / head_dim
 
 
 def _dim_at(width: int, opts: VQOptions) -> int:

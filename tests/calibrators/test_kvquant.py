@@ -170,3 +170,24 @@ def test_mixed_loss_at_4_bits_measures_3_4_and_8_bits_and_keeps_the_budget(monke
     assert torch.isfinite(out).all()
     with pytest.raises(KvqError, match="NUQ has no 1-bit width"):
         KVQuantOptions(bits=2, mixed="loss")
+
+
+def test_values_without_exceptions_store_no_value_exceptions():
+    """--v-outliers 0: value schemes keep no exceptions (keys keep theirs); the cache stores
+    fewer exception bytes than with them, and its codes are the same size."""
+    model = make_tiny_model("llama")
+    ad = get_adapter(model)
+    ids = _windows(2, 48, seed=9)
+    ledgers = []
+    for v in (None, 0.0):
+        opts = KVQuantOptions(bits=3, v_outliers=v)
+        pol, t = calibrate_kvquant(model, ad, _windows(), opts, Progress(), None)
+        expected = 0.01 if v is None else 0.0
+        assert {lp.value.outlier_fraction for lp in pol.layers} == {expected}
+        assert {lp.key.outlier_fraction for lp in pol.layers} == {0.01}
+        cache = build_cache(model, pol, t, ad)
+        with torch.no_grad():
+            out = model(ids, cache=cache, use_cache=True).logits
+        assert torch.isfinite(out).all()
+        ledgers.append(cache.nbytes())
+    assert ledgers[1].sparse < ledgers[0].sparse and ledgers[1].codes == ledgers[0].codes

@@ -110,3 +110,32 @@ def test_loss_allocation_gives_bits_where_the_measured_loss_is(monkeypatch):
     with torch.no_grad():
         out = model(_windows(1, 24, seed=5), cache=cache, use_cache=True).logits
     assert torch.isfinite(out).all()
+
+
+def test_values_without_exceptions_spend_their_bytes_on_wider_value_layers():
+    """--v-outliers 0: value rows keep no exceptions, and with --mixed the bits they would
+    take widen value layers; the stored cache is no larger than the one with exceptions."""
+    from kvq.calibrators.vq import spare_value_bits
+
+    model = make_tiny_model("gemma3")
+    ad = get_adapter(model)
+    n, d = ad.info.num_layers, ad.info.head_dim
+    opts = VQOptions(bits=2, mixed="fisher", v_outliers=0.0)
+    spare = int(n * spare_value_bits(d, opts))
+    assert spare >= 1  # tiny head_dim: one slot (index + fp16) per row frees > 1/n bit
+    with_exc, t0 = calibrate_vq(model, ad, _windows(), VQOptions(bits=2, mixed="fisher"),
+                                Progress(), _fisher(ad))  # fmt: skip
+    pol, t = calibrate_vq(model, ad, _windows(), opts, Progress(), _fisher(ad))
+    assert sum(lp.value.bits for lp in pol.layers) == 2 * n + spare
+    assert sum(lp.key.bits for lp in pol.layers) == 2 * n  # keys keep their budget
+    assert {lp.value.outlier_fraction for lp in pol.layers} == {0.0}
+    assert {lp.key.outlier_fraction for lp in pol.layers} == {0.01}
+    ids = _windows(2, 64, seed=7)
+    ledgers = []
+    for policy, tensors in ((with_exc, t0), (pol, t)):
+        cache = build_cache(model, policy, tensors, ad)
+        with torch.no_grad():
+            model(ids, cache=cache, use_cache=True)
+        ledgers.append(cache.nbytes())
+    streamed = [led.codes + led.sparse + led.qparams for led in ledgers]
+    assert streamed[1] <= streamed[0]
