@@ -465,6 +465,12 @@ AUTO_CHOICES: dict[int, tuple[str, int, str]] = {
 #   2 bits, vq 4-D + measured-loss bits: 1.1644 / 0.1473 / 0.795 -> 1.1518 / 0.1419 / 0.795
 #           (scalar NUQ2: 1.2159 / 0.1824 / 0.777 -> 1.1897 / 0.1636 / 0.787)
 AUTO_ROTATE: dict[int, bool] = {2: True, 3: True, 4: True}
+# per width: the values' exception fraction when they are rotated first (None: --outliers,
+# 1%). Rotated values have no outlier channel left; without their exceptions (3 slots of
+# index + fp16 per 256-channel row, 0.28 bits per element) the bits widen value layers
+# (`--v-outliers`). Ratio / KLD / top-1, 16 x 512 prefill, rotated, 1% -> none:
+#   3 bits, vq + Fisher bits: 1.0362 / 0.0321 / 0.899 -> 1.0307 / 0.0297 / 0.907
+AUTO_V_OUTLIERS: dict[int, float | None] = {2: None, 3: 0.0, 4: None}
 
 
 def vq_dims(v: VQOptions) -> str:
@@ -473,6 +479,13 @@ def vq_dims(v: VQOptions) -> str:
     if v.dim:
         return f"{v.dim}-D"
     return "4-D" if v.bits <= 2 else "2-D (4-D at 1-2-bit layer-sides)"
+
+
+def _exceptions(v: VQOptions | KVQuantOptions) -> str:
+    if v.value_outliers == v.outliers:
+        return f"{v.outliers:.0%} exact outliers"
+    spent = " (their bits widen value layers)" if v.mixed != "none" else ""
+    return f"{v.outliers:.0%} exact key outliers, {v.value_outliers:.0%} value outliers{spent}"
 
 
 @dataclass(frozen=True)
@@ -500,16 +513,18 @@ class AutoOptions(PassOptions):
 
     def chosen(self) -> VQOptions | KVQuantOptions:
         method, dim, mixed = AUTO_CHOICES[self.bits]
+        # unrotated values keep their exceptions: their outlier channels are still there
+        v_out = AUTO_V_OUTLIERS[self.bits] if len(self.chain()) > 1 else None
         if method == "kvquant":
-            return KVQuantOptions(bits=self.bits, mixed=mixed, seed=self.seed)
-        return VQOptions(bits=self.bits, dim=dim, mixed=mixed, seed=self.seed)
+            return KVQuantOptions(bits=self.bits, mixed=mixed, v_outliers=v_out, seed=self.seed)
+        return VQOptions(bits=self.bits, dim=dim, mixed=mixed, v_outliers=v_out, seed=self.seed)
 
     def method(self) -> str:
         v = self.chosen()
         if isinstance(v, KVQuantOptions):
             return (
                 f"kvquant: scalar Fisher-weighted NUQ{v.bits}, pre-RoPE per-channel keys, "
-                f"{v.outliers:.0%} exact outliers, sink {v.sink}, Q-Norm"
+                f"{_exceptions(v)}, sink {v.sink}, Q-Norm"
                 + (
                     ", per-layer/side bits by measured KL (across sides)"
                     if v.mixed == "loss"
@@ -522,7 +537,7 @@ class AutoOptions(PassOptions):
             "loss": ", per-layer/side bits by measured KL (across sides)",
         }[v.mixed]
         return (
-            f"vq: KVQuant normalisers + 1% exact outliers + sink 1, {vq_dims(v)} Fisher-weighted "
+            f"vq: KVQuant normalisers + {_exceptions(v)} + sink 1, {vq_dims(v)} Fisher-weighted "
             f"codebooks (keys over RoPE pairs){mixed}"
         )
 

@@ -38,8 +38,14 @@ def test_auto_records_its_choice_and_stays_within_the_bits(auto_artifact):
     assert auto["options"]["method"].endswith("values rotated first (rotate pass)")
     assert any(s.startswith("auto 3 bits: vq") for s in auto["stage_seconds"])
     layers = manifest["policy"]["_data"]["layers"]
-    widths = [layer[side]["bits"] for layer in layers for side in ("key", "value")]
-    assert sum(widths) == 3 * len(widths)  # mixed precision, same total code bits
+    keys = [layer["key"]["bits"] for layer in layers]
+    assert sum(keys) == 3 * len(keys)  # mixed precision, same total code bits
+    # rotated values keep no exceptions (AUTO_V_OUTLIERS[3]): their bits widen value layers
+    assert {layer["value"]["outlier_fraction"] for layer in layers} == {0.0}
+    assert {layer["key"]["outlier_fraction"] for layer in layers} == {0.01}
+    values = [layer["value"]["bits"] for layer in layers]
+    assert sum(values) > 3 * len(values)
+    assert "0% value outliers (their bits widen value layers)" in auto["options"]["method"]
     assert {layer["key"]["format"] for layer in layers} == {"vq"}
 
 
@@ -65,9 +71,11 @@ def test_inspect_shows_the_chosen_method_and_each_layer_side_width(auto_artifact
     result = _ok(_run("inspect", auto_artifact))
     out = " ".join(result.output.split())  # the table wraps long cells
     assert "auto (bits=3, method=vq:" in out
+    widths = [layer[side]["bits"] for side in ("key", "value") for layer in layers]
     keys = " ".join(str(layer["key"]["bits"]) for layer in layers)
     values = " ".join(str(layer["value"]["bits"]) for layer in layers)
-    assert f"code bits per layer: K {keys} | V {values} (mean 3.00)" in out
+    mean = sum(widths) / len(widths)  # above 3: the values' exception bits widen them
+    assert f"code bits per layer: K {keys} | V {values} (mean {mean:.2f})" in out
     for layer in layers:  # each width with its codebook dimension, in the policy table
         for side in ("key", "value"):
             assert f"vq{layer[side]['bits']} {layer[side]['vector_dim']}-D codebook" in out
@@ -182,3 +190,15 @@ def test_no_rotate_runs_auto_alone_and_a_quantized_base_says_so(llama_dir, calib
     result = _calibrate_auto(llama_dir, calib_txt, tmp_path / "x", 3, "--base", plain, samples=2)
     _one_line_error(result, "rotate transforms the model", "--no-rotate skips it")
     assert not (tmp_path / "x").exists()
+
+
+def test_values_drop_their_exceptions_only_when_rotated():
+    """AUTO_V_OUTLIERS applies to rotated values; --no-rotate keeps the 1% (outlier channels
+    are still there), and the method text says which."""
+    from kvq.calibrators.options import AUTO_V_OUTLIERS, AutoOptions
+
+    assert AUTO_V_OUTLIERS[3] == 0.0
+    rotated, plain = AutoOptions(bits=3).chosen(), AutoOptions(bits=3, rotate=False).chosen()
+    assert rotated.value_outliers == 0.0 and rotated.outliers == 0.01
+    assert plain.value_outliers == plain.outliers == 0.01
+    assert "1% exact outliers" in AutoOptions(bits=3, rotate=False).method()
