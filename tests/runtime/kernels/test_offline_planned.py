@@ -360,7 +360,7 @@ def test_a_layer_call_binds_few_runtime_arguments(compiled):
     the same with codebooks)."""
     for case, (_, r) in compiled.items():
         limit = 25 if case in ("kv4-llama", "kv4-gemma", "fp8-llama") else 32
-        limit = 44 if case.startswith(("nuq4-pre", "vq")) else limit
+        limit = 44 if case.startswith(("nuq4-pre", "nuq4-dense-pre", "vq")) else limit
         assert r["runtime_args_layer"] <= limit, (case, r["runtime_args_layer"])
 
 
