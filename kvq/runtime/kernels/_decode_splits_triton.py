@@ -369,25 +369,31 @@ ld.global.nc.b32 $0, [a];
 
 def _slot_lut_asm(slots: int) -> str:
     """`_WORD_LUT_ASM` with `slots` exact values patched in before the planes are formed:
-    $17, $18 4 x the first channel of the word's half-words, then per slot 4 x its channel
-    and the fp16 value's low and high byte, each repeated 4 times. A slot at channel c of
-    a half-word (k = c - first, 0 ... 3) turns selector nibble k of it into k + 4, which a
-    PRMT reads from the value's bytes instead of the level's; shifts of 32 or more (other
-    words, unused slots) leave the selector 0x3210. 10 instructions per slot and word."""
+    $17 4 x the word's first channel, then per slot 4 x its channel and the fp16 value's low
+    and high byte, each repeated 4 times. A slot at channel c of the word (k = c - first,
+    0 ... 7) sets selector nibble k of one word-wide selector (the base 0x3210 in both
+    halves) to 4 + k mod 4, which a PRMT reads from the value's bytes instead of the
+    level's: the low half-word's selector as is, the high one's shifted down 16. Shifts of
+    32 or more (other words, unused slots) leave the base. 8 instructions per slot and word
+    (a selector per half-word, built twice: 10)."""
     base = _WORD_LUT_ASM.value
     head, tail = base.split("prmt.b32 a, lo, hi, 0x6240;")
     mid, end = tail.split("prmt.b32 b, lo, hi, 0x6240;")
+    sel = []
+    for s in range(slots):
+        sel += [f"sub.u32 k, ${18 + 3 * s}, $17;", "shl.b32 k, four, k;",
+                f"or.b32 m{s}, k, 0x32103210;", f"shr.b32 n{s}, m{s}, 16;"]  # fmt: skip
 
     def patch(half: int) -> str:
         lines = []
         for s in range(slots):
-            i, el, eh = 19 + 3 * s, 20 + 3 * s, 21 + 3 * s
-            lines += [f"sub.u32 k, ${i}, ${17 + half};", "shl.b32 m, four, k;", "or.b32 m, m, 0x3210;",
-                      f"prmt.b32 lo, lo, ${el}, m;", f"prmt.b32 hi, hi, ${eh}, m;"]  # fmt: skip
+            el, eh, m = 19 + 3 * s, 20 + 3 * s, f"{'mn'[half]}{s}"
+            lines += [f"prmt.b32 lo, lo, ${el}, {m};", f"prmt.b32 hi, hi, ${eh}, {m};"]
         return "\n".join(lines) + "\n"
 
-    head = head.replace(".reg .b32 s,", ".reg .b32 k, m, four, s,")
-    head = head.replace("d;\n", "d;\nmov.b32 four, 4;\n", 1)
+    regs = "".join(f"m{s}, n{s}, " for s in range(slots))
+    head = head.replace(".reg .b32 s,", f".reg .b32 k, four, {regs}s,")
+    head = head.replace("d;\n", "d;\nmov.b32 four, 4;\n" + "\n".join(sel) + "\n", 1)
     return (head + patch(0) + "prmt.b32 a, lo, hi, 0x6240;" + mid + patch(1)
             + "prmt.b32 b, lo, hi, 0x6240;" + end)  # fmt: skip
 
@@ -400,20 +406,27 @@ _SLOT_LUT_ASM4 = tl.constexpr(_slot_lut_asm(4))
 MAX_PATCHED_SLOTS = 4
 
 
+# an fp16's low (high) byte repeated in the 4 bytes of a word, for `_slot_lut_asm`
+_REPEAT_BYTES_ASM = tl.constexpr("""{
+prmt.b32 $0, $2, 0, 0x0000;
+prmt.b32 $1, $2, 0, 0x1111;
+}""")
+
+
 @triton.jit
-def _slot_operands(rows, row_ok, nuq, vs_ptr, vo_ptr, vq_t, s: tl.constexpr):
+def _slot_operands(rows, row_ok, nuq, inv, center, s: tl.constexpr):
     """Slot s of the tile's rows as `_slot_lut_asm` takes it: 4 x its channel (2^20 for rows
-    past the segment: no word's) and its value normalised by the row's scale and centre
-    (the levels are patched before they are scaled), as fp16 low and high bytes x 4."""
+    past the segment: no word's) and its value normalised by the row's scale (inv: its
+    reciprocal) and centre (the levels are patched before they are scaled), as fp16 low and
+    high bytes x 4."""
     si_ptr, sv_ptr, s_t = nuq[11], nuq[12], nuq[13]
     idx = tl.load(si_ptr + rows * s_t + s, mask=row_ok, other=0).to(tl.int32)
     idx = tl.where(row_ok, idx * 4, 1 << 20)
     exact = tl.load(sv_ptr + rows * s_t + s, mask=row_ok, other=0.0).to(tl.float32)
-    scale = tl.load(vs_ptr + rows * vq_t, mask=row_ok, other=1.0).to(tl.float32)
-    center = tl.load(vo_ptr + rows * vq_t, mask=row_ok, other=0.0).to(tl.float32)
-    bits = ((exact - center) / scale).to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32)
-    return idx[:, None], ((bits & 0xFF) * 0x01010101)[:, None], (
-        ((bits >> 8) & 0xFF) * 0x01010101)[:, None]  # fmt: skip
+    bits = ((exact - center) * inv).to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32)
+    lo, hi = tl.inline_asm_elementwise(_REPEAT_BYTES_ASM, "=r,=r,r", [bits],
+                                       dtype=(tl.int32, tl.int32), is_pure=True, pack=1)  # fmt: skip
+    return idx[:, None], lo[:, None], hi[:, None]
 
 
 @triton.jit
@@ -424,19 +437,25 @@ def _word_levels_slots(words, lut, rows, row_ok, nuq, vs_ptr, vo_ptr, vq_t,
     BT: tl.constexpr = words.shape[0]
     W: tl.constexpr = words.shape[1]
     first = (tl.arange(0, W) * 32)[None, :]  # 4 x the first channel of each word
-    i0, l0_, h0_ = _slot_operands(rows, row_ok, nuq, vs_ptr, vo_ptr, vq_t, 0)
+    # one approximate reciprocal of the row's scale for its slots (a division each cost 7
+    # instructions; the quotient is rounded to fp16 next)
+    scale = tl.load(vs_ptr + rows * vq_t, mask=row_ok, other=1.0).to(tl.float32)
+    inv = tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=f,f", [scale],
+                                    dtype=tl.float32, is_pure=True, pack=1)  # fmt: skip
+    center = tl.load(vo_ptr + rows * vq_t, mask=row_ok, other=0.0).to(tl.float32)
+    i0, l0_, h0_ = _slot_operands(rows, row_ok, nuq, inv, center, 0)
     args = [words, lut[0], lut[1], lut[2], lut[3], lut[4], lut[5], lut[6], lut[7], first,
-            first + 16, i0, l0_, h0_]  # fmt: skip
+            i0, l0_, h0_]  # fmt: skip
     if SLOTS >= 2:
-        i1, l1_, h1_ = _slot_operands(rows, row_ok, nuq, vs_ptr, vo_ptr, vq_t, 1)
+        i1, l1_, h1_ = _slot_operands(rows, row_ok, nuq, inv, center, 1)
         args = args + [i1, l1_, h1_]
     if SLOTS >= 3:
-        i2, l2_, h2_ = _slot_operands(rows, row_ok, nuq, vs_ptr, vo_ptr, vq_t, 2)
+        i2, l2_, h2_ = _slot_operands(rows, row_ok, nuq, inv, center, 2)
         args = args + [i2, l2_, h2_]
     if SLOTS >= 4:
-        i3, l3_, h3_ = _slot_operands(rows, row_ok, nuq, vs_ptr, vo_ptr, vq_t, 3)
+        i3, l3_, h3_ = _slot_operands(rows, row_ok, nuq, inv, center, 3)
         args = args + [i3, l3_, h3_]
-    cons: tl.constexpr = "=h,=h,=h,=h,=h,=h,=h,=h," + ",".join(["r"] * (11 + 3 * SLOTS))
+    cons: tl.constexpr = "=h,=h,=h,=h,=h,=h,=h,=h," + ",".join(["r"] * (10 + 3 * SLOTS))
     if SLOTS == 1:
         asm: tl.constexpr = _SLOT_LUT_ASM1
     elif SLOTS == 2:
@@ -1149,7 +1168,7 @@ def _rope_scores(rq, rk, k_ptr, k_t, ks_ptr, ko_ptr, kq_t, t, t_ok, tile, pos_pt
                  K_FACTOR: tl.constexpr, K_WORDS: tl.constexpr,
                  NC: tl.constexpr, K_LUT: tl.constexpr = 0, K_FLAT: tl.constexpr = False,
                  nuq=None, amp=None, K_VQ: tl.constexpr = 0,
-                 K_VQB: tl.constexpr = 0):  # fmt: skip
+                 K_VQB: tl.constexpr = 0, live=None):  # fmt: skip
     """Scores [R, BT] of a tile of pre-RoPE keys, each rotated at its row's position. A
     tile whose rows sit at one run of positions p0, p0 + 1, ... (a sequence's rows, the
     usual case) is rotated by angle addition: R(p0 + i) = R(p0) R(i), R(p0) taken onto the
@@ -1165,7 +1184,8 @@ def _rope_scores(rq, rk, k_ptr, k_t, ks_ptr, ko_ptr, kq_t, t, t_ok, tile, pos_pt
     pos = tl.load(pos_ptr + t * pos_t, mask=t_ok, other=0).to(tl.int32)
     p0 = tl.load(pos_ptr + tile * BLOCK_T * pos_t).to(tl.int32)
     local = tl.arange(0, BLOCK_T)
-    drift = tl.where(t_ok, pos - local - p0, 0)
+    live = t_ok if live is None else live  # the rows in the segment (t: the rows read)
+    drift = tl.where(live, pos - local - p0, 0)
     run = (tl.max(tl.abs(drift), axis=0) == 0) & (tab_rows >= BLOCK_T)
     trow = tl.where(run, local, pos)
     scores = tl.zeros([R, BLOCK_T], tl.float32)
@@ -1291,20 +1311,26 @@ def _segment_loop(
     last = tl.minimum(last * SUB, tl.cdiv(rows_seg, BT))
     for tile in tl.range(first * SUB, last, num_stages=NUM_STAGES):
         t = tile * BT + tl.arange(0, BT)
-        t_ok = t < rows_seg
+        t_ok = t < rows_seg  # the softmax's mask
+        # the tile's loads read row min(t, rows - 1), unmasked: rows past the segment repeat
+        # its last one (finite data, weight 0). Masked loads cost a predicate and a fill per
+        # load: 86.9 -> 83.8 warp-instructions per row for NUQ4 as stored, Llama-like, KV4
+        # 31.1 -> 29.6 (sm_90)
+        tr = tl.minimum(t, rows_seg - 1)
+        tr_ok = tl.full([BT], 1, tl.int1)
         if ROPE:
-            scores = _rope_scores(rq, rk, k_ptr, k_t, ks_ptr, ko_ptr, kq_t, t, t_ok, tile,
+            scores = _rope_scores(rq, rk, k_ptr, k_t, ks_ptr, ko_ptr, kq_t, tr, tr_ok, tile,
                                   pos_ptr, pos_t, rtab, tab_rows, R, K_ZERO, BT, FULL, KPR,
                                   D, OP, PRECISION, ASM, K_ROWQ, K_NG, K_HAS_OFF, K_FP8,
                                   K_FACTOR, K_WORDS, NCS, K_LUT, K_FLAT, nuq,
-                                  rope_q[3], K_VQ, K_VQB)  # fmt: skip
+                                  rope_q[3], K_VQ, K_VQB, t_ok)  # fmt: skip
         else:
             if K_ROWQ and not FULL:
-                k_lo, k_hi = _value_planes(k_ptr, t, t_ok, k_t, ks_ptr, ko_ptr, kq_t, K_ZERO,
+                k_lo, k_hi = _value_planes(k_ptr, tr, tr_ok, k_t, ks_ptr, ko_ptr, kq_t, K_ZERO,
                                            KP, K_NG, KW // K_NG, False, K_HAS_OFF, OP, ASM,
                                            K_FP8, K_FACTOR, K_WORDS)  # fmt: skip
             else:
-                k_lo, k_hi = _key_planes(k_ptr, t, t_ok, k_t, K_ZERO, KP, KW, FULL, ASM,
+                k_lo, k_hi = _key_planes(k_ptr, tr, tr_ok, k_t, K_ZERO, KP, KW, FULL, ASM,
                                          K_FP8, K_LUT, nuq[0], nuq[15])  # fmt: skip
             scores = tl.dot(q_lo, tl.trans(k_lo.to(OP)), input_precision=PRECISION)
             if KP == 2:
@@ -1312,7 +1338,7 @@ def _segment_loop(
             if not FULL and not K_ROWQ:
                 scores += k_bias[:, None]
             if K_FLAT and not FULL:  # NUQ keys' exact exceptions (post-RoPE keys)
-                scores = _key_exceptions(scores, t, t_ok, k_ptr, k_t, nuq, OP, PRECISION)
+                scores = _key_exceptions(scores, tr, tr_ok, k_ptr, k_t, nuq, OP, PRECISION)
         if HAS_SOFTCAP:  # softcap * tanh(s / softcap), tanh(x) = 2 sigmoid(2x) - 1, base 2
             scores = softcap * (2.0 * tl.sigmoid(2.0 * scores / softcap) - 1.0) * LOG2E
         allowed = r_ok[:, None] & t_ok[None, :]
@@ -1332,16 +1358,16 @@ def _segment_loop(
         p = tl.exp2(scores - m_safe[:, None])  # [R, BT]
         l_i = l_i * alpha + tl.sum(p, axis=1)
         if V_VQ and not FULL:
-            v_lo, v_hi = _vq_value_planes(v_ptr, t, t_ok, v_t, vs_ptr, vo_ptr, vq_t, V_VQ,
+            v_lo, v_hi = _vq_value_planes(v_ptr, tr, tr_ok, v_t, vs_ptr, vo_ptr, vq_t, V_VQ,
                                           V_VQB, D, V_HAS_OFF, OP, nuq[14], VQ_PATCH,
                                           nuq)  # fmt: skip
         else:
-            v_lo, v_hi = _value_planes(v_ptr, t, t_ok, v_t, vs_ptr, vo_ptr, vq_t, V_ZERO, VP,
+            v_lo, v_hi = _value_planes(v_ptr, tr, tr_ok, v_t, vs_ptr, vo_ptr, vq_t, V_ZERO, VP,
                                        NG, GW, FULL, V_HAS_OFF, OP, ASM, V_FP8, V_FACTOR,
                                        V_WORDS and not FULL, V_LUT, nuq[14], nuq[16],
                                        V_SLOTS * V_PATCH, nuq)  # fmt: skip
         if V_SLOTS and not FULL and not V_PATCH and not VQ_PATCH:  # exact exceptions
-            v_lo, v_hi = _value_slots(v_lo, v_hi, t, t_ok, nuq, VP, V_SLOTS)
+            v_lo, v_hi = _value_slots(v_lo, v_hi, tr, tr_ok, nuq, VP, V_SLOTS)
         p16 = p.to(OP)
         acc_lo = acc_lo * alpha[:, None] + tl.dot(p16, v_lo, input_precision=PRECISION)
         if VP == 2:
@@ -1533,7 +1559,12 @@ def decode_splits_kernel(
     # exceptions: Llama-like 3 x 2 in chunks of 32 groups spilled 64 B at 204 warp-
     # instructions per row, one chunk 148 and no spill; Gemma 3's 3 x 2 in 4 chunks 400
     # and a 160 B spill, one chunk 297, none)
-    NC: tl.constexpr = 1 if K_VQ else (2 if D // KP // 2 > 32 and not K_ROWQ else 1)
+    # (NUQ keys: two chunks from 32 columns per half, the lookup's bytes and the rotation
+    # of a 16-column chunk held at once: Llama-like NUQ4 as stored 84 -> 79 warp-
+    # instructions per row, where KV4's nibbles take 44 -> 46; Gemma 3's four chunks: 162
+    # -> 176)
+    CH: tl.constexpr = D // KP // 2  # columns per plane and half
+    NC: tl.constexpr = 1 if K_VQ or K_ROWQ else (2 if CH > 32 or (K_LUT and CH == 32) else 1)
     rope_q = (q_row, r_ok, q_scale, rope_amp, fk, HKV)  # what `_rope_prepare` reads
 
     m_i = tl.full([R], float("-inf"), tl.float32)
@@ -1592,54 +1623,43 @@ def decode_splits_kernel(
     # online softmax merges in any order), so that what the residual rows' loop needs is not
     # held across theirs: Gemma 3's layer call spilled 24 B in the packed loop otherwise
     MAIN_LAST: tl.constexpr = KIND1 == 2 and ROPE1 and KIND2 == 1
-    if KIND1 != 0 and not MAIN_LAST:
-        kp = k1 + b * k1_b + h * k1_h
-        vp = v1 + b * v1_b + h * v1_h
-        state = _segment_loop(
-            state, fq_lo if KIND1 == 1 else pk_lo, fq_hi if KIND1 == 1 else pk_hi, k_bias,
-            kp, vp, k1_t, v1_t, vs_ptr, vo_ptr, vq_t, ks_ptr, ko_ptr, kq_t,
-            tl.maximum(lo, n0) - n0, tl.minimum(hi, n0 + n1) - n0, rows0, total, qi, r_ok,
-            K_ZERO, V_ZERO, Q, R, BLOCK_T, KIND1 == 1, KP, KW, VP, NG, GW, V_HAS_OFF,
-            HAS_SOFTCAP, softcap, CAUSAL, OP, PRECISION, NUM_STAGES, rows1, ASM, K_ROWQ, K_NG,
-            K_HAS_OFF, m_row, HAS_MASK, K_FP8, V_FP8, K_FACTOR, V_FACTOR, K_WORDS, V_WORDS,
-            ROPE1, rope_q, pos1 + b * pos1_b, pos1_t, rope_tab, rope_rows, D, NC,
-            K_MODE, V_MODE, K_FLAT, V_SLOTS, nuq, rope_tab1, rope_amp1,
-            K_VQ, K_VQB, V_VQ, V_VQB,
-        )  # fmt: skip
     if KIND2 != 0:
         k2_t = (D if KIND2 == 1 else KRB) if k2_t is None else k2_t
         v2_t = (D if KIND2 == 1 else VRB) if v2_t is None else v2_t
         v2_h = k2_h if v2_h is None else v2_h
         k2_b = HKV * k2_h if k2_b is None else k2_b
         v2_b = HKV * v2_h if v2_b is None else v2_b
-        kp = k2 + b * k2_b + h * k2_h
-        vp = v2 + b * v2_b + h * v2_h
-        state = _segment_loop(
-            state, fq_lo if KIND2 == 1 else pk_lo, fq_hi if KIND2 == 1 else pk_hi, k_bias,
-            kp, vp, k2_t, v2_t, vs_ptr, vo_ptr, vq_t, ks_ptr, ko_ptr, kq_t,
-            tl.maximum(lo, n0 + n1) - n0 - n1, tl.minimum(hi, n) - n0 - n1, rows0 + rows1,
-            total, qi, r_ok, K_ZERO, V_ZERO, Q, R, BLOCK_T, KIND2 == 1, KP, KW, VP, NG, GW,
-            V_HAS_OFF, HAS_SOFTCAP, softcap, CAUSAL, OP, PRECISION, NUM_STAGES, rows2, ASM,
-            K_ROWQ, K_NG, K_HAS_OFF, m_row, HAS_MASK, K_FP8, V_FP8, K_FACTOR, V_FACTOR,
-            K_WORDS, V_WORDS,
-            ROPE2, rope_q, pos2 + b * pos2_b, pos2_t, rope_tab, rope_rows, D, NC,
-            K_MODE, V_MODE, K_FLAT, V_SLOTS, nuq, rope_tab1, rope_amp1,
-            K_VQ, K_VQB, V_VQ, V_VQB,
-        )  # fmt: skip
-    if KIND1 != 0 and MAIN_LAST:  # the same call, after segment 2
-        kp = k1 + b * k1_b + h * k1_h
-        vp = v1 + b * v1_b + h * v1_h
-        state = _segment_loop(
-            state, fq_lo if KIND1 == 1 else pk_lo, fq_hi if KIND1 == 1 else pk_hi, k_bias,
-            kp, vp, k1_t, v1_t, vs_ptr, vo_ptr, vq_t, ks_ptr, ko_ptr, kq_t,
-            tl.maximum(lo, n0) - n0, tl.minimum(hi, n0 + n1) - n0, rows0, total, qi, r_ok,
-            K_ZERO, V_ZERO, Q, R, BLOCK_T, KIND1 == 1, KP, KW, VP, NG, GW, V_HAS_OFF,
-            HAS_SOFTCAP, softcap, CAUSAL, OP, PRECISION, NUM_STAGES, rows1, ASM, K_ROWQ, K_NG,
-            K_HAS_OFF, m_row, HAS_MASK, K_FP8, V_FP8, K_FACTOR, V_FACTOR, K_WORDS, V_WORDS,
-            ROPE1, rope_q, pos1 + b * pos1_b, pos1_t, rope_tab, rope_rows, D, NC,
-            K_MODE, V_MODE, K_FLAT, V_SLOTS, nuq, rope_tab1, rope_amp1,
-            K_VQ, K_VQB, V_VQ, V_VQB,
-        )  # fmt: skip
+    # one call site per segment: segment 1 before segment 2, or after it (MAIN_LAST)
+    for step in tl.static_range(3):
+        if KIND1 != 0 and step == (2 if MAIN_LAST else 0):
+            kp = k1 + b * k1_b + h * k1_h
+            vp = v1 + b * v1_b + h * v1_h
+            state = _segment_loop(
+                state, fq_lo if KIND1 == 1 else pk_lo, fq_hi if KIND1 == 1 else pk_hi, k_bias,
+                kp, vp, k1_t, v1_t, vs_ptr, vo_ptr, vq_t, ks_ptr, ko_ptr, kq_t,
+                tl.maximum(lo, n0) - n0, tl.minimum(hi, n0 + n1) - n0, rows0, total, qi, r_ok,
+                K_ZERO, V_ZERO, Q, R, BLOCK_T, KIND1 == 1, KP, KW, VP, NG, GW, V_HAS_OFF,
+                HAS_SOFTCAP, softcap, CAUSAL, OP, PRECISION, NUM_STAGES, rows1, ASM, K_ROWQ, K_NG,
+                K_HAS_OFF, m_row, HAS_MASK, K_FP8, V_FP8, K_FACTOR, V_FACTOR, K_WORDS, V_WORDS,
+                ROPE1, rope_q, pos1 + b * pos1_b, pos1_t, rope_tab, rope_rows, D, NC,
+                K_MODE, V_MODE, K_FLAT, V_SLOTS, nuq, rope_tab1, rope_amp1,
+                K_VQ, K_VQB, V_VQ, V_VQB,
+            )  # fmt: skip
+        if KIND2 != 0 and step == 1:
+            kp = k2 + b * k2_b + h * k2_h
+            vp = v2 + b * v2_b + h * v2_h
+            state = _segment_loop(
+                state, fq_lo if KIND2 == 1 else pk_lo, fq_hi if KIND2 == 1 else pk_hi, k_bias,
+                kp, vp, k2_t, v2_t, vs_ptr, vo_ptr, vq_t, ks_ptr, ko_ptr, kq_t,
+                tl.maximum(lo, n0 + n1) - n0 - n1, tl.minimum(hi, n) - n0 - n1, rows0 + rows1,
+                total, qi, r_ok, K_ZERO, V_ZERO, Q, R, BLOCK_T, KIND2 == 1, KP, KW, VP, NG, GW,
+                V_HAS_OFF, HAS_SOFTCAP, softcap, CAUSAL, OP, PRECISION, NUM_STAGES, rows2, ASM,
+                K_ROWQ, K_NG, K_HAS_OFF, m_row, HAS_MASK, K_FP8, V_FP8, K_FACTOR, V_FACTOR,
+                K_WORDS, V_WORDS,
+                ROPE2, rope_q, pos2 + b * pos2_b, pos2_t, rope_tab, rope_rows, D, NC,
+                K_MODE, V_MODE, K_FLAT, V_SLOTS, nuq, rope_tab1, rope_amp1,
+                K_VQ, K_VQB, V_VQ, V_VQB,
+            )  # fmt: skip
     m_i, l_i, acc_lo, acc_hi = state
 
     # channel of plane k, column c: c * VP + k

@@ -90,9 +90,11 @@ def kernel_config(head_dim: int, bits: int, key_rows: bool = False,
     per row at head_dim 256 (the columns rotate in two chunks; 8 warps per program: 100
     per row). `rope_lut`: NUQ4 keys before RoPE (KVQuant's layout, levels x per-channel
     scale + centre rotated in the loop): at head_dim 256 the per-channel normaliser held
-    per column leaves no room for 4 warps (255 registers and a 552 B spill, 151 per row),
-    so 8 warps share the state: 255 registers, no spill, 171 per row (general kernel:
-    426); at head_dim 128, 4 warps: 245 registers, 8 warps per SM, 87 per row (252).
+    per column leaves no room for 4 warps (255 registers and a 304 B spill in four chunks
+    of columns, 552 B in two), so 8 warps share the state: 255 registers, no spill, 162
+    per row (general kernel: 426), one stage (the key entries' loop leaves the codes
+    unstaged; without entries two stages spilled 16 B, one: none, 149 per row); at
+    head_dim 128, 4 warps: 236 registers, 8 warps per SM, 79 per row (252).
     `vector`: the group size of vq keys (pre-RoPE, centroids gathered in the loop), with
     or without `key_entries` (flat exceptions): at head_dim 256, 8 warps as for NUQ4 (3 x
     2 codes: 222 registers, no spill, 297 per row; 4 warps spill); at 128, 4 warps (3 x 2:
@@ -106,7 +108,7 @@ def kernel_config(head_dim: int, bits: int, key_rows: bool = False,
         stages = 1 if one else 2
         return KernelConfig(64, 8, stages) if head_dim >= 256 else KernelConfig(64, 4, stages)
     if rope_lut and head_dim >= 256:
-        return KernelConfig(64, 8, 2)
+        return KernelConfig(64, 8, 1)
     if bits == 8 and head_dim >= 256:
         return KernelConfig(32, 4, 2)
     return KernelConfig(64, 4, 2)

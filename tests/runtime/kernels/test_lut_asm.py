@@ -142,6 +142,17 @@ def test_every_lane_holds_the_same_table(table):
     assert torch.equal(lanes, lanes[:1].expand(32, 8))
 
 
+def _repeated_bytes(bits: int) -> tuple[int, int]:
+    """`_REPEAT_BYTES_ASM` on an fp16's bits: its low and high byte, each in 4 bytes."""
+    out = run_ptx(kern._REPEAT_BYTES_ASM.value, {"$2": bits})
+    return out["$0"], out["$1"]
+
+
+def test_repeated_bytes():
+    for bits in (0, 0x3C00, 0xBC01, 0xFFFF, 0x1234):
+        assert _repeated_bytes(bits) == ((bits & 0xFF) * 0x01010101, (bits >> 8) * 0x01010101)
+
+
 @pytest.mark.parametrize("slots", [1, 2, 3, 4])
 def test_value_slots_patched_into_the_word_lookup(table, slots):
     """`_slot_lut_asm`: a slot whose channel falls in the word replaces that channel's level
@@ -158,11 +169,11 @@ def test_value_slots_patched_into_the_word_lookup(table, slots):
         pick = torch.randperm(len(pool), generator=g)[:slots].tolist()
         chans = [pool[i] for i in pick]
         vals = [int(v) for v in torch.randint(0, 2**16, (slots,), generator=g)]
-        ops = {"$8": w, "$17": 4 * first, "$18": 4 * first + 16}
+        ops = {"$8": w, "$17": 4 * first}
         ops |= {f"${9 + i}": words[i] for i in range(8)}
         for s, (c, v) in enumerate(zip(chans, vals, strict=True)):
-            ops |= {f"${19 + 3 * s}": 4 * c, f"${20 + 3 * s}": (v & 0xFF) * 0x01010101,
-                    f"${21 + 3 * s}": (v >> 8) * 0x01010101}  # fmt: skip
+            low, high = _repeated_bytes(v)
+            ops |= {f"${18 + 3 * s}": 4 * c, f"${19 + 3 * s}": low, f"${20 + 3 * s}": high}
         out = run_ptx(asm, ops)
         want = [lv[n] for n in _nibbles(w)]  # channel order
         for c, v in zip(chans, vals, strict=True):

@@ -39,6 +39,8 @@ CASES = {  # name -> (batch, KV heads, head_dim, query heads)
     # KVQuant's stored layout: NUQ4 keys before RoPE with their exceptions
     "nuq4-pre-llama": (16, 8, 128, 32),
     "nuq4-pre-gemma": (16, 1, 256, 4),
+    "nuq4-pre-gemma-layer": (16, 1, 256, 4),  # its whole-layer call (it spilled 8 B)
+    "nuq4-dense-pre-gemma": (16, 1, 256, 4),  # no exceptions (two stages spilled 16 B)
     # Gemma 3's whole-layer call (`make demo`): pre-RoPE sink rows, KV4, residual rows
     "kv4-pre-gemma-layer": (16, 1, 256, 4),
     # vector codebooks as `kvq calibrate auto` stores them (pre-RoPE keys over RoPE pairs,
@@ -51,12 +53,15 @@ CASES = {  # name -> (batch, KV heads, head_dim, query heads)
 # the NUQ4 keys' exceptions run a loop over each row's entries inside the tile loop, which
 # Triton's pipeliner does not stage: their codes load in the iteration that uses them
 # (vq without exceptions over 2-D groups: one stage, staged codes spilled, `kernel_config`)
-UNSTAGED = ("nuq4-llama", "nuq4-pre-llama", "nuq4-pre-gemma", "vq3-pre-llama", "vq2-pre-llama",
-            "vq2-pre-gemma", "vq3-dense-pre-gemma")  # fmt: skip
+# (pre-RoPE NUQ4 at head_dim 256 without entries: one stage, two spilled, `kernel_config`)
+UNSTAGED = ("nuq4-llama", "nuq4-pre-llama", "nuq4-pre-gemma", "nuq4-pre-gemma-layer",
+            "nuq4-dense-pre-gemma", "vq3-pre-llama", "vq2-pre-llama", "vq2-pre-gemma",
+            "vq3-dense-pre-gemma")  # fmt: skip
 # below the 20 KB per SM in flight: unstaged, at 8 resident warps (pre-RoPE NUQ4 holds the
-# per-channel normaliser and the rotation: 242 / 255 registers), 18.1 KB (Llama-like) and
-# 17.1 KB (Gemma 3): not yet at the target
-BELOW_IN_FLIGHT = ("nuq4-pre-llama", "nuq4-pre-gemma")
+# per-channel normaliser and the rotation: 236 / 255 registers), 18.1 KB (Llama-like) and
+# 17.1 KB (Gemma 3; 16.2 without exceptions): not yet at the target
+NUQ_IN_FLIGHT_KB = {"nuq4-pre-llama": 17, "nuq4-pre-gemma": 17, "nuq4-pre-gemma-layer": 17,
+                    "nuq4-dense-pre-gemma": 16}  # fmt: skip
 # vq rows: 3- and 2-bit codes, unstaged (the key entries' loop), 8 resident warps: 14.1 KB
 # per SM (Llama-like 3 x 2), 10.1 (2 x 4), 9.3 KB (Gemma 3's 2 x 4): below the target
 VQ_IN_FLIGHT_KB = {"vq3-pre-llama": 13, "vq2-pre-llama": 9.5, "vq2-pre-gemma": 9,
@@ -248,8 +253,8 @@ def test_enough_bytes_in_flight_per_sm(compiled, case):
     res, r = compiled[case]
     stages = 1 if case in UNSTAGED else r["num_stages"]
     in_flight = stages * r["block_t"] * r["row_bytes"] * res.programs_per_sm
-    want = 17 * 1024 if case in BELOW_IN_FLIGHT else 20 * 1024
-    want = int(VQ_IN_FLIGHT_KB[case] * 1024) if case in VQ_IN_FLIGHT_KB else want
+    below = NUQ_IN_FLIGHT_KB | VQ_IN_FLIGHT_KB
+    want = int(below[case] * 1024) if case in below else 20 * 1024
     assert in_flight >= want, (in_flight, res.as_dict())
 
 
@@ -269,37 +274,41 @@ def test_llama_like_fp8_loop_within_55_instructions_per_row(compiled):
 
 def test_llama_like_nuq4_loop_per_row(compiled):
     """KVQuant's NUQ4 (post-RoPE keys): levels by PRMT from a table held in registers, 16
-    warps per SM. Codes alone: 47 per row; with the bench's exceptions (2 key entries, 2
-    value slots per row, 1.6% of the channels), 76: the key entries' score corrections
+    warps per SM. Codes alone: 43 per row; with the bench's exceptions (2 key entries, 2
+    value slots per row, 1.6% of the channels), 69: the key entries' score corrections
     (gathers of the query, added through an MMA) and the slots patched into the lookup."""
     res, r = compiled["nuq4-dense-llama"]
     assert _per_row(res, r) <= 50, (_per_row(res, r), res.loop.most_common(12))
     assert res.warps_per_sm >= 16, res.as_dict()
     res, r = compiled["nuq4-llama"]
-    assert _per_row(res, r) <= 80, (_per_row(res, r), res.loop.most_common(12))
+    assert _per_row(res, r) <= 72, (_per_row(res, r), res.loop.most_common(12))
     assert res.warps_per_sm >= 16, res.as_dict()
 
 
 def test_pre_rope_nuq4_loops_per_row(compiled):
     """KVQuant's stored layout (NUQ4 keys before RoPE, their exceptions corrected rotated,
-    value slots): levels x per-channel scale + centre, rotated in the loop. Llama-like 89
+    value slots): levels x per-channel scale + centre, rotated in the loop. Llama-like 79
     per row at 8 warps per SM (the general kernel: 252); Gemma 3, 8 warps per program,
-    171 (426), no spill."""
+    162 (426), no spill; Gemma 3's whole-layer call (it spilled 8 B) keeps the packed
+    loop within 5%."""
     res, r = compiled["nuq4-pre-llama"]
-    assert _per_row(res, r) <= 95, (_per_row(res, r), res.loop.most_common(12))
+    assert _per_row(res, r) <= 82, (_per_row(res, r), res.loop.most_common(12))
     assert res.warps_per_sm >= 8, res.as_dict()
     res, r = compiled["nuq4-pre-gemma"]
-    assert _per_row(res, r) <= 180, (_per_row(res, r), res.loop.most_common(12))
+    assert _per_row(res, r) <= 168, (_per_row(res, r), res.loop.most_common(12))
     assert res.warps_per_sm >= 8, res.as_dict()
+    layer, rl = compiled["nuq4-pre-gemma-layer"]
+    assert layer.stack_bytes == 0, layer.as_dict()
+    assert _per_row(layer, rl) <= 1.05 * _per_row(res, r), (_per_row(layer, rl), _per_row(res, r))
 
 
 def test_vq_loops_per_row(compiled):
     """Vector codebooks as `kvq calibrate auto` stores them, with the bench's exceptions:
     each group's index read from the staged code bytes, its centroid gathered from the
-    codebook (L1), normalised and rotated as NUQ4's levels. Llama-like 3 x 2: 148 per row
+    codebook (L1), normalised and rotated as NUQ4's levels. Llama-like 3 x 2: 134 per row
     at 8 warps per SM (the general kernel: 295 with a 176 B spill); 2 x 4, its value slots
-    patched into the centroid words: 104 (255, 104 B); Gemma 3's 2 x 4: 269 at 8 warps
-    per program (428, 24 B spill). NUQ4 (a PRMT lookup): 87 and 171."""
+    patched into the centroid words: 95 (255, 104 B); Gemma 3's 2 x 4: 235 at 8 warps
+    per program (428, 24 B spill). NUQ4 (a PRMT lookup): 79 and 162."""
     res, r = compiled["vq3-pre-llama"]
     assert _per_row(res, r) <= 160, (_per_row(res, r), res.loop.most_common(12))
     assert res.warps_per_sm >= 8, res.as_dict()
@@ -351,7 +360,7 @@ def test_a_layer_call_binds_few_runtime_arguments(compiled):
     the same with codebooks)."""
     for case, (_, r) in compiled.items():
         limit = 25 if case in ("kv4-llama", "kv4-gemma", "fp8-llama") else 32
-        limit = 44 if case.startswith(("nuq4-pre", "vq")) else limit
+        limit = 44 if case.startswith(("nuq4-pre", "nuq4-dense-pre", "vq")) else limit
         assert r["runtime_args_layer"] <= limit, (case, r["runtime_args_layer"])
 
 

@@ -374,12 +374,12 @@ def test_nuq4_with_masks_and_query_blocks(q_len, planned_calls):
 
 
 @pytest.mark.parametrize("kind", ["nuq4-dense", "nuq4"])
-@pytest.mark.parametrize("d, hq, hkv", [(64, 8, 2), (256, 4, 1)])
+@pytest.mark.parametrize("d, hq, hkv", [(64, 8, 2), (128, 4, 2), (256, 4, 1)])
 def test_pre_rope_nuq4_keys_and_exceptions_match_reference(kind, d, hq, hkv, planned_calls):
     """KVQuant's stored layout: NUQ4 keys before RoPE (levels x per-channel scale + centre,
     then rotated at each row's position) with their flat exact exceptions and the values'
-    slots, between pre-RoPE sink and residual rows, GQA (head_dim 64) and MQA (256: two
-    chunks of columns), a left-padded sequence under its mask. The exceptions move the
+    slots, between pre-RoPE sink and residual rows, GQA (head_dim 64; 128: two chunks of
+    16 columns) and MQA (256: two chunks of 32), a left-padded sequence under its mask. The exceptions move the
     result far beyond the tolerance: dropping them (or rotating them wrongly) fails."""
     b = 2
     segs = _layer_segments(kind, b, hkv, d, rows=150, seed=31)
