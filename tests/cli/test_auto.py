@@ -197,7 +197,8 @@ def test_values_drop_their_exceptions_only_when_rotated():
     are still there), and the method text says which."""
     from kvq.calibrators.options import AUTO_V_OUTLIERS, AutoOptions
 
-    assert AUTO_V_OUTLIERS[3] == 0.0
+    assert AUTO_V_OUTLIERS[2] == AUTO_V_OUTLIERS[3] == 0.0 and AUTO_V_OUTLIERS[4] is None
+    assert AutoOptions(bits=4).chosen().value_outliers == 0.01  # measured worse without
     rotated, plain = AutoOptions(bits=3).chosen(), AutoOptions(bits=3, rotate=False).chosen()
     assert rotated.value_outliers == 0.0 and rotated.outliers == 0.01
     assert plain.value_outliers == plain.outliers == 0.01
