@@ -28,8 +28,8 @@ increasing, as the codec requires).
 
 The last calibration window is held out: its KL through the real runtime cache (packed
 codes, reference attention) is measured before tuning and at `checkpoints` points along
-it, and the best state is kept; if no checkpoint beats the base, the pass refuses to
-write an artifact.
+it, and the best state is written: the base's own, unchanged, when no checkpoint beats
+it (the progress line and the report's `chosen_step` 0 say so).
 """
 
 from __future__ import annotations
@@ -328,28 +328,25 @@ def _tune(ctx, opts: TuneOptions, tuner: _Tuner, train: Tensor, heldout: Tensor,
                 if kl < best[0]:
                     best = (kl, step, tuned)
     after, chosen, tuned = best
-    with progress.stage(f"held-out KL {before:.4f} -> {after:.4f} (step {chosen})"):
+    # the best held-out state is written; when no checkpoint beat the base, that is the
+    # base's own state, unchanged, and the progress and report say so
+    kept = f"step {chosen}" if chosen else "no step lowered it: the base's state kept"
+    with progress.stage(f"held-out KL {before:.4f} -> {after:.4f} ({kept})"):
         pass
-    if not tuned:
-        steps_kl = ", ".join(f"{kl:.4g} at step {s}" for s, kl in measured)
-        raise KvqError(
-            f"tune: the held-out KL did not fall below the base's {before:.4g} ({steps_kl}); "
-            "no artifact written (try a lower --lr)"
-        )
     report = {
         "objective": "KL(exact model || quantized cache) per position, calibration windows",
         "optimizer": f"Adam lr {opts.lr:g}, one window per step",
         "tuned": "tables" + (", static key scale and center" if opts.scales else ""),
         "steps": opts.steps,
         "score_stride": stride,
-        "chosen_step": chosen,
+        "chosen_step": chosen,  # 0: no checkpoint beat the base; its state is kept
         "heldout_kld_before": before,
         "heldout_kld_after": after,
         "heldout_kld_checkpoints": tuple(kl for _, kl in measured),
         "loss_curve": tuple(round(x, 6) for x in curve[:: max(1, len(curve) // 256)]),
     }
     tensors = ctx.base.policy_tensors() | tuned
-    name = policy_name = tuner.policy.name
-    if not policy_name.endswith("-tuned"):
-        name = f"{policy_name}-tuned"
+    name = tuner.policy.name
+    if chosen and not name.endswith("-tuned"):
+        name = f"{name}-tuned"
     return PassResult(replace(tuner.policy, name=name), tensors, report)
