@@ -604,3 +604,27 @@ class IntactKVOptions(PassOptions):
     def prefix_kind(self) -> str:
         """ "bos", "prefixquant" or "text"."""
         return self.prefix if self.prefix in ("bos", "prefixquant") else "text"
+
+
+@dataclass(frozen=True)
+class TuneOptions(PassOptions):
+    NAME: ClassVar[str] = "tune"
+    SUMMARY: ClassVar[str] = (
+        "Tune a vq/NUQ base's codebooks and key normaliser end to end on the model's KL."
+    )
+
+    steps: int = option(100, "Adam steps, one calibration window each (the last is held out)")
+    lr: float = option(1e-3, "Adam learning rate (normalised units: codebook entries in [-1, 1])")
+    scales: bool = option(
+        True, "tune the keys' static scale and center too", flag="--scales/--no-scales"
+    )
+    checkpoints: int = option(4, "held-out KL measurements along the steps; the best is kept")
+    seed: int = 0  # window order; the command line passes its --seed
+
+    def __post_init__(self) -> None:
+        check_range("--steps", self.steps, 1, 100_000)
+        check_range("--lr", self.lr, 0, 1, open_lo=True, open_hi=True)
+        check_range("--checkpoints", self.checkpoints, 1, 100)
+
+    def as_dict(self):
+        return super().as_dict() | {"method": f"tuned end-to-end on KL ({self.steps} steps)"}

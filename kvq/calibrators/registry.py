@@ -24,6 +24,7 @@ from kvq.calibrators.options import (
     PrefixQuantOptions,
     RotateOptions,
     SmoothAttentionOptions,
+    TuneOptions,
     VQOptions,
 )
 from kvq.errors import KvqError
@@ -56,6 +57,7 @@ PASSES: dict[str, PassEntry] = {
         PassEntry(AutoOptions, "kvq.calibrators.auto:fit"),
         PassEntry(PrefixQuantOptions, "kvq.calibrators.prefixquant:fit"),
         PassEntry(IntactKVOptions, "kvq.calibrators.intactkv:fit"),
+        PassEntry(TuneOptions, "kvq.calibrators.tune:fit"),
     )
 }
 

@@ -94,7 +94,9 @@ def unpack_lookup(packed: Tensor, table: Tensor, bits: int, n: int) -> Tensor:
     if table.dim() != 1 or table.numel() != 2**bits:
         raise KvqError(f"a {bits}-bit lookup needs a table of {2**bits} values")
     per, nbytes = _unit(bits)
-    if nbytes != 1 or n % per:  # 3 bits, or a part-filled last byte: one gather per code
+    # 3 bits, a part-filled last byte, or a table being tuned (`kvq calibrate tune`: the
+    # byte table's word gather carries no gradient): one gather per code, the same values
+    if nbytes != 1 or n % per or table.requires_grad:
         codes = unpack_bits(packed, bits, n)
         return torch.index_select(table, 0, codes.reshape(-1).int()).view(codes.shape)
     if packed.dtype != torch.uint8 or packed.shape[-1] != n // per:

@@ -18,6 +18,7 @@ from kvq.calibrators.options import (
     PrefixQuantOptions,
     RotateOptions,
     SmoothAttentionOptions,
+    TuneOptions,
     VQOptions,
 )
 from kvq.calibrators.recipe import read_recipe
@@ -41,8 +42,10 @@ SMALL = {
     "auto": AutoOptions(bits=3),
     "prefixquant": PrefixQuantOptions(eta=2.0),
     "intactkv": IntactKVOptions(steps=2, lr=1e-3),
+    "tune": TuneOptions(steps=2, checkpoints=1),
 }
-NEEDS_BASE = {"intactkv"}  # calibrates for a quantized layout: chained after channel-scales
+# passes that calibrate for a quantized layout, chained after the pass that makes it
+NEEDS_BASE = {"intactkv": SMALL["channel-scales"], "tune": SMALL["kvquant"]}
 
 
 def test_every_registered_pass_has_small_settings_here():
@@ -53,7 +56,7 @@ def test_every_registered_pass_has_small_settings_here():
 @pytest.mark.parametrize("name", sorted(PASSES))
 def test_pass_fit_write_read_cache_decode(name, family, tiny_model_dir, data, tmp_path):
     model_dir = tiny_model_dir(family)
-    chain = (SMALL["channel-scales"],) if name in NEEDS_BASE else ()
+    chain = (NEEDS_BASE[name],) if name in NEEDS_BASE else ()
     request = CalibrationRequest(
         passes=(*chain, SMALL[name]),
         model_spec=str(model_dir),
