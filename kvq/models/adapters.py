@@ -248,8 +248,18 @@ class ArchitectureAdapter:
 
     @classmethod
     def invert_rope(cls, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        """Undo apply_rope: rotation by -angle, i.e. sin -> -sin. x [B, H, T, D]."""
-        return cls.apply_rope(x, cos, -sin)
+        """Undo apply_rope. x [B, H, T, D], cos/sin [T, R].
+
+        The model's rotary module may scale cos and sin by an attention factor m (YaRN's
+        0.1·ln(factor) + 1, LongRoPE's): apply_rope is then m times a rotation, and its
+        inverse is the rotation by -angle divided by m² = cos² + sin² (1 for plain RoPE).
+        Rotating back without the division would leave pre-RoPE keys m² too large."""
+        r = cos.shape[-1]
+        gain = (cos.float() ** 2 + sin.float() ** 2).to(x.dtype)  # [T, R]: m² per channel
+        back = cls.apply_rope(x, cos, -sin)
+        if r == x.shape[-1]:
+            return back / gain
+        return torch.cat((back[..., :r] / gain, back[..., r:]), dim=-1)
 
     # ---- per-channel q/k scaling (SmoothAttention) -------------------------------------
     def check_qk_scalable(self) -> None:

@@ -22,7 +22,18 @@ CASES = {
     "mistral": ("mistral", {}),
     "qwen2": ("qwen2", {}),
     "gemma3": ("gemma3", {}),
-}
+    # shapes and RoPE variants of models beyond the default fixtures: head_dim 80 with one
+    # KV head, head_dim 96 with GQA 8, Llama 3 / YaRN rope scaling (YaRN scales cos and
+    # sin by its attention factor), Gemma 3 with two KV heads and head_dim 256
+    "llama-d80-mqa-llama3": ("llama", {"head_dim": 80, "num_key_value_heads": 1,
+        "rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0,
+                            "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                            "original_max_position_embeddings": 8}}),
+    "qwen2-d96-g8-yarn": ("qwen2", {"head_dim": 96, "num_attention_heads": 8,
+        "num_key_value_heads": 1, "rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4,
+        "factor": 4.0, "original_max_position_embeddings": 8}}),
+    "gemma3-d256-g2": ("gemma3", {"head_dim": 256, "num_key_value_heads": 2}),
+}  # fmt: skip
 
 
 def _run(model, adapter: ArchitectureAdapter, ids: torch.Tensor):
@@ -115,7 +126,9 @@ def test_rope_cos_sin_shape_and_dtype(case):
     cos, sin = adapter.rope_cos_sin(0, torch.arange(5))
     assert cos.shape == sin.shape == (5, adapter.info.rope[0].rotary_dim)
     assert cos.dtype == sin.dtype == torch.float32
-    torch.testing.assert_close(cos[0], torch.ones_like(cos[0]))  # position 0: no rotation
+    # position 0: no rotation (cos is YaRN's attention factor there, 1 for other RoPEs)
+    torch.testing.assert_close(sin[0], torch.zeros_like(sin[0]))
+    torch.testing.assert_close(cos[0], torch.full_like(cos[0], cos[0, 0].item()))
 
 
 def test_invert_rope_roundtrip():
@@ -133,6 +146,18 @@ def test_invert_rope_roundtrip():
     y = adapter_cls.apply_rope(x, cos, sin)
     torch.testing.assert_close(y[..., 8:], x[..., 8:])
     torch.testing.assert_close(adapter_cls.invert_rope(y, cos, sin), x, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("case", ["qwen2-d96-g8-yarn", "llama-d80-mqa-llama3"])
+def test_invert_rope_undoes_the_models_own_rope(case):
+    """YaRN's cos/sin carry an attention factor m (cos² + sin² = m² = 1.30 at factor 4):
+    un-rotating a cached key must divide it out, or pre-RoPE keys come back m² too large."""
+    family, overrides = CASES[case]
+    adapter = get_adapter(make_tiny_model(family, **overrides))
+    cos, sin = adapter.rope_cos_sin(0, torch.arange(40))
+    x = torch.randn(2, 1, 40, adapter.head_dim)
+    y = adapter.apply_rope(x, cos, sin)
+    torch.testing.assert_close(adapter.invert_rope(y, cos, sin), x, atol=1e-5, rtol=1e-5)
 
 
 def test_info_llama():
