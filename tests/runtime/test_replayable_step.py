@@ -12,12 +12,10 @@ with its grid and every argument.
 from __future__ import annotations
 
 import copy
-import sys
 from types import SimpleNamespace
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AttentionInterface
 
 from kvq.errors import KvqError
@@ -28,49 +26,18 @@ from kvq.runtime.cache import QuantizedKVCache, build_cache, unit_scales
 from kvq.runtime.kernels import append as append_kernels
 from kvq.runtime.kernels import planned_decode
 from tests.conftest import make_tiny_model
-from tests.runtime.kernels.test_planned_decode import SYNCING, _Interpreted
+from tests.runtime.kernels.helpers import (
+    SYNCING,
+    OpRecorder,
+    interpret_compiled_launches,
+    meta,
+)
 
 # (family, config overrides): head_dim 32 at least, which the planned kernel takes
 MODELS = {"llama": {"head_dim": 32}, "gemma3": {}}
 # fixed-width layouts the planned kernel takes ("-sink2": the first two tokens kept exact);
 # QServe's KV4 steps are replayable too, but its floating zero-points take the general kernel
 POLICIES = ("int4", "int4-sink2", "int8", "fp8-e4m3")
-
-
-def _meta(x):
-    """What a launch or an op takes from `x`: a tensor's shape, strides and dtype (its
-    contents may change), anything else by value."""
-    if isinstance(x, torch.Tensor):
-        return ("tensor", tuple(x.shape), x.stride(), x.dtype)
-    if isinstance(x, list | tuple):
-        return tuple(_meta(v) for v in x)
-    if isinstance(x, dict):
-        return tuple((k, _meta(v)) for k, v in x.items())
-    return x
-
-
-def _in_triton() -> bool:
-    """Whether the Triton interpreter issued the current op (its numpy round trips stand
-    in for the kernel running on the device)."""
-    frame = sys._getframe(2)
-    while frame is not None:
-        if "/triton/" in frame.f_code.co_filename:
-            return True
-        frame = frame.f_back
-    return False
-
-
-class _Recorder(TorchDispatchMode):
-    """The aten ops kvq issues, with their arguments' `_meta`."""
-
-    def __init__(self, ops: list):
-        super().__init__()
-        self.ops = ops
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if not _in_triton():
-            self.ops.append((func.overloadpacket.__name__, _meta(args), _meta(kwargs or {})))
-        return func(*args, **(kwargs or {}))
 
 
 class _Steps:
@@ -92,40 +59,17 @@ class _Steps:
 def steps(monkeypatch):
     """Records every step of the caches built while it is active (see `_Steps`), with the
     planned kernel's compiled launch stood in by the interpreter (CUDA's launch path)."""
-    from kvq.runtime.kernels import _decode_splits_triton as kern
-
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.setenv("KVQ_BACKEND", "triton")
     rec = _Steps()
-
-    class Compiled(_Interpreted):
-        def __getitem__(self, grid):
-            run = super().__getitem__(grid)
-
-            def launch(*values):
-                rec.of(rec.launches).append((self.fn.__name__, grid, values))
-                return run(*values)
-
-            return launch
-
-    def warmup(fn):
-        def compile_(*, grid, **kwargs):
-            options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
-            return Compiled(fn, options)
-
-        return compile_
-
-    for fn in (kern.decode_splits_kernel, kern.combine_splits_kernel):
-        monkeypatch.setattr(fn, "warmup", warmup(fn), raising=False)
-    launcher = planned_decode._Launcher(torch.device("cpu"))
-    launcher.device, launcher.interpreted, launcher.sms = torch.device("cuda"), False, 2
-    monkeypatch.setattr(planned_decode, "_launcher", lambda device: launcher)
-
+    interpret_compiled_launches(
+        monkeypatch, on_launch=lambda *launch: rec.of(rec.launches).append(launch)
+    )
     launch = append_kernels._launch
 
-    def appended(kernel, n_units, width, *args, **meta):
-        rec.of(rec.appends).append((kernel, n_units, width, _meta(args), _meta(meta)))
-        return launch(kernel, n_units, width, *args, **meta)
+    def appended(kernel, n_units, width, *args, **options):
+        rec.of(rec.appends).append((kernel, n_units, width, meta(args), meta(options)))
+        return launch(kernel, n_units, width, *args, **options)
 
     monkeypatch.setattr(append_kernels, "_launch", appended)
 
@@ -133,14 +77,14 @@ def steps(monkeypatch):
 
     def updated(self, key, value, layer_idx, *args, **kwargs):
         rec.at = (self.publications, layer_idx)
-        with _Recorder(rec.of(rec.ops)):
+        with OpRecorder(rec.of(rec.ops)):
             return update(self, key, value, layer_idx, *args, **kwargs)
 
     monkeypatch.setattr(QuantizedKVCache, "update", updated)
 
     def attended(module, query, key, value, *args, **kwargs):
         rec.at = (key.cache.publications, key.layer.layer_idx)
-        with _Recorder(rec.of(rec.ops)):
+        with OpRecorder(rec.of(rec.ops)):
             return kvq_attention_module.kvq_attention(module, query, key, value, *args, **kwargs)
 
     # registers "kvq" (and its mask) first, then stands in for it
@@ -151,7 +95,7 @@ def steps(monkeypatch):
 
     def counted_tolist(t):  # a device-to-host copy, dispatched as no op of its own
         if rec.at is not None:
-            rec.of(rec.ops).append(("tolist", _meta(t), ()))
+            rec.of(rec.ops).append(("tolist", meta(t), ()))
         return tolist(t)
 
     monkeypatch.setattr(torch.Tensor, "tolist", counted_tolist)
@@ -183,7 +127,7 @@ def _launch_diff(a, b) -> list[str]:
     return [
         param
         for param, x, y in zip(names, values_a, values_b, strict=True)
-        if _meta(x) != _meta(y)
+        if meta(x) != meta(y)
         or (isinstance(x, torch.Tensor) and param not in fresh and x.data_ptr() != y.data_ptr())
     ]
 

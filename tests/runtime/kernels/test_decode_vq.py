@@ -240,23 +240,10 @@ def test_generate_with_a_mixed_vq_cache_matches_the_reference(monkeypatch):
     gives the reference backend's tokens, and its decode steps hand the kernel the vector
     codes themselves: no layer falls back to decoded rows."""
     from kvq.calibrators.options import VQOptions
-    from kvq.calibrators.vq import calibrate_vq
-    from kvq.models.adapters import get_adapter
-    from kvq.progress import Progress
-    from kvq.runtime.cache import build_cache
     from kvq.runtime.kernels import decode_attention as da
-    from tests.conftest import make_tiny_model
+    from tests.runtime.kernels.helpers import calibrated_vq, greedy
 
-    model = make_tiny_model("gemma3")
-    ad = get_adapter(model)
-    g = torch.Generator().manual_seed(0)
-    windows = torch.randint(3, 200, (4, 40), generator=g)
-    shape = (ad.info.num_layers, ad.info.num_kv_heads, ad.info.head_dim)
-    fk, fv = torch.rand(shape, generator=g) ** 4, torch.rand(shape, generator=g) ** 4
-    fk[1] *= 1e4  # one sensitive side: the allocator moves bits to it
-    policy, tensors = calibrate_vq(
-        model, ad, windows, VQOptions(bits=2, mixed=True), Progress(), (fk, fv)
-    )
+    model, ad, policy, tensors, g = calibrated_vq(VQOptions(bits=2, mixed=True))
     widths = {(lp.key.bits, lp.key.vector_dim) for lp in policy.layers}
     widths |= {(lp.value.bits, lp.value.vector_dim) for lp in policy.layers}
     assert len(widths) > 1 and all(lp.key_stage == "pre-rope" for lp in policy.layers)
@@ -274,10 +261,7 @@ def test_generate_with_a_mixed_vq_cache_matches_the_reference(monkeypatch):
     tensors = {n: t.to(DEVICE) for n, t in tensors.items()}
 
     def generate(backend):
-        monkeypatch.setenv("KVQ_BACKEND", backend)
-        cache = build_cache(model, policy, tensors, ad)
-        return model.generate(ids, cache=cache, max_new_tokens=5, do_sample=False,
-                              pad_token_id=0)  # fmt: skip
+        return greedy(monkeypatch, model, policy, tensors, ad, ids, backend)
 
     want = generate("reference")
     assert not kinds

@@ -12,8 +12,6 @@ session sets it), so the compiles run in one child process: this file run as a s
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from collections import Counter
 
@@ -24,6 +22,7 @@ from kvq.runtime.kernels import _decode_attention_triton as kern
 from kvq.runtime.kernels.decode_attention import Segment, _fits, autotune_configs, kernel_calls
 from kvq.runtime.kernels.offline import KernelResources, compile_offline
 from kvq.runtime.packed import PackedRows
+from tests.runtime.kernels.helpers import compile_in_child, resources
 
 
 def _half(*shape, lo=0.01, hi=0.05):
@@ -112,17 +111,9 @@ def _compile_jobs(jobs) -> list[dict]:
 @pytest.fixture(scope="module")
 def compiled() -> dict[tuple, KernelResources]:
     """Every job of JOBS compiled in one child process without the interpreter."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run(
-        [sys.executable, __file__, json.dumps(JOBS)],
-        env=env, capture_output=True, text=True, timeout=900,
-    )  # fmt: skip
-    assert run.returncode == 0, run.stderr[-3000:]
-    rows = json.loads(run.stdout.strip().splitlines()[-1])
+    rows = compile_in_child(__file__, JOBS)
     return {
-        (case, dots, opts.get("num_warps", 8), opts.get("PREFETCH", False)): KernelResources(
-            r["num_warps"], r["registers"], r["stack_bytes"], r["shared_bytes"], Counter(r["sass"])
-        )
+        (case, dots, opts.get("num_warps", 8), opts.get("PREFETCH", False)): resources(r)
         for (case, dots, opts), r in zip(JOBS, rows, strict=True)
     }
 

@@ -11,11 +11,8 @@ per SM.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from collections import Counter
-from pathlib import Path
 
 import pytest
 import torch
@@ -25,6 +22,7 @@ from kvq.runtime.kernels.decode_attention import Segment
 from kvq.runtime.kernels.launch_plan import plan_splits
 from kvq.runtime.kernels.offline import KernelResources, main_loop
 from kvq.runtime.packed import PackedRows
+from tests.runtime.kernels.helpers import compile_in_child, resources
 from tests.runtime.kernels.test_decode_attention import _rope
 from tests.runtime.kernels.test_offline import _int4_segment
 
@@ -212,28 +210,20 @@ def _compile(case: str) -> dict:
 
 @pytest.fixture(scope="module")
 def compiled() -> dict[str, tuple[KernelResources, dict]]:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    # the child runs this file as a script: it imports `tests.` from the repository root
-    root = str(Path(__file__).resolve().parents[3])
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
-    run = subprocess.run(
-        [sys.executable, __file__, json.dumps(list(CASES))],
-        env=env, capture_output=True, text=True, timeout=900,
-    )  # fmt: skip
-    assert run.returncode == 0, run.stderr[-3000:]
-    rows = json.loads(run.stdout.strip().splitlines()[-1])
-    out = {}
-    for case, r in zip(CASES, rows, strict=True):
-        res = KernelResources(
-            r["num_warps"], r["registers"], r["stack_bytes"], r["shared_bytes"],
-            Counter(r["sass"]), Counter(r["loop"]),
-        )  # fmt: skip
-        out[case] = (res, r)
-    return out
+    rows = compile_in_child(__file__, list(CASES))
+    return {case: (resources(r), r) for case, r in zip(CASES, rows, strict=True)}
 
 
 def _per_row(res: KernelResources, r: dict) -> float:
     return res.loop_instructions * res.num_warps / r["block_t"]
+
+
+def _assert_loop(compiled, case: str, per_row: float, warps_per_sm: int) -> None:
+    """`case`'s tile loop issues at most `per_row` warp-instructions per cached row of one
+    KV head, at `warps_per_sm` resident warps or more."""
+    res, r = compiled[case]
+    assert _per_row(res, r) <= per_row, (case, _per_row(res, r), res.loop.most_common(12))
+    assert res.warps_per_sm >= warps_per_sm, (case, res.as_dict())
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -259,17 +249,13 @@ def test_enough_bytes_in_flight_per_sm(compiled, case):
 
 
 def test_llama_like_kv4_loop_within_55_instructions_per_row(compiled):
-    res, r = compiled["kv4-llama"]
-    assert _per_row(res, r) <= 55, (_per_row(res, r), res.loop.most_common(12))
-    assert res.warps_per_sm >= 16, res.as_dict()
+    _assert_loop(compiled, "kv4-llama", per_row=55, warps_per_sm=16)
 
 
 def test_llama_like_fp8_loop_within_55_instructions_per_row(compiled):
     """E4M3 codes decode from their bits (no table, no conversion): as cheap per row as KV8
     (the general kernel's table lookups: 92 per row)."""
-    res, r = compiled["fp8-llama"]
-    assert _per_row(res, r) <= 55, (_per_row(res, r), res.loop.most_common(12))
-    assert res.warps_per_sm >= 12, res.as_dict()
+    _assert_loop(compiled, "fp8-llama", per_row=55, warps_per_sm=12)
 
 
 def test_llama_like_nuq4_loop_per_row(compiled):
@@ -277,12 +263,8 @@ def test_llama_like_nuq4_loop_per_row(compiled):
     warps per SM. Codes alone: 43 per row; with the bench's exceptions (2 key entries, 2
     value slots per row, 1.6% of the channels), 69: the key entries' score corrections
     (gathers of the query, added through an MMA) and the slots patched into the lookup."""
-    res, r = compiled["nuq4-dense-llama"]
-    assert _per_row(res, r) <= 50, (_per_row(res, r), res.loop.most_common(12))
-    assert res.warps_per_sm >= 16, res.as_dict()
-    res, r = compiled["nuq4-llama"]
-    assert _per_row(res, r) <= 72, (_per_row(res, r), res.loop.most_common(12))
-    assert res.warps_per_sm >= 16, res.as_dict()
+    _assert_loop(compiled, "nuq4-dense-llama", per_row=50, warps_per_sm=16)
+    _assert_loop(compiled, "nuq4-llama", per_row=72, warps_per_sm=16)
 
 
 def test_pre_rope_nuq4_loops_per_row(compiled):
@@ -291,12 +273,9 @@ def test_pre_rope_nuq4_loops_per_row(compiled):
     per row at 8 warps per SM (the general kernel: 252); Gemma 3, 8 warps per program,
     162 (426), no spill; Gemma 3's whole-layer call (it spilled 8 B) keeps the packed
     loop within 5%."""
-    res, r = compiled["nuq4-pre-llama"]
-    assert _per_row(res, r) <= 82, (_per_row(res, r), res.loop.most_common(12))
-    assert res.warps_per_sm >= 8, res.as_dict()
+    _assert_loop(compiled, "nuq4-pre-llama", per_row=82, warps_per_sm=8)
+    _assert_loop(compiled, "nuq4-pre-gemma", per_row=168, warps_per_sm=8)
     res, r = compiled["nuq4-pre-gemma"]
-    assert _per_row(res, r) <= 168, (_per_row(res, r), res.loop.most_common(12))
-    assert res.warps_per_sm >= 8, res.as_dict()
     layer, rl = compiled["nuq4-pre-gemma-layer"]
     assert layer.stack_bytes == 0, layer.as_dict()
     assert _per_row(layer, rl) <= 1.05 * _per_row(res, r), (_per_row(layer, rl), _per_row(res, r))
@@ -309,15 +288,9 @@ def test_vq_loops_per_row(compiled):
     at 8 warps per SM (the general kernel: 295 with a 176 B spill); 2 x 4, its value slots
     patched into the centroid words: 95 (255, 104 B); Gemma 3's 2 x 4: 235 at 8 warps
     per program (428, 24 B spill). NUQ4 (a PRMT lookup): 79 and 162."""
-    res, r = compiled["vq3-pre-llama"]
-    assert _per_row(res, r) <= 160, (_per_row(res, r), res.loop.most_common(12))
-    assert res.warps_per_sm >= 8, res.as_dict()
-    res, r = compiled["vq2-pre-llama"]
-    assert _per_row(res, r) <= 115, (_per_row(res, r), res.loop.most_common(12))
-    assert res.warps_per_sm >= 8, res.as_dict()
-    res, r = compiled["vq2-pre-gemma"]
-    assert _per_row(res, r) <= 290, (_per_row(res, r), res.loop.most_common(12))
-    assert res.warps_per_sm >= 8, res.as_dict()
+    _assert_loop(compiled, "vq3-pre-llama", per_row=160, warps_per_sm=8)
+    _assert_loop(compiled, "vq2-pre-llama", per_row=115, warps_per_sm=8)
+    _assert_loop(compiled, "vq2-pre-gemma", per_row=290, warps_per_sm=8)
 
 
 def test_gemma_pre_rope_layer_call_keeps_the_packed_loop(compiled):
@@ -333,9 +306,7 @@ def test_gemma_pre_rope_layer_call_keeps_the_packed_loop(compiled):
 def test_gemma_kv4_loop_per_row(compiled):
     """Gemma 3's rows are 256 channels, twice the bytes of a Llama-like row; with values
     read as words its loop issues 56 per row (74 with byte tiles), at 12 warps per SM."""
-    res, r = compiled["kv4-gemma"]
-    assert _per_row(res, r) <= 58, (_per_row(res, r), res.loop.most_common(12))
-    assert res.warps_per_sm >= 12, res.as_dict()
+    _assert_loop(compiled, "kv4-gemma", per_row=58, warps_per_sm=12)
 
 
 def test_pre_rope_kv4_loops_per_row(compiled):
@@ -343,12 +314,8 @@ def test_pre_rope_kv4_loops_per_row(compiled):
     query rotated once per tile) and dequantize there (their static scales no longer fold
     into the query): Llama-like 47 per row (the general kernel: 124), Gemma 3 85 (231),
     at 8 warps per SM (184 and 255 registers)."""
-    res, r = compiled["kv4-pre-llama"]
-    assert _per_row(res, r) <= 55, (_per_row(res, r), res.loop.most_common(12))
-    assert res.warps_per_sm >= 8, res.as_dict()
-    res, r = compiled["kv4-pre-gemma"]
-    assert _per_row(res, r) <= 95, (_per_row(res, r), res.loop.most_common(12))
-    assert res.warps_per_sm >= 8, res.as_dict()
+    _assert_loop(compiled, "kv4-pre-llama", per_row=55, warps_per_sm=8)
+    _assert_loop(compiled, "kv4-pre-gemma", per_row=95, warps_per_sm=8)
 
 
 def test_a_layer_call_binds_few_runtime_arguments(compiled):

@@ -5,13 +5,10 @@ allocations) under a torch dispatch counter."""
 
 from __future__ import annotations
 
-from collections import Counter
 from dataclasses import replace
-from types import SimpleNamespace
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from kvq.errors import KvqError
 from kvq.quant.schemes import QuantScheme
@@ -26,6 +23,12 @@ from kvq.runtime.kernels.decode_attention import (
     decode_path,
 )
 from kvq.runtime.packed import PackedRows
+from tests.runtime.kernels.helpers import (
+    assert_two_launches_no_sync,
+    greedy,
+    interpret_compiled_launches,
+    record_launches,
+)
 from tests.runtime.kernels.test_decode_attention import (
     ATOL,
     DEVICE,
@@ -40,33 +43,6 @@ from tests.runtime.kernels.test_decode_attention import (
 @pytest.fixture(autouse=True)
 def _seeded():
     torch.manual_seed(0)
-
-
-@pytest.fixture
-def planned_calls(monkeypatch):
-    """Counts the calls that took the planned path."""
-    calls = []
-    run = planned_decode.run_planned
-
-    def spy(*args, **kwargs):
-        calls.append(args)
-        return run(*args, **kwargs)
-
-    monkeypatch.setattr(planned_decode, "run_planned", spy)
-    return calls
-
-
-@pytest.fixture
-def paths(monkeypatch):
-    """The route (`triton_path`: planned or general kernel) of each Triton decode call."""
-    routes, route = [], attention.triton_path
-
-    def spy(*args):
-        routes.append(route(*args))
-        return routes[-1]
-
-    monkeypatch.setattr(attention, "triton_path", spy)
-    return routes
 
 
 def _full(x: torch.Tensor) -> PackedRows:
@@ -496,37 +472,9 @@ def test_prefill_blocks_are_not_planned():
 def test_one_split_writes_the_output_itself(monkeypatch):
     """A single split per work item normalises in the kernel: no partials, no reduction."""
     segs = _layer_segments("int4-channel", 1, 1, 64, rows=40, sink=0, residual=0)
-    launches = _count_launches(monkeypatch)
+    launches = record_launches(monkeypatch)
     _check(torch.randn(1, 2, 1, 64), segs)
     assert launches == ["decode_splits_kernel"]
-
-
-def _count_launches(monkeypatch) -> list[str]:
-    names = []
-    launch = planned_decode._Launcher.launch
-
-    def counted(self, fn, *rest):
-        names.append(fn.__name__)
-        return launch(self, fn, *rest)
-
-    monkeypatch.setattr(planned_decode._Launcher, "launch", counted)
-    return names
-
-
-ALLOCATING = ("empty", "empty_like", "empty_strided", "zeros", "zeros_like", "new_empty")
-SYNCING = ("_local_scalar_dense", "item", "is_nonzero", "equal", "nonzero")
-
-
-class _Ops(TorchDispatchMode):
-    """Every aten op the host code issues, by name (views included)."""
-
-    def __init__(self):
-        super().__init__()
-        self.ops = Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops[func.overloadpacket.__name__] += 1
-        return func(*args, **(kwargs or {}))
 
 
 @pytest.mark.parametrize("kind, masked, pre_rope", [("int4-channel", False, False),
@@ -534,8 +482,7 @@ class _Ops(TorchDispatchMode):
                                                     ("int4-channel", True, True),
                                                     ("nuq4", True, False),
                                                     ("nuq4", True, True)])  # fmt: skip
-def test_one_call_costs_two_launches_no_sync_and_three_allocations(monkeypatch, kind, masked,
-                                                                   pre_rope):  # fmt: skip
+def test_one_call_costs_two_launches_no_sync_and_three_allocations(kind, masked, pre_rope):
     """A layer's decode call (sink, packed main rows, residual) at batch 4 through the
     runtime's dispatch (`decode_attention`, which picks the path), plain or with a sliding
     window mask, keys post- or pre-RoPE: the host launches the decode kernel and the
@@ -556,22 +503,10 @@ def test_one_call_costs_two_launches_no_sync_and_three_allocations(monkeypatch, 
     mask = _window_mask(4, 1, total, window=200).to(DEVICE) if masked else None
     call = dict(scaling=0.125, mask=mask, backend="triton", rope=rope)
     decode_attention(q, segs, **call)  # warm: compile, fold the key qparams
-    names = []
-    monkeypatch.setattr(
-        planned_decode._Launcher, "launch", lambda self, fn, *a: names.append(fn.__name__)
-    )
-    with _Ops() as mode:
-        decode_attention(q, segs, **call)
-    ops = mode.ops
-    allocations = sum(ops[n] for n in ALLOCATING)
-    syncs = sum(ops[n] for n in SYNCING)
-    compute = {n: c for n, c in ops.items() if n not in ALLOCATING and not _is_view(n)}
-    assert names == ["decode_splits_kernel", "combine_splits_kernel"]
-    assert syncs == 0 and not compute, ops
-    assert allocations <= 3, ops
+    assert_two_launches_no_sync(lambda: decode_attention(q, segs, **call))
 
 
-def test_a_call_with_device_row_counts_costs_the_same(monkeypatch):
+def test_a_call_with_device_row_counts_costs_the_same():
     """With the row counts on the device (`run_planned(lengths=...)`) a call launches the
     decode kernel and the reduction, allocates their outputs and never reads the counts
     on the host."""
@@ -580,21 +515,7 @@ def test_a_call_with_device_row_counts_costs_the_same(monkeypatch):
     lengths = torch.tensor([2, 250, 3], dtype=torch.int32, device=DEVICE)
     call = dict(scaling=0.125, softcap=None, half=False, lengths=lengths)
     planned_decode.run_planned(q, segs, **call)  # warm
-    names = []
-    monkeypatch.setattr(
-        planned_decode._Launcher, "launch", lambda self, fn, *a: names.append(fn.__name__)
-    )
-    with _Ops() as mode:
-        planned_decode.run_planned(q, segs, **call)
-    ops = mode.ops
-    compute = {n: c for n, c in ops.items() if n not in ALLOCATING and not _is_view(n)}
-    assert names == ["decode_splits_kernel", "combine_splits_kernel"]
-    assert sum(ops[n] for n in SYNCING) == 0 and not compute, ops
-    assert sum(ops[n] for n in ALLOCATING) <= 3, ops
-
-
-def _is_view(name: str) -> bool:
-    return name in ("view", "reshape", "_unsafe_view", "as_strided", "expand", "slice", "select")
+    assert_two_launches_no_sync(lambda: planned_decode.run_planned(q, segs, **call))
 
 
 def _same(x, y) -> bool:
@@ -634,20 +555,6 @@ def test_calls_of_one_layout_share_their_site(kind):
     assert other.site is not fresh.site and other.args["k0_h"] == 8 * 64
 
 
-class _Interpreted:
-    """Stands in for a compiled kernel on this CPU machine: runs `fn` through the
-    interpreter with the values a compiled kernel's launch takes (every parameter, in
-    signature order); resources that fit 2 programs per SM."""
-
-    def __init__(self, fn, options):
-        self.fn, self.options = fn, options
-        self.metadata = SimpleNamespace(num_warps=options.get("num_warps", 4), shared=0)
-        self.n_regs = 255
-
-    def __getitem__(self, grid):
-        return lambda *values: self.fn[grid[:2]](*values, **self.options)
-
-
 @pytest.mark.parametrize("kind", ["int4-channel", "nuq4"])
 def test_the_compiled_path_passes_values_in_signature_order(monkeypatch, kind):
     """The launcher's CUDA path — a compiled kernel per site and split specialisation,
@@ -655,24 +562,13 @@ def test_the_compiled_path_passes_values_in_signature_order(monkeypatch, kind):
     with the interpreter standing in for the compiled kernels: successive calls of a layer
     (rows growing across a split boundary, one split and several) give the reference's
     attention, and compile once per specialisation."""
-    from kvq.runtime.kernels import _decode_splits_triton as kern
-
     compiles = []
 
-    def warmup(fn):
-        def compile_(*, grid, **kwargs):
-            options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
-            assert list(kwargs) == list(fn.arg_names)  # every parameter, by name
-            compiles.append(fn.__name__)
-            return _Interpreted(fn, options)
+    def compiled(fn, kwargs):
+        assert list(kwargs) == list(fn.arg_names)  # every parameter, by name
+        compiles.append(fn.__name__)
 
-        return compile_
-
-    for fn in (kern.decode_splits_kernel, kern.combine_splits_kernel):
-        monkeypatch.setattr(fn, "warmup", warmup(fn), raising=False)
-    launcher = planned_decode._Launcher(torch.device("cpu"))
-    launcher.device, launcher.interpreted, launcher.sms = torch.device("cuda"), False, 2
-    monkeypatch.setattr(planned_decode, "_launcher", lambda device: launcher)
+    interpret_compiled_launches(monkeypatch, on_compile=compiled)
     segs = _layer_segments(kind, 1, 1, 64, rows=300, seed=15)
     q = torch.randn(1, 2, 1, 64)
     for rows in (40, 41, 300):  # 1 split (the output written directly), then several
@@ -773,7 +669,6 @@ def test_generate_through_the_planned_path_matches_the_reference(monkeypatch, pl
     (and a sink row; head_dim 64) too, a left-padded sequence in the batch."""
     from kvq.models.adapters import get_adapter
     from kvq.quant.schemes import CachePolicy, LayerPolicy, named_policy
-    from kvq.runtime.cache import build_cache
     from tests.conftest import make_tiny_model
 
     # head_dim 64 for pre-RoPE keys: 32 channels of 4-bit codes are 8 per plane and half,
@@ -792,10 +687,7 @@ def test_generate_through_the_planned_path_matches_the_reference(monkeypatch, pl
         extra["attention_mask"] = (ids != 0).long()
 
     def generate(backend):
-        monkeypatch.setenv("KVQ_BACKEND", backend)
-        cache = build_cache(model, policy, {}, ad)
-        return model.generate(ids, cache=cache, max_new_tokens=5, do_sample=False,
-                              pad_token_id=0, **extra)  # fmt: skip
+        return greedy(monkeypatch, model, policy, {}, ad, ids, backend, **extra)
 
     want = generate("reference")
     assert not planned_calls and not paths
@@ -816,7 +708,6 @@ def test_generate_with_a_kvquant_layout_cache_through_the_planned_path(
     and the cache holds key exceptions (so their rotated corrections took part)."""
     from kvq.models.adapters import get_adapter
     from kvq.quant.schemes import CachePolicy, LayerPolicy
-    from kvq.runtime.cache import build_cache
     from tests.conftest import make_tiny_model, nuq_key_state
 
     model = make_tiny_model("gemma3", head_dim=64).to(DEVICE)
@@ -838,10 +729,8 @@ def test_generate_with_a_kvquant_layout_cache_through_the_planned_path(
     ids[1, :3] = 0
 
     def generate(backend):
-        monkeypatch.setenv("KVQ_BACKEND", backend)
-        cache = build_cache(model, policy, static, ad)
-        return model.generate(ids, cache=cache, max_new_tokens=5, do_sample=False,
-                              pad_token_id=0, attention_mask=(ids != 0).long())  # fmt: skip
+        mask = (ids != 0).long()
+        return greedy(monkeypatch, model, policy, static, ad, ids, backend, attention_mask=mask)
 
     want = generate("reference")
     assert not planned_calls and not paths

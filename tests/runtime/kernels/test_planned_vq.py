@@ -18,7 +18,7 @@ from kvq.runtime.kernels.decode_attention import (
     decode_path,
 )
 from kvq.runtime.packed import PackedRows
-from tests.runtime.kernels import test_planned_decode as planned_tests
+from tests.runtime.kernels.helpers import assert_two_launches_no_sync, calibrated_vq, greedy
 from tests.runtime.kernels.test_decode_attention import ATOL, DEVICE, _check, _data, _rope, _to
 from tests.runtime.kernels.test_decode_vq import _segment
 from tests.runtime.kernels.test_planned_decode import (
@@ -27,10 +27,6 @@ from tests.runtime.kernels.test_planned_decode import (
     _strip_exceptions,
     _window_mask,
 )
-
-# the planned tests' fixtures: the calls that took the planned path, each call's route
-planned_calls = planned_tests.planned_calls
-paths = planned_tests.paths
 
 
 @pytest.fixture(autouse=True)
@@ -169,22 +165,9 @@ def test_generate_with_an_auto_vq_cache_takes_the_planned_path(monkeypatch, plan
     greedy generate with a left-padded sequence gives the reference backend's tokens, and
     every attention call takes the planned kernel, vector codes included."""
     from kvq.calibrators.options import VQOptions
-    from kvq.calibrators.vq import calibrate_vq
-    from kvq.models.adapters import get_adapter
-    from kvq.progress import Progress
-    from kvq.runtime.cache import build_cache
-    from tests.conftest import make_tiny_model
 
-    model = make_tiny_model("gemma3", head_dim=64)
-    ad = get_adapter(model)
-    g = torch.Generator().manual_seed(0)
-    windows = torch.randint(3, 200, (4, 40), generator=g)
-    shape = (ad.info.num_layers, ad.info.num_kv_heads, ad.info.head_dim)
-    fk, fv = torch.rand(shape, generator=g) ** 4, torch.rand(shape, generator=g) ** 4
-    fk[1] *= 1e4  # one sensitive side: the allocator moves bits to it
-    policy, tensors = calibrate_vq(
-        model, ad, windows, VQOptions(bits=2, dim=4, mixed="fisher"), Progress(), (fk, fv)
-    )
+    options = VQOptions(bits=2, dim=4, mixed="fisher")
+    model, ad, policy, tensors, g = calibrated_vq(options, head_dim=64)
     widths = {(lp.key.bits, lp.key.vector_dim) for lp in policy.layers}
     assert len(widths) > 1 and all(lp.key_stage == "pre-rope" for lp in policy.layers)
     model = model.to(DEVICE)
@@ -193,10 +176,8 @@ def test_generate_with_an_auto_vq_cache_takes_the_planned_path(monkeypatch, plan
     ids[1, :3] = 0
 
     def generate(backend):
-        monkeypatch.setenv("KVQ_BACKEND", backend)
-        cache = build_cache(model, policy, tensors, ad)
-        return model.generate(ids, cache=cache, max_new_tokens=5, do_sample=False,
-                              pad_token_id=0, attention_mask=(ids != 0).long())  # fmt: skip
+        mask = (ids != 0).long()
+        return greedy(monkeypatch, model, policy, tensors, ad, ids, backend, attention_mask=mask)
 
     want = generate("reference")
     assert not planned_calls and not paths
@@ -229,7 +210,7 @@ def test_fp16_dots_patch_value_slots_into_the_centroid_words(widths):
     assert (without - ref).abs().max().item() > 0.2
 
 
-def test_a_vq_layer_call_costs_two_launches_no_sync_and_three_allocations(monkeypatch):
+def test_a_vq_layer_call_costs_two_launches_no_sync_and_three_allocations():
     """A vq layer's decode call (pre-RoPE sink, vq main rows with exceptions, residual) at
     batch 4 under a sliding-window mask, through the runtime's dispatch: after the first
     call (which checks the groups and converts the codebooks once), the host launches the
@@ -245,19 +226,4 @@ def test_a_vq_layer_call_costs_two_launches_no_sync_and_three_allocations(monkey
     mask = _window_mask(b, 1, total, window=200).to(DEVICE)
     call = dict(scaling=0.125, mask=mask, backend="triton", rope=rope)
     decode_attention(q, segs, **call)  # warm: compile, check the groups, convert the tables
-    names = []
-    monkeypatch.setattr(
-        planned_decode._Launcher, "launch", lambda self, fn, *a: names.append(fn.__name__)
-    )
-    with planned_tests._Ops() as mode:
-        decode_attention(q, segs, **call)
-    ops = mode.ops
-    allocations = sum(ops[n] for n in planned_tests.ALLOCATING)
-    syncs = sum(ops[n] for n in planned_tests.SYNCING)
-    compute = {
-        n: c for n, c in ops.items()
-        if n not in planned_tests.ALLOCATING and not planned_tests._is_view(n)
-    }  # fmt: skip
-    assert names == ["decode_splits_kernel", "combine_splits_kernel"]
-    assert syncs == 0 and not compute, ops
-    assert allocations <= 3, ops
+    assert_two_launches_no_sync(lambda: decode_attention(q, segs, **call))
