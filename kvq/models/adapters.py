@@ -265,12 +265,17 @@ class ArchitectureAdapter:
     def check_qk_scalable(self) -> None:
         """Raise KvqError when per-(KV head, channel) q/k scales cannot be folded exactly
         into this model's weights."""
+        self._require_linear(("q_proj", "k_proj"), "q/k scales")
+
+    def _require_linear(self, names: tuple[str, ...], what: str) -> None:
+        """Raise KvqError unless every layer's attention has each of `names` as a Linear
+        (what a folded transform rewrites)."""
         for i in range(self.num_layers):
             attn = self.attention(i)
-            for name in ("q_proj", "k_proj"):
+            for name in names:
                 if not isinstance(getattr(attn, name, None), nn.Linear):
                     raise KvqError(
-                        f"{self.model_type}: layer {i} has no linear {name} to fold q/k scales into"
+                        f"{self.model_type}: layer {i} has no linear {name} to fold {what} into"
                     )
 
     @torch.no_grad()
@@ -296,14 +301,9 @@ class ArchitectureAdapter:
         """Raise KvqError when a rotation of each KV head's values cannot be folded exactly
         into this model's weights (values must be a linear map of the layer input, and the
         output projection must read the heads' attention outputs side by side)."""
+        self._require_linear(("v_proj", "o_proj"), "a rotation")
         for i in range(self.num_layers):
-            attn = self.attention(i)
-            for name in ("v_proj", "o_proj"):
-                if not isinstance(getattr(attn, name, None), nn.Linear):
-                    raise KvqError(
-                        f"{self.model_type}: layer {i} has no linear {name} to fold a rotation into"
-                    )
-            if getattr(attn, "v_norm", None) is not None:  # a norm would undo the rotation
+            if getattr(self.attention(i), "v_norm", None) is not None:  # it would undo it
                 raise KvqError(f"{self.model_type}: layer {i} normalises its values")
 
     @torch.no_grad()
