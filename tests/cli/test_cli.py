@@ -184,6 +184,23 @@ def test_generate(artifact, llama_dir):
     assert "4 new tokens in" in result.stderr and "tokens/s" in result.stderr
 
 
+def test_generate_prefills_a_long_prompt_on_the_triton_backend(llama_dir):
+    """`kvq generate --backend triton` (interpreted) prefills a prompt of more query rows per
+    KV head than a kernel program holds (2 query heads per KV head x 32 positions) in
+    chunks, and writes the reference backend's text."""
+    from tests.conftest import tiny_tokenizer
+
+    prompt = "The cache stores packed codes and the kernels read them back " * 3
+    assert len(tiny_tokenizer()(prompt)["input_ids"]) > 32
+    text = {}
+    for backend in ("reference", "triton"):
+        args = ("--policy", "int4", "--prompt", prompt, "--max-new-tokens", 4)
+        result = _run("generate", "--model", llama_dir, *args, "--backend", backend)
+        assert result.exit_code == 0, result.output + result.stderr
+        text[backend] = result.stdout
+    assert text["triton"] == text["reference"] and text["triton"].strip()
+
+
 @pytest.mark.parametrize(
     "args,needle",
     [

@@ -21,7 +21,9 @@ backends have the same signature:
   sum of two.
 
 Queries are post-RoPE `[B, H_q, Q, D]`; the G = H_q / H_kv query heads sharing
-a KV head (GQA/MQA) and the Q query positions are processed together. The mask
+a KV head (GQA/MQA) and the Q query positions are processed together, up to
+`MAX_QUERY_ROWS` rows G x Q per program; a longer block (prefill) runs through
+the kernels in chunks of query positions (`query_chunk`). The mask
 columns are the visible rows in segment order (transformers' own mask, so
 sliding windows and padding come from one place); without a mask, the Q
 queries are the last Q rows (causal, bottom-right aligned).
@@ -264,7 +266,7 @@ _QAXIS = {"none": 0, "row": 1, "channel": 2, "head": 3}
 # the same mantissa as tf32 at half the registers; bench/gpu_decode.py times both.
 DOT_PRECISION = os.environ.get("KVQ_TRITON_DOT", "tf32")
 DOT_MODES = ("tf32", "ieee", "fp16")
-MAX_QUERY_ROWS = 64  # G * Q rows per program; longer query blocks (prefill) use the reference
+MAX_QUERY_ROWS = 64  # G * Q rows per program; longer query blocks (prefill) run in chunks
 # the planned path (`planned_decode`: one launch, fp16 dots unless KVQ_TRITON_DOT=ieee) for
 # the layouts it takes; KVQ_DECODE_PLANNED=0 sends every call to the general kernel
 PLANNED = os.environ.get("KVQ_DECODE_PLANNED", "1") != "0"
@@ -276,8 +278,8 @@ def triton_unsupported(query: Tensor, segments: list[Segment], mask: Tensor | No
     hkv = segments[0].key.data.shape[1]
     if hq % hkv:
         return "query heads are not a multiple of KV heads"
-    if (hq // hkv) * q_len > MAX_QUERY_ROWS:
-        return f"{(hq // hkv) * q_len} query rows per KV head exceed {MAX_QUERY_ROWS}"
+    if hq // hkv > MAX_QUERY_ROWS:  # not even one query position per chunk
+        return f"{hq // hkv} query heads per KV head exceed {MAX_QUERY_ROWS}"
     if d % 2 or d > 512:
         return f"head_dim {d} unsupported"
     if mask is not None and (mask.dim() != 4 or mask.shape[1] != 1):
@@ -301,14 +303,45 @@ def decode_attention_triton(
     path: DecodePath | None = None,
 ) -> Tensor:
     """Same contract as `decode_attention_reference`; `chunk_rows` is unused here. `path`:
-    the Triton kernel `decode_path` chose for this call (its checks are not run again)."""
+    the Triton kernel `decode_path` chose for this call (its checks are not run again). A
+    block of more query rows per KV head than a program holds (prefill) runs in chunks of
+    query positions, `path.chunks` kernel calls of `path.chunk` positions."""
     total = _check(query, segments, rope, mask)
     if path is None:
         reason = triton_unsupported(query, segments, mask)
         if reason:
             raise KvqError(f"triton decode attention: {reason}")
         path = triton_path(query, segments, mask)
-    if path.kernel == "planned":
+    args = (segments, path.kernel, scaling, rope, softcap, total)
+    if path.chunks == 1:
+        return _triton_call(query, mask, *args)
+    q_len = query.shape[2]
+    rows = _block_mask(mask, q_len, total, query.device)  # [B|1, 1, Q|1, K]
+    out = torch.empty(query.shape, device=query.device)  # [B, H_q, Q, D] fp32
+    for start in range(0, q_len, path.chunk):
+        stop = min(start + path.chunk, q_len)
+        out[:, :, start:stop] = _triton_call(
+            query[:, :, start:stop], _mask_rows(rows, start, stop), *args
+        )
+    return out
+
+
+def _block_mask(mask: Tensor | None, q_len: int, total: int, device) -> Tensor:
+    """The mask of a block that runs in chunks: the given one, or else its causal mask. A
+    chunk's queries are not the last rows of the cache (what the kernels assume without a
+    mask), so each chunk needs its rows of the causal mask: those see the cache up to the
+    chunk's own positions, whatever the segments (sink, packed, full-precision rows) hold."""
+    return mask if mask is not None else _causal(q_len, total, device)
+
+
+def _mask_rows(mask: Tensor, start: int, stop: int) -> Tensor:
+    """The rows of query positions [start, stop) of a [B|1, 1, Q|1, K] mask (views)."""
+    return mask if mask.shape[2] == 1 else mask[:, :, start:stop]
+
+
+def _triton_call(query, mask, segments, kernel, scaling, rope, softcap, total) -> Tensor:
+    """One call of the planned or general kernel over a block that fits it."""
+    if kernel == "planned":
         from kvq.runtime.kernels import planned_decode
 
         half = _dot_mode(query.device) != "ieee"
@@ -725,8 +758,9 @@ def decode_attention(
 ) -> Tensor:
     """Attention of `query` over packed segments on the chosen backend (see module doc).
 
-    With backend auto, calls the kernel cannot take (long query blocks, per-head
-    masks) run on the reference; an explicit "triton" refuses them instead.
+    With backend auto, calls the kernel cannot take (per-head masks) and long query blocks
+    (prefill, see `decode_path`) run on the reference; an explicit "triton" refuses the
+    former and runs the latter through the kernels in chunks of query positions.
     lengths: for segments that are a cache's buffers (their rows: its capacity), the
     segments' row counts on the device (int32 [3]) and on the host. The planned kernel
     reads the device counts (`planned_decode.run_planned`), so that the call replays in a
@@ -751,7 +785,8 @@ def decode_attention(
 def _counted_attention(query, segments, scaling, rope, mask, softcap, backend, lengths):
     """The planned kernel over buffers with device row counts (`decode_attention`'s
     `lengths`), or None where that path does not take the call."""
-    if decode_path(query, segments, mask, backend=backend).kernel != "planned":
+    path = decode_path(query, segments, mask, backend=backend)
+    if path.kernel != "planned" or path.chunks > 1:  # chunks: on the host counts (`_cut`)
         return None
     from kvq.runtime.kernels import planned_decode
 
@@ -774,6 +809,15 @@ class DecodePath:
 
     kernel: str  # "planned" (one launch, `planned_decode`), "general" (Triton) or "reference"
     reason: str | None = None  # why not the planned kernel; None when it takes the call
+    chunks: int = 1  # kernel calls over consecutive query positions (a long block: prefill)
+    chunk: int | None = None  # query positions per call when chunks > 1
+
+    def describe(self) -> str:
+        """What runs, in words: e.g. "triton planned kernel, 3 chunks of 16 query positions"."""
+        what = "reference" if self.kernel == "reference" else f"triton {self.kernel} kernel"
+        if self.chunks > 1:
+            what += f", {self.chunks} chunks of {self.chunk} query positions"
+        return what + (f" ({self.reason})" if self.reason else "")
 
 
 def decode_path(
@@ -787,8 +831,9 @@ def decode_path(
     """The path `decode_attention` sends this call down: the backend (`resolve_backend`)
     on `device` (default the query's; a CPU test may ask what CUDA would do), then the
     planned kernel where it takes the layout, else the general kernel, else (auto backend,
-    calls no kernel takes: long query blocks, per-head masks) the reference. An explicit
-    "triton" refuses what no kernel takes."""
+    calls no kernel takes: per-head masks) the reference. An explicit "triton" refuses
+    what no kernel takes, and runs a long query block (prefill) in chunks of query
+    positions (`triton_path`); the auto backend keeps such blocks on the reference."""
     device = query.device if device is None else torch.device(device)
     requested = backend or os.environ.get(ENV) or "auto"
     if resolve_backend(requested, device) == "reference":
@@ -798,14 +843,41 @@ def decode_path(
         if requested == "triton":
             raise KvqError(f"triton decode attention: {reason}")
         return DecodePath("reference", reason)
+    if requested != "triton" and query_chunk(query, segments) < query.shape[2]:
+        # Why auto keeps prefill on the reference: it decodes each cached row once for all
+        # query rows and multiplies with batched GEMMs, while the chunks decode every row
+        # again per chunk (no tile is skipped as masked): Q x G / 64 passes over the cache,
+        # 32 for a 512-token Gemma 3 prompt. Not measured on a GPU yet, so auto keeps the
+        # route that every prefill figure so far was measured on.
+        rows = query.shape[1] // segments[0].key.data.shape[1] * query.shape[2]
+        why = f"{rows} query rows per KV head exceed {MAX_QUERY_ROWS}; triton runs them in chunks"
+        return DecodePath("reference", why)
     return triton_path(query, segments, mask)
 
 
+def query_chunk(query: Tensor, segments: list[Segment]) -> int:
+    """Query positions per kernel call: all Q when the G x Q rows per KV head fit one
+    program (`MAX_QUERY_ROWS`), else the most that do."""
+    group = query.shape[1] // segments[0].key.data.shape[1]
+    return max(1, min(query.shape[2], MAX_QUERY_ROWS // group))
+
+
 def triton_path(query: Tensor, segments: list[Segment], mask: Tensor | None) -> DecodePath:
-    """Planned or general kernel, for a call the Triton backend takes."""
+    """Planned or general kernel, for a call the Triton backend takes. A block longer than
+    one program's query rows runs in chunks (`query_chunk`), routed as its first chunk with
+    that chunk's mask rows: the others differ only in holding fewer positions, which
+    neither kernel refuses."""
+    q_len = query.shape[2]
+    chunk = query_chunk(query, segments)
+    chunks = {}
+    if chunk < q_len:
+        chunks = {"chunks": math.ceil(q_len / chunk), "chunk": chunk}
+        total = sum(s.rows for s in segments)
+        mask = _mask_rows(_block_mask(mask, q_len, total, query.device), 0, chunk)
+        query = query[:, :, :chunk]
     if not PLANNED:
-        return DecodePath("general", "KVQ_DECODE_PLANNED=0")
+        return DecodePath("general", "KVQ_DECODE_PLANNED=0", **chunks)
     from kvq.runtime.kernels.planned_decode import planned_unsupported
 
     reason = planned_unsupported(query, segments, mask)
-    return DecodePath("general", reason) if reason else DecodePath("planned")
+    return DecodePath("general", reason, **chunks) if reason else DecodePath("planned", **chunks)

@@ -23,6 +23,7 @@ from kvq.runtime.kernels.decode_attention import (
     decode_attention,
     decode_attention_reference,
     decode_attention_triton,
+    decode_path,
     rotate,
 )
 from kvq.runtime.packed import PackedRows, decode_packed
@@ -359,18 +360,55 @@ def test_fp16_dots_stay_within_fp16_rounding(kind, pre_rope, monkeypatch):
     assert not torch.equal(half, exact)
 
 
-def test_dispatch_falls_back_for_long_query_blocks(monkeypatch):
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    k, v = _data(1, 1, 20, 32, seed=6)
-    kp, vp = _codec_segment("int4-g16", k, v)
-    q = torch.randn(1, 4, 20, 32)  # 80 query rows per KV head: prefill-sized
-    ref = decode_attention_reference(q, [Segment(kp, vp)], scaling=0.2)
-    out = decode_attention(q, [Segment(kp, vp)], scaling=0.2, backend="auto")
-    assert torch.equal(out, ref)
-    from kvq.errors import KvqError
+def _prefill_segments(kind, b, d, pre_rope):
+    """A layer's rows at prefill, MQA: 2 full-precision sink rows, 30 packed main rows, 5
+    full-precision recent rows; pre-RoPE keys at positions that start 3 rows later in
+    sequence 1 (left padding)."""
+    k, v = _data(b, 1, 37, d, seed=13)
+    positions = torch.arange(37).repeat(b, 1)
+    positions[1] += 3
+    kp, vp = _codec_segment(kind, k[:, :, 2:32], v[:, :, 2:32], pre_rope=pre_rope)
+    segs = [Segment(kp, vp, positions[:, 2:32] if pre_rope else None)]
+    for rows in (slice(0, 2), slice(32, 37)):  # the sink before, the recent rows after
+        key = PackedRows("full", d, k[:, :, rows].clone(), pre_rope=pre_rope)
+        full = Segment(key, PackedRows("full", d, v[:, :, rows].clone()), positions[:, rows])
+        segs.insert(0 if rows.start == 0 else len(segs), full)
+    return segs
 
-    with pytest.raises(KvqError, match="query rows"):
-        decode_attention(q, [Segment(kp, vp)], scaling=0.2, backend="triton")
+
+def _window_and_padding(b, q_len, total, window, pad):
+    """[B, 1, Q, total] bool: the last Q rows causal within a sliding window of `window`
+    rows; sequence 1 left-padded by `pad` rows."""
+    col = torch.arange(total)
+    q_pos = torch.arange(total - q_len, total)[:, None]
+    mask = ((col <= q_pos) & (col > q_pos - window))[None, None].repeat(b, 1, 1, 1)
+    mask[1, :, :, :pad] = False
+    return mask
+
+
+@pytest.mark.parametrize("kind, pre_rope", [("int4-g16", False), ("nuq4", True)])
+@pytest.mark.parametrize("masked", [False, True])
+def test_long_query_blocks_run_in_chunks_on_triton(kind, pre_rope, masked):
+    """A prefill-sized block (4 query heads per KV head x 20 positions: 80 rows, more than
+    a program's 64) runs through the kernel in chunks of 16 and 4 positions, each attending
+    to the rows up to its own positions: the reference's result without a mask (causal
+    rows) and with a sliding-window and padding mask (its rows sliced per chunk), over sink,
+    packed main and full-precision recent rows. The auto backend keeps the reference."""
+    b, d, q_len = 2, 32, 20
+    segs = _prefill_segments(kind, b, d, pre_rope)
+    total = sum(s.rows for s in segs)
+    mask = _window_and_padding(b, q_len, total, window=16, pad=4) if masked else None
+    q = torch.randn(b, 4, q_len, d) * 2
+    rope = _rope(d) if pre_rope else None
+    path = decode_path(q, segs, mask, backend="triton", device="cuda")
+    assert (path.chunks, path.chunk) == (2, 16)
+    assert "2 chunks of 16 query positions" in path.describe()
+    out = _check(q, segs, rope=rope, mask=mask)
+    if DEVICE == "cpu":  # the public dispatch: triton in chunks, auto on the reference
+        call = dict(scaling=d**-0.5, rope=rope, mask=mask)
+        assert torch.equal(decode_attention(q, segs, backend="triton", **call), out)
+        ref = decode_attention_reference(q, segs, **call)
+        assert torch.equal(decode_attention(q, segs, backend="auto", **call), ref)
 
 
 def test_softcap_matches_reference():

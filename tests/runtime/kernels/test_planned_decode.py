@@ -10,7 +10,6 @@ from dataclasses import replace
 import pytest
 import torch
 
-from kvq.errors import KvqError
 from kvq.quant.schemes import QuantScheme
 from kvq.runtime.codecs import make_codec
 from kvq.runtime.kernels import decode_attention as attention
@@ -459,14 +458,36 @@ def test_narrow_pre_rope_keys_keep_the_general_kernel():
         assert (path.kernel == "planned") == planned, path
 
 
-def test_prefill_blocks_are_not_planned():
+def test_prefill_blocks_are_planned_in_chunks():
     """A query block of more than 64 rows per KV head runs on the reference with the auto
-    backend and is refused by an explicit "triton"."""
+    backend; an explicit "triton" plans it in chunks of query positions that fit (2 query
+    heads per KV head: 32 positions a chunk)."""
     segs = _route_segments("kv4-pre")
     long_q = torch.randn(2, 4, 40, 64)  # 2 x 40 query rows per KV head
-    assert decode_path(long_q, segs, device="cuda", backend="auto").kernel == "reference"
-    with pytest.raises(KvqError, match="query rows"):
-        decode_path(long_q, segs, device="cuda", backend="triton")
+    auto = decode_path(long_q, segs, device="cuda", backend="auto")
+    assert auto.kernel == "reference" and "80 query rows" in auto.reason
+    path = decode_path(long_q, segs, device="cuda", backend="triton")
+    assert path == attention.DecodePath("planned", chunks=2, chunk=32)
+    assert path.describe() == "triton planned kernel, 2 chunks of 32 query positions"
+
+
+@pytest.mark.parametrize("fmt", ["kv4", "nuq4-pre"])
+@pytest.mark.parametrize("masked", [False, True])
+def test_prefill_chunks_through_the_planned_kernel_match_reference(fmt, masked, planned_calls):
+    """Sink, packed main and residual rows (post-RoPE INT4 with static key qparams, or
+    KVQuant's pre-RoPE NUQ4 with exceptions), MQA with 4 query heads x 20 positions: two
+    planned launches of 16 and 4 positions, causal without a mask, or each with its rows
+    of a sliding-window and padding mask."""
+    b, d, q_len = 2, 64, 20
+    kind = {"kv4": "int4-channel", "nuq4-pre": "nuq4"}[fmt]
+    segs = _layer_segments(kind, b, 1, d, rows=30, seed=41)
+    total = sum(s.rows for s in segs)
+    rope = None
+    if fmt.endswith("-pre"):
+        segs, rope = _pre_rope(segs, _positions(b, total, start=5, pad=(0, 4))), _rope(d)
+    mask = _window_mask(b, q_len, total, window=16, pad=4) if masked else None
+    _check(torch.randn(b, 4, q_len, d) * 2, segs, rope=rope, mask=mask)
+    assert [call[0].shape[2] for call in planned_calls] == [16, 4]
 
 
 def test_one_split_writes_the_output_itself(monkeypatch):
@@ -695,6 +716,35 @@ def test_generate_through_the_planned_path_matches_the_reference(monkeypatch, pl
     # 4 layers x (1 prefill + 4 decode steps), each through the planned kernel
     assert len(planned_calls) == 20
     assert {p.kernel for p in paths} == {"planned"}
+
+
+@torch.no_grad()
+def test_generate_prefills_a_long_prompt_on_the_triton_backend(monkeypatch, planned_calls, paths):
+    """Public path: an explicit Triton backend prefills a prompt longer than one kernel
+    program holds (a tiny Gemma 3, 4 query heads per KV head: 16 positions a program; 24
+    tokens, one sequence left-padded by 3) in chunks of 16 and 8 positions, sliding-window
+    layers included, and greedy generate gives the reference backend's tokens."""
+    from kvq.models.adapters import get_adapter
+    from kvq.quant.schemes import named_policy
+    from tests.conftest import make_tiny_model
+
+    model = make_tiny_model("gemma3").to(DEVICE)
+    ad = get_adapter(model)
+    ids = torch.randint(3, 200, (2, 24), generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    ids[1, :3] = 0
+    policy = named_policy("int4", ad.info.num_layers, ad.info.head_dim)
+
+    def generate(backend):
+        mask = (ids != 0).long()
+        return greedy(monkeypatch, model, policy, {}, ad, ids, backend, attention_mask=mask)
+
+    want = generate("reference")
+    assert torch.equal(generate("triton"), want)
+    prefill = [p for p in paths if p.chunks > 1]
+    assert len(prefill) == ad.info.num_layers  # every layer's prefill, and only those
+    assert {(p.kernel, p.chunks, p.chunk) for p in prefill} == {("planned", 2, 16)}
+    # 4 layers x (16 + 8 prefill positions, then 4 decode steps of one)
+    assert sorted(call[0].shape[2] for call in planned_calls) == [1] * 16 + [8] * 4 + [16] * 4
 
 
 @torch.no_grad()
