@@ -24,6 +24,9 @@ Sink positions are excluded from every statistic: the runtime keeps them exact.
 
 from __future__ import annotations
 
+import math
+from dataclasses import replace
+
 import torch
 from torch import Tensor
 
@@ -140,6 +143,7 @@ def fit_key_widths(
     """`fit_key_layer` at each of `widths`: one normaliser (and outlier thresholds), a
     codebook per width."""
     static: dict[str, Tensor] = {}
+    opts = replace(opts, outliers=opts.outliers_of("key"), k_outliers=None)  # keys' own
     if opts.outliers:
         fraction = key_fraction(samples, fisher, opts) if opts.key_heldout else opts.outliers
         lower, upper = _key_thresholds(samples, fisher, opts, fraction)
@@ -191,19 +195,36 @@ def loss_widths(nominal: int) -> tuple[int, ...]:
 
 def _scheme(opts: KVQuantOptions, part: str, bits: int) -> QuantScheme:
     axis, lifetime = ("channel", "static") if part == "key" else ("token", "dynamic")
-    fraction = opts.outliers if part == "key" else opts.value_outliers
+    fraction = opts.outliers_of(part)
     return QuantScheme(format="nuq", bits=bits, axis=axis, lifetime=lifetime,
                        outlier_fraction=fraction, qnorm=opts.qnorm)  # fmt: skip
 
 
-def spare_value_bits(head_dim: int, opts) -> float:
-    """Bits per value element that fewer value exceptions than `--outliers` free
-    (`opts.value_outliers`): each exception slot of a row stores an index and an fp16
-    value (`NuqValueCodec`)."""
-    slots = sparse.range_count(head_dim, opts.outliers)
-    slots -= sparse.range_count(head_dim, opts.value_outliers)
-    index_bits = 8 * torch.empty(0, dtype=_index_dtype(head_dim)).element_size()
-    return slots * (index_bits + 8 * SPARSE_DTYPE.itemsize) / head_dim
+def exception_bits(head_dim: int, fraction: float, part: str) -> float:
+    """Stored bits per element of a side's exact exceptions at `fraction`: an index and an
+    fp16 value per entry; values take a fixed number of slots per row (`NuqValueCodec`),
+    keys a variable number, expected `fraction` of them, plus a count byte per row."""
+    if not fraction:
+        return 0.0
+    entry = 8 * torch.empty(0, dtype=_index_dtype(head_dim)).element_size()
+    entry += 8 * SPARSE_DTYPE.itemsize
+    if part == "key":
+        return fraction * entry + 8 / head_dim
+    return sparse.range_count(head_dim, fraction) * entry / head_dim
+
+
+def spare_bits(head_dim: int, opts, part: str) -> float:
+    """Bits per element of `part` that fewer exceptions than `--outliers` free
+    (`--k-outliers`, `--v-outliers`); the uniform policy's budget counts `--outliers`."""
+    nominal = exception_bits(head_dim, opts.outliers, part)
+    return nominal - exception_bits(head_dim, opts.outliers_of(part), part)
+
+
+def spare_layer_bits(adapter, opts) -> dict[str, int]:
+    """Whole layer-bits per side that `spare_bits` buys over the model's layers."""
+    n, d = adapter.info.num_layers, adapter.info.head_dim
+    # floor: a side with more exceptions than --outliers gives up whole layer-bits
+    return {part: math.floor(n * spare_bits(d, opts, part) + 1e-9) for part in ("key", "value")}
 
 
 def kvquant_policy(
@@ -257,7 +278,7 @@ def calibrate_kvquant(
             model, adapter, windows, fitted,
             lambda _layer, part, bits, _state: _scheme(opts, part, bits),
             template, opts.bits, progress,
-            int(n_layers * spare_value_bits(adapter.info.head_dim, opts))
+            sum(spare_layer_bits(adapter, opts).values())
             * adapter.info.num_kv_heads * adapter.info.head_dim,
         )  # fmt: skip
     tensors: dict[str, Tensor] = {}

@@ -217,6 +217,12 @@ class KVQuantOptions(PassOptions):
         "the bits it saves widen layer-sides",
         flag="--v-outliers",
     )
+    k_outliers: float | None = option(
+        None,
+        "fraction of key entries kept exactly (default: --outliers); with --mixed loss the "
+        "bits it saves widen layer-sides",
+        flag="--k-outliers",
+    )
     nonuniform: bool = True  # False: uniform levels on the same normalised grid (ablation)
     key_stage: KeyStage = "pre-rope"
     # "fisher": the K outlier budget goes to the channels whose Fisher-weighted range it
@@ -239,12 +245,19 @@ class KVQuantOptions(PassOptions):
         check_range("--outliers", self.outliers, 0, 0.5, open_hi=True)
         if self.v_outliers is not None:
             check_range("--v-outliers", self.v_outliers, 0, 0.5, open_hi=True)
+        if self.k_outliers is not None:
+            check_range("--k-outliers", self.k_outliers, 0, 0.5, open_hi=True)
         check_range("--sink", self.sink, 0)
         check_choice("key_outliers", self.key_outliers, ("fisher", "uniform"))
 
+    def outliers_of(self, part: str) -> float:
+        """The exception fraction of `part` ("key" or "value"): its own flag, else --outliers."""
+        own = self.k_outliers if part == "key" else self.v_outliers
+        return self.outliers if own is None else own
+
     @property
     def value_outliers(self) -> float:
-        return self.outliers if self.v_outliers is None else self.v_outliers
+        return self.outliers_of("value")
 
 
 KVFormat = Literal["fp8-e4m3", "fp8-e5m2", "int8"]
@@ -417,6 +430,12 @@ class VQOptions(PassOptions):
         "bits it saves widen value layers",
         flag="--v-outliers",
     )
+    k_outliers: float | None = option(
+        None,
+        "fraction of key entries kept exactly (default: --outliers); with --mixed the bits "
+        "it saves widen key layers",
+        flag="--k-outliers",
+    )
     seed: int = 0  # k-means; the command line passes its --seed
 
     def __post_init__(self) -> None:
@@ -430,11 +449,18 @@ class VQOptions(PassOptions):
         check_range("--outliers", self.outliers, 0, 0.5, open_hi=True)
         if self.v_outliers is not None:
             check_range("--v-outliers", self.v_outliers, 0, 0.5, open_hi=True)
+        if self.k_outliers is not None:
+            check_range("--k-outliers", self.k_outliers, 0, 0.5, open_hi=True)
         check_range("--sink", self.sink, 0)
+
+    def outliers_of(self, part: str) -> float:
+        """The exception fraction of `part` ("key" or "value"): its own flag, else --outliers."""
+        own = self.k_outliers if part == "key" else self.v_outliers
+        return self.outliers if own is None else own
 
     @property
     def value_outliers(self) -> float:
-        return self.outliers if self.v_outliers is None else self.v_outliers
+        return self.outliers_of("value")
 
 
 # What `kvq calibrate auto --bits B` runs, from the measurements on Gemma 3 270M
@@ -474,6 +500,14 @@ AUTO_ROTATE: dict[int, bool] = {2: True, 3: True, 4: True}
 #   4 bits, scalar NUQ4: 1.0097 / 0.0091 / 0.945; none, with measured-loss bits (the only
 #           allocator scalar NUQ has; one value side to 8 bits): 1.0090 / 0.0100 / 0.937
 AUTO_V_OUTLIERS: dict[int, float | None] = {2: 0.0, 3: 0.0, 4: None}
+# per width: the keys' exception fraction in that rotated chain (None: --outliers, 1%).
+# Their 1% (0.27 bits per element) as key layer-bits or a 2% bought with them; ratio / KLD /
+# top-1, 16 x 512 prefill (decode protocol):
+#   2 bits, measured-loss bits: 1.1299 / 0.1202 / 0.807 (1.1170 / 0.1252 / 0.807) -> none
+#           1.1186 / 0.1192 / 0.814 (1.1029 / 0.1239 / 0.811), bytes 0.163 -> 0.160
+#   3 bits, Fisher bits: 1.0307 / 0.0297 / 0.907 -> none 1.0305 / 0.0352 / 0.901, 2%
+#           1.0322 / 0.0324 / 0.899
+AUTO_K_OUTLIERS: dict[int, float | None] = {2: 0.0, 3: None, 4: None}
 
 
 def vq_dims(v: VQOptions) -> str:
@@ -485,10 +519,12 @@ def vq_dims(v: VQOptions) -> str:
 
 
 def _exceptions(v: VQOptions | KVQuantOptions) -> str:
-    if v.value_outliers == v.outliers:
+    k, val = v.outliers_of("key"), v.outliers_of("value")
+    if k == val == v.outliers:
         return f"{v.outliers:.0%} exact outliers"
-    spent = " (their bits widen value layers)" if v.mixed != "none" else ""
-    return f"{v.outliers:.0%} exact key outliers, {v.value_outliers:.0%} value outliers{spent}"
+    fewer = k < v.outliers or val < v.outliers
+    spent = " (the bits saved widen layers)" if fewer and v.mixed != "none" else ""
+    return f"{k:.0%} exact key outliers, {val:.0%} value outliers{spent}"
 
 
 @dataclass(frozen=True)
@@ -517,10 +553,14 @@ class AutoOptions(PassOptions):
     def chosen(self) -> VQOptions | KVQuantOptions:
         method, dim, mixed = AUTO_CHOICES[self.bits]
         # unrotated values keep their exceptions: their outlier channels are still there
-        v_out = AUTO_V_OUTLIERS[self.bits] if len(self.chain()) > 1 else None
+        rotated = len(self.chain()) > 1
+        exceptions = {
+            "v_outliers": AUTO_V_OUTLIERS[self.bits] if rotated else None,
+            "k_outliers": AUTO_K_OUTLIERS[self.bits] if rotated else None,  # measured so
+        }
         if method == "kvquant":
-            return KVQuantOptions(bits=self.bits, mixed=mixed, v_outliers=v_out, seed=self.seed)
-        return VQOptions(bits=self.bits, dim=dim, mixed=mixed, v_outliers=v_out, seed=self.seed)
+            return KVQuantOptions(bits=self.bits, mixed=mixed, seed=self.seed, **exceptions)
+        return VQOptions(bits=self.bits, dim=dim, mixed=mixed, seed=self.seed, **exceptions)
 
     def method(self) -> str:
         v = self.chosen()

@@ -44,7 +44,7 @@ from kvq.calibrators.kvquant import (
     _key_thresholds,
     capture_kv,
     key_fraction,
-    spare_value_bits,
+    spare_layer_bits,
     value_rows,
 )
 from kvq.calibrators.options import KVQuantOptions, VQOptions
@@ -147,7 +147,8 @@ def _error(side: _Side, state: dict[str, Tensor], bits: int, rows: int = 4096) -
 def allocate_bits(errors: list[float], nominal: int, spare: int = 0) -> list[int]:
     """Widths per side (see the module doc): swaps of one bit while the modelled error falls.
     errors: the Fisher-weighted error of each side at the nominal width; spare: bits (one
-    per layer-side) beyond the uniform policy's, each given first where it cuts most."""
+    per layer-side) beyond the uniform policy's, each given first where it cuts most
+    (negative: bits short of it, each taken first where it costs least)."""
     bits = [nominal] * len(errors)
     lo, hi = max(MIN_BITS, nominal - 1), min(MAX_BITS, nominal + 1)
 
@@ -159,6 +160,11 @@ def allocate_bits(errors: list[float], nominal: int, spare: int = 0) -> list[int
         if not ups:
             break
         bits[max(ups)[1]] += 1
+    for _ in range(-spare):  # more exceptions than the budget's: bits come off where cheapest
+        downs = [(err(i, b - 1) - err(i, b), i) for i, b in enumerate(bits) if b > lo]
+        if not downs:
+            break
+        bits[min(downs)[1]] -= 1
 
     for _ in range(4 * len(errors)):
         ups = [(err(i, b) - err(i, b + 1), i) for i, b in enumerate(bits) if b < hi]
@@ -178,7 +184,7 @@ def _scheme(bits: int, dim: int, side: str, opts: VQOptions) -> QuantScheme:
     if side == "key":
         return QuantScheme(
             format="vq", bits=bits, axis="channel", lifetime="static",
-            outlier_fraction=opts.outliers, vector_dim=dim,
+            outlier_fraction=opts.outliers_of("key"), vector_dim=dim,
         )  # fmt: skip
     return QuantScheme(
         format="vq", bits=bits, axis="token", lifetime="dynamic",
@@ -215,10 +221,10 @@ def calibrate_vq(
         raise KvqError(
             f"--seqlen {windows.shape[1]} leaves no tokens after {opts.sink} sink tokens"
         )
-    kv = KVQuantOptions(bits=max(2, opts.bits), outliers=opts.outliers, sink=opts.sink)
+    kv = KVQuantOptions(bits=max(2, opts.bits), outliers=opts.outliers_of("key"), sink=opts.sink)
     kv_values = KVQuantOptions(bits=kv.bits, outliers=opts.value_outliers, sink=opts.sink)
-    # layer-bits the values' budget gains from fewer exceptions (whole layer-sides only)
-    spare = int(adapter.info.num_layers * spare_value_bits(adapter.info.head_dim, opts))
+    # layer-bits each side's budget gains from fewer exceptions (whole layer-sides only)
+    spare = spare_layer_bits(adapter, opts)
     keys, values = capture_kv(model, adapter, windows, opts.sink, "pre-rope", progress)
     n_layers = adapter.info.num_layers
     widths_fitted = loss_widths(opts.bits) if opts.mixed == "loss" else (opts.bits,)
@@ -250,8 +256,7 @@ def calibrate_vq(
     if opts.mixed == "fisher":  # keys' bits among the keys, values' among the values
         for part in ("key", "value"):
             idx = [i for i, (_, p, _) in enumerate(sides) if p == part]
-            gained = spare if part == "value" else 0
-            chosen = allocate_bits([errors[i] for i in idx], opts.bits, gained)
+            chosen = allocate_bits([errors[i] for i in idx], opts.bits, spare[part])
             for i, b in zip(idx, chosen, strict=True):
                 widths[i] = b
         changed = [i for i, b in enumerate(widths) if b != opts.bits]
@@ -270,7 +275,7 @@ def calibrate_vq(
         template = LayerPolicy(FULL_PRECISION, FULL_PRECISION, "pre-rope", opts.sink)
         widths, extra = allocate_by_loss(
             model, adapter, windows, fitted, scheme_at, template, opts.bits, progress,
-            spare * adapter.info.num_kv_heads * adapter.info.head_dim,
+            sum(spare.values()) * adapter.info.num_kv_heads * adapter.info.head_dim,
         )  # fmt: skip
     tensors: dict[str, Tensor] = {}
     schemes: dict[tuple[int, str], QuantScheme] = {}

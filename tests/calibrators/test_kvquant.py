@@ -1,5 +1,6 @@
 """KVQuant calibration on a tiny model, and the cache built from it."""
 
+import pytest
 import torch
 
 from kvq.calibrators.kvquant import KVQuantOptions, calibrate_kvquant, capture_kv, fit_key_layer
@@ -142,8 +143,6 @@ def test_key_thresholds_follow_fisher_and_held_out_rate():
 def test_mixed_loss_at_4_bits_measures_3_4_and_8_bits_and_keeps_the_budget(monkeypatch):
     """Scalar NUQ `--mixed loss`: every side fitted at 3, 4 and 8 bits and measured; a side
     whose loss is made huge gets 8 bits, paid for by four sides at 3 (NUQ has no 5-7)."""
-    import pytest
-
     from kvq.calibrators import side_loss
     from kvq.errors import KvqError
 
@@ -172,19 +171,23 @@ def test_mixed_loss_at_4_bits_measures_3_4_and_8_bits_and_keeps_the_budget(monke
         KVQuantOptions(bits=2, mixed="loss")
 
 
-def test_values_without_exceptions_store_no_value_exceptions():
-    """--v-outliers 0: value schemes keep no exceptions (keys keep theirs); the cache stores
-    fewer exception bytes than with them, and its codes are the same size."""
+@pytest.mark.parametrize("part", ["value", "key"])
+def test_sides_without_exceptions_store_no_exceptions(part):
+    """--v-outliers 0 / --k-outliers 0: that side's schemes keep no exceptions (the other
+    keeps its own); the cache stores fewer exception bytes than with them, and its codes
+    are the same size."""
     model = make_tiny_model("llama")
     ad = get_adapter(model)
     ids = _windows(2, 48, seed=9)
     ledgers = []
-    for v in (None, 0.0):
-        opts = KVQuantOptions(bits=3, v_outliers=v)
+    for fraction in (None, 0.0):
+        opts = KVQuantOptions(bits=3, **{f"{part[0]}_outliers": fraction})
         pol, t = calibrate_kvquant(model, ad, _windows(), opts, Progress(), None)
-        expected = 0.01 if v is None else 0.0
-        assert {lp.value.outlier_fraction for lp in pol.layers} == {expected}
-        assert {lp.key.outlier_fraction for lp in pol.layers} == {0.01}
+        other = "key" if part == "value" else "value"
+        expected = 0.01 if fraction is None else 0.0
+        assert {getattr(lp, part).outlier_fraction for lp in pol.layers} == {expected}
+        assert {getattr(lp, other).outlier_fraction for lp in pol.layers} == {0.01}
+        assert ("layers.0.key.lower" in t) == (part == "value" or fraction is None)
         cache = build_cache(model, pol, t, ad)
         with torch.no_grad():
             out = model(ids, cache=cache, use_cache=True).logits

@@ -1,5 +1,6 @@
 """`kvq calibrate vq` on tiny models: codebooks, mixed bits within the budget, the cache."""
 
+import pytest
 import torch
 
 from kvq.calibrators.options import VQOptions
@@ -26,6 +27,14 @@ def test_allocation_moves_bits_to_the_sensitive_sides_and_keeps_the_total():
     assert sum(bits) == 2 * len(errors)
     assert bits[0] == 3 and bits[3] == 3 and min(bits) >= 1
     assert allocate_bits([1.0, 1.0, 1.0], 3) == [3, 3, 3]  # nothing pays: uniform
+
+
+def test_allocation_spends_spare_bits_and_gives_up_missing_ones_where_cheapest():
+    errors = [100.0, 1.0, 1.0, 50.0, 0.5]
+    up = allocate_bits(errors, 3, spare=2)  # two bits beyond the uniform budget
+    assert sum(up) == 3 * len(errors) + 2 and up[0] == up[3] == 4
+    down = allocate_bits(errors, 3, spare=-2)  # two bits short of it
+    assert sum(down) == 3 * len(errors) - 2 and down[4] == 2 and down[0] >= 3
 
 
 def test_key_groups_are_rope_pairs():
@@ -112,24 +121,28 @@ def test_loss_allocation_gives_bits_where_the_measured_loss_is(monkeypatch):
     assert torch.isfinite(out).all()
 
 
-def test_values_without_exceptions_spend_their_bytes_on_wider_value_layers():
-    """--v-outliers 0: value rows keep no exceptions, and with --mixed the bits they would
-    take widen value layers; the stored cache is no larger than the one with exceptions."""
-    from kvq.calibrators.vq import spare_value_bits
+@pytest.mark.parametrize("part", ["value", "key"])
+def test_sides_without_exceptions_spend_their_bytes_on_wider_layers(part):
+    """--v-outliers 0 / --k-outliers 0: that side's rows keep no exceptions, and with
+    --mixed the bits they would take widen its layers; the other side keeps its budget and
+    its exceptions; the stored cache is no larger than the one with exceptions."""
+    from kvq.calibrators.vq import spare_layer_bits
 
     model = make_tiny_model("gemma3")
     ad = get_adapter(model)
-    n, d = ad.info.num_layers, ad.info.head_dim
-    opts = VQOptions(bits=2, mixed="fisher", v_outliers=0.0)
-    spare = int(n * spare_value_bits(d, opts))
-    assert spare >= 1  # tiny head_dim: one slot (index + fp16) per row frees > 1/n bit
+    n = ad.info.num_layers
+    opts = VQOptions(bits=2, mixed="fisher", **{f"{part[0]}_outliers": 0.0})
+    spare = spare_layer_bits(ad, opts)
+    other = "key" if part == "value" else "value"
+    assert spare[part] >= 1 and spare[other] == 0  # tiny head_dim: one entry frees > 1/n bit
     with_exc, t0 = calibrate_vq(model, ad, _windows(), VQOptions(bits=2, mixed="fisher"),
                                 Progress(), _fisher(ad))  # fmt: skip
     pol, t = calibrate_vq(model, ad, _windows(), opts, Progress(), _fisher(ad))
-    assert sum(lp.value.bits for lp in pol.layers) == 2 * n + spare
-    assert sum(lp.key.bits for lp in pol.layers) == 2 * n  # keys keep their budget
-    assert {lp.value.outlier_fraction for lp in pol.layers} == {0.0}
-    assert {lp.key.outlier_fraction for lp in pol.layers} == {0.01}
+    schemes = {side: [getattr(lp, side) for lp in pol.layers] for side in ("key", "value")}
+    assert sum(s.bits for s in schemes[part]) == 2 * n + spare[part]
+    assert sum(s.bits for s in schemes[other]) == 2 * n  # the other side keeps its budget
+    assert {s.outlier_fraction for s in schemes[part]} == {0.0}
+    assert {s.outlier_fraction for s in schemes[other]} == {0.01}
     ids = _windows(2, 64, seed=7)
     ledgers = []
     for policy, tensors in ((with_exc, t0), (pol, t)):

@@ -45,7 +45,7 @@ def test_auto_records_its_choice_and_stays_within_the_bits(auto_artifact):
     assert {layer["key"]["outlier_fraction"] for layer in layers} == {0.01}
     values = [layer["value"]["bits"] for layer in layers]
     assert sum(values) > 3 * len(values)
-    assert "0% value outliers (their bits widen value layers)" in auto["options"]["method"]
+    assert "0% value outliers (the bits saved widen layers)" in auto["options"]["method"]
     assert {layer["key"]["format"] for layer in layers} == {"vq"}
 
 
@@ -203,3 +203,16 @@ def test_values_drop_their_exceptions_only_when_rotated():
     assert rotated.value_outliers == 0.0 and rotated.outliers == 0.01
     assert plain.value_outliers == plain.outliers == 0.01
     assert "1% exact outliers" in AutoOptions(bits=3, rotate=False).method()
+
+
+def test_keys_drop_their_exceptions_at_2_bits_only():
+    """AUTO_K_OUTLIERS: the rotated 2-bit chain spends the keys' exception bytes on layers
+    (measured ahead there); 3 and 4 bits keep 1%; --no-rotate keeps everything."""
+    from kvq.calibrators.options import AutoOptions
+
+    two, three = AutoOptions(bits=2).chosen(), AutoOptions(bits=3).chosen()
+    assert two.outliers_of("key") == 0.0 and two.outliers_of("value") == 0.0
+    assert three.outliers_of("key") == 0.01 and AutoOptions(bits=4).chosen().outliers_of("key")
+    assert AutoOptions(bits=2, rotate=False).chosen().outliers_of("key") == 0.01
+    text = AutoOptions(bits=2).method()
+    assert "0% exact key outliers, 0% value outliers (the bits saved widen layers)" in text
