@@ -16,10 +16,11 @@ interleave runs per tile. A code becomes fp16 by the exponent bias: the bits 0x6
 read as fp16 are 1024 + c exactly, so one OR and one subtraction replace an integer-to-
 float conversion (compiled, four code bytes per register through inline PTX); fp8 codes
 have their bits moved into an fp16 (`_fp8_plane`), a table-free exact decode; 4-bit
-codebook codes (NUQ4) become their fp16 levels by PRMT byte selection from the table
-held in 8 registers (`_LUT_ASM`), with the values' exact slots patched in by the same
-lookup (`_slot_lut_asm`) and the keys' exact entries correcting the scores
-(`_key_exceptions`: query gathers per entry, added through an MMA). Codes with
+codebook codes (NUQ4) become their fp16 levels with fp16 dots by one gather per code byte
+from a 256-entry table of level pairs held in shared memory (`_pair_levels`), values with
+exact slots by PRMT byte selection from the table held in 8 registers (`_LUT_ASM`), the
+slots patched in by the same lookup (`_slot_lut_asm`); the keys' exact entries correct the
+scores (`_key_exceptions`: query gathers per entry, added through an MMA). Codes with
 per-row or per-head qparams (values; per-token keys) load as 32-bit words: the value
 dot's operand layout pairs rows, and a byte tile carried that layout back to shared
 memory as one-byte reads plus PRMTs to regroup them (about 12 of 42 warp-instructions
@@ -473,6 +474,47 @@ def _word_levels_slots(words, lut, rows, row_ok, nuq, vs_ptr, vo_ptr, vq_t,
 
 
 @triton.jit
+def _pair_table(tab):
+    """The byte-pair table of a 4-bit codebook (LUT 3): [256] int32, entry b the fp16 bits of
+    level[b & 15] (the byte's even channel) in the low half and of level[b >> 4] (its odd
+    channel) in the high half. Read once per program; `_pair_levels` gathers from it."""
+    b = tl.arange(0, 256)
+    lo = tl.load(tab + (b & 15)).to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32)
+    hi = tl.load(tab + (b >> 4)).to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32)
+    return (lo & 0xFFFF) | (hi << 16)
+
+
+@triton.jit
+def _lut_table(tab, LUT: tl.constexpr):
+    """What the codebook decode of mode LUT reads besides `tab`: the byte-pair table (3),
+    the PRMT table's words (2, `_lut_words`), nothing (0, 1)."""
+    if LUT == 3:  # noqa: SIM108 (constexpr branches: one table is built)
+        out = _pair_table(tab)
+    else:
+        out = _lut_words(tab, LUT)
+    return out
+
+
+@triton.jit
+def _pair_levels(raw, pairs):
+    """uint8 bytes of 4-bit codebook codes (any shape) -> int32 of the same shape, each the
+    fp16 bits of its even channel's level (low half) and odd channel's (high half), one
+    gather per byte from the byte-pair table (`_pair_table`, held in shared memory by the
+    gather). sm_90, NUQ4 as stored, Llama-like: ~3 instructions per byte (byte extract,
+    address, LDS) where the PRMT lookup (`_LUT_ASM`) took 21 per 4 bytes."""
+    idx = tl.reshape(raw.to(tl.int32), (raw.numel,), can_reorder=False)
+    return tl.reshape(tl.gather(pairs, idx, 0), raw.shape)
+
+
+@triton.jit
+def _split_pairs(x):
+    """int32 level pairs (`_pair_levels`) -> fp16 (even channels, odd channels)."""
+    lo = (x & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True)
+    hi = (x >> 16).to(tl.int16).to(tl.float16, bitcast=True)
+    return lo, hi
+
+
+@triton.jit
 def _lut_words(tab, LUT: tl.constexpr):
     """The PRMT table (`_LUT_ASM`) of a 4-bit codebook, read once per program (LUT 2);
     zeros otherwise. tab: `planned_decode.nuq_table` (the levels, then the words' bits)."""
@@ -502,9 +544,11 @@ def _lane_word(w, M: tl.constexpr):
 @triton.jit
 def _lut_planes(raw, tab, lut, LUT: tl.constexpr):
     """uint8 bytes of 4-bit codebook codes [..., n] -> levels (low nibbles, high nibbles)
-    [..., n]: fp16 through PRMT (LUT 2, the compiled path), or fp32 gathers from the
-    table (LUT 1: the interpreter, parity mode)."""
-    if LUT == 2:
+    [..., n]: fp16 from the byte-pair table (LUT 3, fp16 dots: `_pair_levels`), fp16
+    through PRMT (LUT 2, compiled), or fp32 gathers from the table (LUT 1: parity mode)."""
+    if LUT == 3:
+        lo, hi = _split_pairs(_pair_levels(raw, lut))
+    elif LUT == 2:
         lo, hi = tl.inline_asm_elementwise(
             _LUT_ASM, "=r,=r,=r,=r," + ",".join(["r"] * 33),
             [raw, lut[0], lut[1], lut[2], lut[3], lut[4], lut[5], lut[6], lut[7]],
@@ -1364,7 +1408,7 @@ def _segment_loop(
         else:
             v_lo, v_hi = _value_planes(v_ptr, tr, tr_ok, v_t, vs_ptr, vo_ptr, vq_t, V_ZERO, VP,
                                        NG, GW, FULL, V_HAS_OFF, OP, ASM, V_FP8, V_FACTOR,
-                                       V_WORDS and not FULL, V_LUT, nuq[14], nuq[16],
+                                       V_WORDS and not FULL and V_LUT != 3, V_LUT, nuq[14], nuq[16],
                                        V_SLOTS * V_PATCH, nuq)  # fmt: skip
         if V_SLOTS and not FULL and not V_PATCH and not VQ_PATCH:  # exact exceptions
             v_lo, v_hi = _value_slots(v_lo, v_hi, tr, tr_ok, nuq, VP, V_SLOTS)
@@ -1587,13 +1631,20 @@ def decode_splits_kernel(
     q_real = q + b * sq_b + (h * G + rq // Q) * sq_h + (rq % Q) * sq_q
     q_real = tl.where(rq < G * Q, q_real, q)  # padding rows read row 0 (and are dropped)
     # the packed segment's NUQ tables and exceptions (`_key_exceptions`, `_value_slots`);
-    # levels by PRMT where the dots take fp16 (compiled), else by gathers (`_lut_planes`)
-    K_MODE: tl.constexpr = K_LUT + K_LUT * ASM * HALF
-    V_MODE: tl.constexpr = V_LUT + V_LUT * ASM * HALF
+    # with fp16 dots, levels from the byte-pair table (3, `_pair_levels`); values with slots
+    # by PRMT (2, compiled), the slots patched into the lookup; else by gathers (1). sm_90,
+    # NUQ4 as stored (pre-RoPE keys, ~1% exceptions, 2 value slots), warp-instructions per
+    # cached row, PRMT keys -> pair-table keys: Llama-like 78.8 -> 76.6 (236 -> 227
+    # registers), Gemma 3 162.1 -> 159.2 (255 -> 175); post-RoPE keys 69.1 -> 59.7 and 116.9
+    # -> 100.6. Values through the table with their slots selected into the pairs per byte
+    # (one compare and select per byte and slot, the slot's pair built per row): 83.5 for
+    # Llama-like (66.2 without the slots), so slotted values keep the PRMT patch
+    K_MODE: tl.constexpr = K_LUT * 3 if HALF else K_LUT
+    V_MODE: tl.constexpr = V_LUT * (3 if HALF and not V_SLOTS else (2 if HALF and ASM else 1))
     nuq = (k_tab, k_cnt + b * kc_b + h * kc_h, kc_t, k_first + b * kf_b + h * kf_h, kf_t,
            k_eidx, k_eval, fk, fk + HKV * D, q_real, q_scale, v_sidx + b * vs_b + h * vs_h,
-           v_sval + b * vs_b + h * vs_h, vs_t, v_tab, _lut_words(k_tab, K_MODE),
-           _lut_words(v_tab, V_MODE))  # fmt: skip
+           v_sval + b * vs_b + h * vs_h, vs_t, v_tab, _lut_table(k_tab, K_MODE),
+           _lut_table(v_tab, V_MODE))  # fmt: skip
     if KIND0 != 0:
         k0_t = (D if KIND0 == 1 else KRB) if k0_t is None else k0_t
         v0_t = (D if KIND0 == 1 else VRB) if v0_t is None else v0_t
