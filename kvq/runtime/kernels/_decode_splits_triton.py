@@ -1304,6 +1304,28 @@ def _rope_inputs(FULL: tl.constexpr, tab, tab1, amp1, rope_q):
     return out
 
 
+# an L2 prefetch of the line at $1 (no fault, no register written but the dummy)
+_PREFETCH_ASM = tl.constexpr("""{
+prefetch.global.L2 [$1];
+mov.u32 $0, 0;
+}""")
+
+
+@triton.jit
+def _prefetch_tile(k_ptr, v_ptr, k_t, v_t, tile, rows_seg, BT: tl.constexpr):
+    """Asks L2 for the packed rows of tile `tile` (clamped to the segment's last row), one
+    prefetch per row of keys and of values (a row of codes: 64 B at head_dim 128, 128 B at
+    256), so that the next iteration's loads find them there: the tile's code bytes are in
+    flight from HBM while this one decodes, where the key entries' loop keeps Triton's
+    pipeliner from staging them."""
+    t = tl.minimum(tile * BT + tl.arange(0, BT), rows_seg - 1)
+    a = tl.inline_asm_elementwise(_PREFETCH_ASM, "=r,l", [k_ptr + t * k_t], dtype=tl.int32,
+                                  is_pure=False, pack=1)  # fmt: skip
+    b = tl.inline_asm_elementwise(_PREFETCH_ASM, "=r,l", [v_ptr + t * v_t], dtype=tl.int32,
+                                  is_pure=False, pack=1)  # fmt: skip
+    return a + b
+
+
 @triton.jit
 def _segment_loop(
     state, q_lo, q_hi, k_bias,
@@ -1322,6 +1344,7 @@ def _segment_loop(
     K_LUT: tl.constexpr = 0, V_LUT: tl.constexpr = 0, K_FLAT: tl.constexpr = False,
     V_SLOTS: tl.constexpr = 0, nuq=None, tab1=None, amp1=None, K_VQ: tl.constexpr = 0,
     K_VQB: tl.constexpr = 0, V_VQ: tl.constexpr = 0, V_VQB: tl.constexpr = 0,
+    PREFETCH: tl.constexpr = False,
 ):  # fmt: skip
     """Folds tiles [first, last) of one segment into the online-softmax state (m, l,
     acc_lo, acc_hi: the numerator's planes). FULL: a full-precision segment (keys
@@ -1362,6 +1385,8 @@ def _segment_loop(
         # 31.1 -> 29.6 (sm_90)
         tr = tl.minimum(t, rows_seg - 1)
         tr_ok = tl.full([BT], 1, tl.int1)
+        if PREFETCH and not FULL:  # the next tile's codes on their way to L2
+            _prefetch_tile(k_ptr, v_ptr, k_t, v_t, tile + 1, rows_seg, BT)
         if ROPE:
             scores = _rope_scores(rq, rk, k_ptr, k_t, ks_ptr, ko_ptr, kq_t, tr, tr_ok, tile,
                                   pos_ptr, pos_t, rtab, tab_rows, R, K_ZERO, BT, FULL, KPR,
@@ -1447,7 +1472,7 @@ def decode_splits_kernel(
     k_first=None, kf_b=0, kf_h=0, kf_t=0, k_eidx=None, k_eval=None, v_sidx=None, v_sval=None,
     vs_b=0, vs_h=0, vs_t=0, RQ: tl.constexpr = 16, rope_tab1=None, rope_amp1=None,
     K_VQ: tl.constexpr = 0, K_VQB: tl.constexpr = 0, V_VQ: tl.constexpr = 0,
-    V_VQB: tl.constexpr = 0,
+    V_VQB: tl.constexpr = 0, PREFETCH: tl.constexpr = False,
 ):  # fmt: skip
     """Segments 0, 1, 2 (KIND 0: absent, 1: full precision, 2: packed; one packed at
     most): key and value data with their batch, head and row strides (elements of the
@@ -1474,6 +1499,8 @@ def decode_splits_kernel(
     codes (`_vq_index`), groups of that many channels (0: none), digits of K_VQB, V_VQB
     bits, centroids from k_tab, v_tab ([2^(bits M), M] in the dots' dtype); keys pre-RoPE
     over RoPE pairs in KP = M / 2 planes, values over neighbouring channels in VP = 2.
+    PREFETCH: the packed segment's loop asks L2 for the next tile's rows
+    (`_prefetch_tile`), where its loads are not staged.
 
     None for an argument (Triton binds it as a constexpr: no runtime argument) where the
     host's layout fixes its value (`planned_decode._layout_strides`): row strides of
@@ -1662,7 +1689,7 @@ def decode_splits_kernel(
             m_row, HAS_MASK, K_FP8, V_FP8, K_FACTOR, V_FACTOR, K_WORDS, V_WORDS,
             ROPE0, rope_q, pos0 + b * pos0_b, pos0_t, rope_tab, rope_rows, D, NC,
             K_MODE, V_MODE, K_FLAT, V_SLOTS, nuq, rope_tab1, rope_amp1,
-            K_VQ, K_VQB, V_VQ, V_VQB,
+            K_VQ, K_VQB, V_VQ, V_VQB, PREFETCH,
         )  # fmt: skip
     if KIND1 != 0:
         k1_t = (D if KIND1 == 1 else KRB) if k1_t is None else k1_t
@@ -1694,7 +1721,7 @@ def decode_splits_kernel(
                 K_HAS_OFF, m_row, HAS_MASK, K_FP8, V_FP8, K_FACTOR, V_FACTOR, K_WORDS, V_WORDS,
                 ROPE1, rope_q, pos1 + b * pos1_b, pos1_t, rope_tab, rope_rows, D, NC,
                 K_MODE, V_MODE, K_FLAT, V_SLOTS, nuq, rope_tab1, rope_amp1,
-                K_VQ, K_VQB, V_VQ, V_VQB,
+                K_VQ, K_VQB, V_VQ, V_VQB, PREFETCH,
             )  # fmt: skip
         if KIND2 != 0 and step == 1:
             kp = k2 + b * k2_b + h * k2_h
@@ -1709,7 +1736,7 @@ def decode_splits_kernel(
                 K_WORDS, V_WORDS,
                 ROPE2, rope_q, pos2 + b * pos2_b, pos2_t, rope_tab, rope_rows, D, NC,
                 K_MODE, V_MODE, K_FLAT, V_SLOTS, nuq, rope_tab1, rope_amp1,
-                K_VQ, K_VQB, V_VQ, V_VQB,
+                K_VQ, K_VQB, V_VQ, V_VQB, PREFETCH,
             )  # fmt: skip
     m_i, l_i, acc_lo, acc_hi = state
 

@@ -67,6 +67,8 @@ class KernelConfig:
     block_t: int
     num_warps: int
     num_stages: int
+    # the tile loop prefetches the next tile's rows into L2 (the kernel's PREFETCH)
+    prefetch: bool = False
 
     def options(self) -> dict:
         return {"num_warps": self.num_warps, "num_stages": self.num_stages}
@@ -108,9 +110,12 @@ def kernel_config(head_dim: int, bits: int, key_rows: bool = False,
     if vector:
         one = (vector == 4 and head_dim >= 256) or (vector == 2 and not key_entries)
         stages = 1 if one else 2
-        return KernelConfig(64, 8, stages) if head_dim >= 256 else KernelConfig(64, 4, stages)
+        warps = 8 if head_dim >= 256 else 4
+        return KernelConfig(64, warps, stages, prefetch=key_entries)
     if rope_lut and head_dim >= 256:
-        return KernelConfig(64, 8, 1)
+        return KernelConfig(64, 8, 1, prefetch=key_entries)
+    if rope_lut:
+        return KernelConfig(64, 4, 2, prefetch=key_entries)
     if bits == 8 and head_dim >= 256:
         return KernelConfig(32, 4, 2)
     return KernelConfig(64, 4, 2)
@@ -702,7 +707,8 @@ def _site(query: Tensor, segments, src: list, *, scaling: float, softcap: float 
         V_WORDS=packed is not None and _words(packed.value) and not _vq(packed.value),
         HAS_SOFTCAP=bool(softcap), CAUSAL=q_len > 1, HALF=half, DIRECT=False,
         HAS_MASK=mask is not None,
-        NUM_STAGES=cfg.num_stages, ASM=ASM and not interpreting() and query.device.type == "cuda",
+        NUM_STAGES=cfg.num_stages, PREFETCH=cfg.prefetch and not interpreting(),
+        ASM=ASM and not interpreting() and query.device.type == "cuda",
     )  # fmt: skip
     args.update(_rope_args(segments, src))
     args.update(_nuq_args(packed, src, hkv), RQ=next_pow2(group * q_len))
