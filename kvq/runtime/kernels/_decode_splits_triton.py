@@ -925,13 +925,21 @@ def _rope_chunk(scores, rq, rk, k_ptr, k_t, t, t_ok, tab, trow, p0, run, C0: tl.
 
 
 @triton.jit
-def _nuq_channels(row, C0: tl.constexpr, N: tl.constexpr, ok, pairs):
-    """fp16 levels [BT, N] of channels C0 ... C0 + N - 1 (C0 even) of 4-bit codebook rows at
-    `row` [BT, 1], in channel order: bytes C0 / 2 ... gathered as level pairs
-    (`_pair_levels`), each pair the byte's two channels side by side."""
-    raw = tl.load(row + (C0 // 2 + tl.arange(0, N // 2))[None, :], mask=ok, other=0)
-    lo, hi = _split_pairs(_pair_levels(raw, pairs))
-    return tl.reshape(tl.join(lo, hi), (raw.shape[0], N))
+def _rope_pair_chunk(scores, rq, rk, x, tab, trow, p0, run, C0: tl.constexpr, D: tl.constexpr,
+                     OP: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
+    """`_rope_dot` of NUQ keys' channels C0 ... of each half in channel order, from their
+    level pairs x [BT, CB, 2] (`_pair_levels`: bytes C0 / 2 ... of half 1, then of half 2),
+    the static per-channel normaliser applied before they rotate."""
+    qa_lo1, qa_lo2, qa_hi1, qa_hi2 = rq
+    s_lo1, b_lo1, s_lo2, b_lo2, s_hi1, b_hi1, s_hi2, b_hi2 = rk
+    x1, x2 = tl.split(x)
+    BT: tl.constexpr = x.shape[0]
+    CW: tl.constexpr = 2 * x.shape[1]
+    lo, hi = _split_pairs(x1)
+    k1 = tl.reshape(tl.join(lo, hi), (BT, CW)).to(OP) * s_lo1[None, :] + b_lo1[None, :]
+    lo, hi = _split_pairs(x2)
+    k2 = tl.reshape(tl.join(lo, hi), (BT, CW)).to(OP) * s_lo2[None, :] + b_lo2[None, :]
+    return _rope_dot(scores, qa_lo1, qa_lo2, k1, k2, tab, trow, p0, run, C0, D, OP, PRECISION)
 
 
 @triton.jit
@@ -940,18 +948,11 @@ def _rope_lut_chunk(scores, rq, rk, row, ok, j, tab, trow, p0, run, C0: tl.const
                     PRECISION: tl.constexpr, LUT: tl.constexpr, ltab, lut):  # fmt: skip
     """`_rope_chunk` of 4-bit codebook (NUQ) keys: the levels of bytes j of each half
     (`_lut_planes`: both planes of a byte at once) with the static per-channel normaliser
-    applied (level x scale + centre, KVQuant's pre-RoPE key) before they rotate. KP 1 (the
-    byte-pair table, LUT 3): channels j of each half in channel order, a byte's level pair
-    as gathered (`_nuq_channels`), rotated by the channel-order table."""
+    applied (level x scale + centre, KVQuant's pre-RoPE key) before they rotate (levels from
+    the byte-pair table: `_rope_pair_chunk`)."""
     HW: tl.constexpr = D // KP // 2
     qa_lo1, qa_lo2, qa_hi1, qa_hi2 = rq
     s_lo1, b_lo1, s_lo2, b_lo2, s_hi1, b_hi1, s_hi2, b_hi2 = rk
-    if KP == 1:
-        k1 = _nuq_channels(row, C0, j.shape[0], ok, lut).to(OP) * s_lo1[None, :] + b_lo1[None, :]
-        k2 = _nuq_channels(row, HW + C0, j.shape[0], ok, lut).to(OP) * s_lo2[None, :]
-        k2 += b_lo2[None, :]
-        return _rope_dot(scores, qa_lo1, qa_lo2, k1, k2, tab, trow, p0, run, C0, D, OP,
-                         PRECISION)  # fmt: skip
     raw1 = tl.load(row + j[None, :], mask=ok, other=0)
     raw2 = tl.load(row + (HW + j)[None, :], mask=ok, other=0)
     lo1, hi1 = _lut_planes(raw1, ltab, lut, LUT)
@@ -1264,6 +1265,26 @@ def _rope_scores(rq, rk, k_ptr, k_t, ks_ptr, ko_ptr, kq_t, t, t_ok, tile, pos_pt
             scores = _rope_vq_chunk(scores, rq[c], rk[c], vrow, vok, c * VW + tl.arange(0, VW),
                                     tab, trow, p0, run, c * VW, KP, D, OP, PRECISION, K_VQ,
                                     K_VQB, nuq[0])  # fmt: skip
+    elif K_LUT == 3 and not FULL:  # NUQ keys in channel order: one gather for the tile
+        # (the gather stores its table to shared memory each call: one per tile, where one
+        # per chunk and half cost 77.1 warp-instructions per row against 71.8, Llama-like;
+        # one per chunk: 72.1)
+        CB: tl.constexpr = D // 4 // NC  # code bytes per chunk and half
+        row = k_ptr + t[:, None] * k_t
+        b = tl.arange(0, CB)[None, :]
+        raw = tl.join(tl.load(row + b), tl.load(row + D // 4 + b))  # [BT, CB, half]
+        if NC == 2:
+            raw = tl.join(raw, tl.join(tl.load(row + CB + b), tl.load(row + D // 4 + CB + b)))
+        x = _pair_levels(raw, nuq[15])
+        if NC == 2:
+            x0, x1 = tl.split(x)
+            scores = _rope_pair_chunk(scores, rq[0], rk[0], x0, tab, trow, p0, run, 0, D, OP,
+                                      PRECISION)  # fmt: skip
+            scores = _rope_pair_chunk(scores, rq[1], rk[1], x1, tab, trow, p0, run, 2 * CB, D,
+                                      OP, PRECISION)  # fmt: skip
+        else:
+            scores = _rope_pair_chunk(scores, rq[0], rk[0], x, tab, trow, p0, run, 0, D, OP,
+                                      PRECISION)  # fmt: skip
     else:
         CW: tl.constexpr = D // KP // 2 // NC
         LUT: tl.constexpr = 0 if FULL else K_LUT
@@ -1380,7 +1401,8 @@ def _segment_loop(
         # full-precision keys do: a byte's two levels come out side by side, no split into
         # planes (sm_90, NUQ4 as stored, with the prefetch: Llama-like 77.5 -> 77.1
         # warp-instructions per row, 218 -> 168 registers: 8 -> 12 warps per SM; Gemma 3
-        # 160.1 -> 151.6, 172 registers)
+        # 160.1 -> 151.6, 172 registers; one gather per tile, `_rope_scores`: 71.8 at 254
+        # registers, 8 warps per SM, and 144.4)
         CHO: tl.constexpr = FULL or K_LUT == 3
         KPR: tl.constexpr = 1 if CHO else KP  # `_rope_inputs`
         NCS: tl.constexpr = (2 if D >= 256 else 1) if FULL else NC

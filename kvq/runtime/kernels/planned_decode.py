@@ -97,9 +97,9 @@ def kernel_config(head_dim: int, bits: int, key_rows: bool = False,
     per row (general kernel: 426), one stage (the key entries' loop leaves the codes
     unstaged; without entries two stages spilled 16 B, one: none, 149 per row); at
     head_dim 128, 4 warps: 236 registers, 8 warps per SM, 79 per row (252). With the keys'
-    levels from the byte-pair table (`_pair_levels`) in channel order: 168 registers, 12
-    warps per SM, 77 per row at 128 (its layer call: 182 registers, 8 warps); 172
-    registers, 152 per row at 256 (4 warps there still spill). With key entries (their
+    levels from the byte-pair table (`_pair_levels`, one gather per tile) in channel order:
+    254 registers, 8 warps per SM, 72 per row at 128; 255 registers, 144 per row at 256
+    (4 warps there still spill). With key entries (their
     loop leaves the codes unstaged) the loop prefetches the next tile into L2
     (`prefetch`): 36 KB in flight per SM at 8 warps, where one tile was 18 (Llama-like
     head_dim 128 without it: 75 per row; Gemma 3: 17 KB).

@@ -274,13 +274,13 @@ def test_llama_like_nuq4_loop_per_row(compiled):
 
 def test_pre_rope_nuq4_loops_per_row(compiled):
     """KVQuant's stored layout (NUQ4 keys before RoPE, their exceptions corrected rotated,
-    value slots): levels from the byte-pair table x per-channel scale + centre, rotated in
-    channel order in the loop, the next tile prefetched into L2. Llama-like 77 per row at
-    12 warps per SM (PRMT keys in planes: 79 at 8; the general kernel: 252); Gemma 3, 8
-    warps per program, 152 (162; 426), no spill; Gemma 3's whole-layer call (it spilled
-    8 B) keeps the packed loop within 5%."""
-    _assert_loop(compiled, "nuq4-pre-llama", per_row=79, warps_per_sm=12)
-    _assert_loop(compiled, "nuq4-pre-gemma", per_row=156, warps_per_sm=8)
+    value slots): levels from the byte-pair table (one gather per tile) x per-channel scale
+    + centre, rotated in channel order in the loop, the next tile prefetched into L2.
+    Llama-like 72 per row at 8 warps per SM (PRMT keys in planes: 79; the general kernel:
+    252); Gemma 3, 8 warps per program, 144 (162; 426), no spill; Gemma 3's whole-layer
+    call (it spilled 8 B) keeps the packed loop within 5%."""
+    _assert_loop(compiled, "nuq4-pre-llama", per_row=75, warps_per_sm=8)
+    _assert_loop(compiled, "nuq4-pre-gemma", per_row=148, warps_per_sm=8)
     res, r = compiled["nuq4-pre-gemma"]
     layer, rl = compiled["nuq4-pre-gemma-layer"]
     assert layer.stack_bytes == 0, layer.as_dict()
