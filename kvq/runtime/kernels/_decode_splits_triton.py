@@ -1384,10 +1384,10 @@ def _segment_loop(
     K_LUT: tl.constexpr = 0, V_LUT: tl.constexpr = 0, K_FLAT: tl.constexpr = False,
     V_SLOTS: tl.constexpr = 0, nuq=None, tab1=None, amp1=None, K_VQ: tl.constexpr = 0,
     K_VQB: tl.constexpr = 0, V_VQ: tl.constexpr = 0, V_VQB: tl.constexpr = 0,
-    PREFETCH: tl.constexpr = False,
+    PREFETCH: tl.constexpr = False, VT: tl.constexpr = False,
 ):  # fmt: skip
     """Folds tiles [first, last) of one segment into the online-softmax state (m, l,
-    acc_lo, acc_hi: the numerator's planes). FULL: a full-precision segment (keys
+    acc_lo, acc_hi: the numerator's planes; VT: transposed, [D / VP, R]). FULL: a full-precision segment (keys
     post-RoPE); otherwise packed codes with the key qparams already in q and k_bias.
     ROPE: keys stored before RoPE, rotated at positions pos_ptr (`_rope_scores`);
     full-precision ones in channel order (tab1, amp1: the unit table and amplitude of one
@@ -1485,9 +1485,16 @@ def _segment_loop(
         if V_SLOTS and not FULL and not V_PATCH and not VQ_PATCH:  # exact exceptions
             v_lo, v_hi = _value_slots(v_lo, v_hi, tr, tr_ok, nuq, VP, V_SLOTS)
         p16 = p.to(OP)
-        acc_lo = acc_lo * alpha[:, None] + tl.dot(p16, v_lo, input_precision=PRECISION)
-        if VP == 2:
-            acc_hi = acc_hi * alpha[:, None] + tl.dot(p16, v_hi, input_precision=PRECISION)
+        if VT:  # the numerator transposed, [D / VP, R]: values the dot's A operand
+            acc_lo = acc_lo * alpha[None, :] + tl.dot(tl.trans(v_lo), tl.trans(p16),
+                                                      input_precision=PRECISION)  # fmt: skip
+            if VP == 2:
+                acc_hi = acc_hi * alpha[None, :] + tl.dot(tl.trans(v_hi), tl.trans(p16),
+                                                          input_precision=PRECISION)  # fmt: skip
+        else:
+            acc_lo = acc_lo * alpha[:, None] + tl.dot(p16, v_lo, input_precision=PRECISION)
+            if VP == 2:
+                acc_hi = acc_hi * alpha[:, None] + tl.dot(p16, v_hi, input_precision=PRECISION)
         m_i = m_new
     return m_i, l_i, acc_lo, acc_hi
 
@@ -1685,10 +1692,24 @@ def decode_splits_kernel(
     NC: tl.constexpr = 1 if K_VQ or K_ROWQ else (2 if CH > 32 or (K_LUT and CH == 32) else 1)
     rope_q = (q_row, r_ok, q_scale, rope_amp, fk, HKV)  # what `_rope_prepare` reads
 
+    # codebook values with slots (NUQ's PRMT lookup) and vq values dot as the A operand,
+    # the probabilities as the B one (the numerator transposed; sm_90: a warpgroup MMA
+    # reading both from shared memory), where P as the A operand was loaded by 128-bit
+    # reads spanning four k-steps and regrouped by register moves (about 60 per
+    # iteration). sm_90, batch 16 x 32K, warp-instructions per row before -> after: NUQ4
+    # as stored, Llama-like 71.8 -> 68.0; post-RoPE 59.7 -> 55.4 (Gemma 3 100.6 -> 93.8);
+    # vq3 134.4 -> 127.9, vq2 95.4 -> 92.1 (Gemma 3 267.9 -> 256.2, 234.5 -> 228.8). Not
+    # taken: affine and fp8 values (KV4 29.6 -> 30.6, KV8 33.7 -> 33.9, fp8 37.6 -> 38.6
+    # with 20 -> 16 warps per SM), NUQ4 values without slots (post-RoPE, Llama-like 34.2 ->
+    # 35.2, 16 -> 12 warps per SM), Gemma 3's pre-RoPE NUQ4 (136.8 but an 8 B spill, 16 B
+    # in its layer call)
+    VT: tl.constexpr = (V_LUT != 0 and V_SLOTS != 0 or V_VQ != 0) and not (
+        K_LUT != 0 and D >= 256 and (ROPE0 or ROPE1 or ROPE2)
+    )
     m_i = tl.full([R], float("-inf"), tl.float32)
     l_i = tl.zeros([R], tl.float32)
-    acc_lo = tl.zeros([R, D // VP], tl.float32)
-    acc_hi = tl.zeros([R, D // VP], tl.float32)
+    acc_lo = tl.zeros([D // VP, R] if VT else [R, D // VP], tl.float32)
+    acc_hi = tl.zeros([D // VP, R] if VT else [R, D // VP], tl.float32)
     state = (m_i, l_i, acc_lo, acc_hi)
 
     # this split's tiles of the segments laid end to end (launch_plan.split_tiles)
@@ -1736,7 +1757,7 @@ def decode_splits_kernel(
             m_row, HAS_MASK, K_FP8, V_FP8, K_FACTOR, V_FACTOR, K_WORDS, V_WORDS,
             ROPE0, rope_q, pos0 + b * pos0_b, pos0_t, rope_tab, rope_rows, D, NC,
             K_MODE, V_MODE, K_FLAT, V_SLOTS, nuq, rope_tab1, rope_amp1,
-            K_VQ, K_VQB, V_VQ, V_VQB, PREFETCH,
+            K_VQ, K_VQB, V_VQ, V_VQB, PREFETCH, VT,
         )  # fmt: skip
     if KIND1 != 0:
         k1_t = (D if KIND1 == 1 else KRB) if k1_t is None else k1_t
@@ -1768,7 +1789,7 @@ def decode_splits_kernel(
                 K_HAS_OFF, m_row, HAS_MASK, K_FP8, V_FP8, K_FACTOR, V_FACTOR, K_WORDS, V_WORDS,
                 ROPE1, rope_q, pos1 + b * pos1_b, pos1_t, rope_tab, rope_rows, D, NC,
                 K_MODE, V_MODE, K_FLAT, V_SLOTS, nuq, rope_tab1, rope_amp1,
-                K_VQ, K_VQB, V_VQ, V_VQB, PREFETCH,
+                K_VQ, K_VQB, V_VQ, V_VQB, PREFETCH, VT,
             )  # fmt: skip
         if KIND2 != 0 and step == 1:
             kp = k2 + b * k2_b + h * k2_h
@@ -1783,9 +1804,12 @@ def decode_splits_kernel(
                 K_WORDS, V_WORDS,
                 ROPE2, rope_q, pos2 + b * pos2_b, pos2_t, rope_tab, rope_rows, D, NC,
                 K_MODE, V_MODE, K_FLAT, V_SLOTS, nuq, rope_tab1, rope_amp1,
-                K_VQ, K_VQB, V_VQ, V_VQB, PREFETCH,
+                K_VQ, K_VQB, V_VQ, V_VQB, PREFETCH, VT,
             )  # fmt: skip
     m_i, l_i, acc_lo, acc_hi = state
+    if VT:
+        acc_lo = tl.trans(acc_lo)
+        acc_hi = tl.trans(acc_hi)
 
     # channel of plane k, column c: c * VP + k
     chan = (tl.arange(0, D // VP) * VP)[None, :]
