@@ -15,7 +15,7 @@ warps / rows per tile: warp-instructions per cached row of one KV head),
 `int_to_float_in_loop` (I2F/I2FP), `mma_instructions` (tensor-core instructions in
 the loop), `bytes_in_flight_per_sm` (tiles in flight x tile bytes x resident
 programs; tiles in flight: num_stages where the loop issues async copies, 2 with
-PREFETCH, else 1) and `predicted_hbm_share`: the static model's share of the HBM peak,
+PREFETCH or where the loop prefetches the next tile's rows into L2, else 1) and `predicted_hbm_share`: the static model's share of the HBM peak,
 min(1, issue bound, latency bound) x the plan's wave fill, where the issue bound is 4
 warp-instructions per SM per clock over the instructions per row (times the row's
 bytes), and the latency bound Little's law over the bytes in flight (LATENCY_S). An
@@ -165,10 +165,12 @@ def model(res, block_t: int, num_warps: int, stages: int, row_bytes: float, fill
 def _stages(res, cfg: dict) -> int:
     """Tiles of codes in flight per program: num_stages where the loop issues async copies
     (the pipeliner staged its loads), 2 with PREFETCH (the next tile's words held in
-    registers), else 1 (each load waited out in the iteration that issues it)."""
+    registers) or L2 prefetches in the loop (the next tile's rows requested while this one
+    decodes, `_decode_splits_triton._prefetch_tile`), else 1 (each load waited out in the
+    iteration that issues it)."""
     if res.loop_async_copies:
         return cfg["num_stages"]
-    return 2 if cfg.get("PREFETCH") else 1
+    return 2 if cfg.get("PREFETCH") or res.loop_prefetches else 1
 
 
 def targets(shapes, formats) -> list[dict]:

@@ -16,10 +16,11 @@ interleave runs per tile. A code becomes fp16 by the exponent bias: the bits 0x6
 read as fp16 are 1024 + c exactly, so one OR and one subtraction replace an integer-to-
 float conversion (compiled, four code bytes per register through inline PTX); fp8 codes
 have their bits moved into an fp16 (`_fp8_plane`), a table-free exact decode; 4-bit
-codebook codes (NUQ4) become their fp16 levels by PRMT byte selection from the table
-held in 8 registers (`_LUT_ASM`), with the values' exact slots patched in by the same
-lookup (`_slot_lut_asm`) and the keys' exact entries correcting the scores
-(`_key_exceptions`: query gathers per entry, added through an MMA). Codes with
+codebook codes (NUQ4) become their fp16 levels with fp16 dots by one gather per code byte
+from a 256-entry table of level pairs held in shared memory (`_pair_levels`), values with
+exact slots by PRMT byte selection from the table held in 8 registers (`_LUT_ASM`), the
+slots patched in by the same lookup (`_slot_lut_asm`); the keys' exact entries correct the
+scores (`_key_exceptions`: query gathers per entry, added through an MMA). Codes with
 per-row or per-head qparams (values; per-token keys) load as 32-bit words: the value
 dot's operand layout pairs rows, and a byte tile carried that layout back to shared
 memory as one-byte reads plus PRMTs to regroup them (about 12 of 42 warp-instructions
@@ -37,7 +38,8 @@ Keys stored before RoPE (ROPE0..2, per segment) are rotated in the loop (`_rope_
 the channels of each plane split into halves whose columns are RoPE partners (c, c +
 D/2), decoded (static qparams now applied to the tile, one HFMA2 per two channels:
 rotation does not commute with a per-channel scale), rotated, and dotted with the query
-in the same halves. A tile whose rows sit at one run of positions p0 + i (a sequence's
+in the same halves (NUQ keys from the byte-pair table, and full-precision keys: in
+channel order, the halves' columns channels c and c + D/2). A tile whose rows sit at one run of positions p0 + i (a sequence's
 rows: nearly every tile) takes R(p0 + i) = R(p0) R(i): R(i) from rows 0 .. BT - 1 of a
 unit table, the same every tile (L1 hits, no per-row gather from L2), R(p0) onto the query
 (rotated back, once per tile); other tiles gather each row's own table row. The table's
@@ -473,6 +475,47 @@ def _word_levels_slots(words, lut, rows, row_ok, nuq, vs_ptr, vo_ptr, vq_t,
 
 
 @triton.jit
+def _pair_table(tab):
+    """The byte-pair table of a 4-bit codebook (LUT 3): [256] int32, entry b the fp16 bits of
+    level[b & 15] (the byte's even channel) in the low half and of level[b >> 4] (its odd
+    channel) in the high half. Read once per program; `_pair_levels` gathers from it."""
+    b = tl.arange(0, 256)
+    lo = tl.load(tab + (b & 15)).to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32)
+    hi = tl.load(tab + (b >> 4)).to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32)
+    return (lo & 0xFFFF) | (hi << 16)
+
+
+@triton.jit
+def _lut_table(tab, LUT: tl.constexpr):
+    """What the codebook decode of mode LUT reads besides `tab`: the byte-pair table (3),
+    the PRMT table's words (2, `_lut_words`), nothing (0, 1)."""
+    if LUT == 3:  # noqa: SIM108 (constexpr branches: one table is built)
+        out = _pair_table(tab)
+    else:
+        out = _lut_words(tab, LUT)
+    return out
+
+
+@triton.jit
+def _pair_levels(raw, pairs):
+    """uint8 bytes of 4-bit codebook codes (any shape) -> int32 of the same shape, each the
+    fp16 bits of its even channel's level (low half) and odd channel's (high half), one
+    gather per byte from the byte-pair table (`_pair_table`, held in shared memory by the
+    gather). sm_90, NUQ4 as stored, Llama-like: ~3 instructions per byte (byte extract,
+    address, LDS) where the PRMT lookup (`_LUT_ASM`) took 21 per 4 bytes."""
+    idx = tl.reshape(raw.to(tl.int32), (raw.numel,), can_reorder=False)
+    return tl.reshape(tl.gather(pairs, idx, 0), raw.shape)
+
+
+@triton.jit
+def _split_pairs(x):
+    """int32 level pairs (`_pair_levels`) -> fp16 (even channels, odd channels)."""
+    lo = (x & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True)
+    hi = (x >> 16).to(tl.int16).to(tl.float16, bitcast=True)
+    return lo, hi
+
+
+@triton.jit
 def _lut_words(tab, LUT: tl.constexpr):
     """The PRMT table (`_LUT_ASM`) of a 4-bit codebook, read once per program (LUT 2);
     zeros otherwise. tab: `planned_decode.nuq_table` (the levels, then the words' bits)."""
@@ -502,9 +545,11 @@ def _lane_word(w, M: tl.constexpr):
 @triton.jit
 def _lut_planes(raw, tab, lut, LUT: tl.constexpr):
     """uint8 bytes of 4-bit codebook codes [..., n] -> levels (low nibbles, high nibbles)
-    [..., n]: fp16 through PRMT (LUT 2, the compiled path), or fp32 gathers from the
-    table (LUT 1: the interpreter, parity mode)."""
-    if LUT == 2:
+    [..., n]: fp16 from the byte-pair table (LUT 3, fp16 dots: `_pair_levels`), fp16
+    through PRMT (LUT 2, compiled), or fp32 gathers from the table (LUT 1: parity mode)."""
+    if LUT == 3:
+        lo, hi = _split_pairs(_pair_levels(raw, lut))
+    elif LUT == 2:
         lo, hi = tl.inline_asm_elementwise(
             _LUT_ASM, "=r,=r,=r,=r," + ",".join(["r"] * 33),
             [raw, lut[0], lut[1], lut[2], lut[3], lut[4], lut[5], lut[6], lut[7]],
@@ -880,12 +925,31 @@ def _rope_chunk(scores, rq, rk, k_ptr, k_t, t, t_ok, tab, trow, p0, run, C0: tl.
 
 
 @triton.jit
+def _rope_pair_chunk(scores, rq, rk, x, tab, trow, p0, run, C0: tl.constexpr, D: tl.constexpr,
+                     OP: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
+    """`_rope_dot` of NUQ keys' channels C0 ... of each half in channel order, from their
+    level pairs x [BT, CB, 2] (`_pair_levels`: bytes C0 / 2 ... of half 1, then of half 2),
+    the static per-channel normaliser applied before they rotate."""
+    qa_lo1, qa_lo2, qa_hi1, qa_hi2 = rq
+    s_lo1, b_lo1, s_lo2, b_lo2, s_hi1, b_hi1, s_hi2, b_hi2 = rk
+    x1, x2 = tl.split(x)
+    BT: tl.constexpr = x.shape[0]
+    CW: tl.constexpr = 2 * x.shape[1]
+    lo, hi = _split_pairs(x1)
+    k1 = tl.reshape(tl.join(lo, hi), (BT, CW)).to(OP) * s_lo1[None, :] + b_lo1[None, :]
+    lo, hi = _split_pairs(x2)
+    k2 = tl.reshape(tl.join(lo, hi), (BT, CW)).to(OP) * s_lo2[None, :] + b_lo2[None, :]
+    return _rope_dot(scores, qa_lo1, qa_lo2, k1, k2, tab, trow, p0, run, C0, D, OP, PRECISION)
+
+
+@triton.jit
 def _rope_lut_chunk(scores, rq, rk, row, ok, j, tab, trow, p0, run, C0: tl.constexpr,
                     KP: tl.constexpr, D: tl.constexpr, OP: tl.constexpr,
                     PRECISION: tl.constexpr, LUT: tl.constexpr, ltab, lut):  # fmt: skip
     """`_rope_chunk` of 4-bit codebook (NUQ) keys: the levels of bytes j of each half
     (`_lut_planes`: both planes of a byte at once) with the static per-channel normaliser
-    applied (level x scale + centre, KVQuant's pre-RoPE key) before they rotate."""
+    applied (level x scale + centre, KVQuant's pre-RoPE key) before they rotate (levels from
+    the byte-pair table: `_rope_pair_chunk`)."""
     HW: tl.constexpr = D // KP // 2
     qa_lo1, qa_lo2, qa_hi1, qa_hi2 = rq
     s_lo1, b_lo1, s_lo2, b_lo2, s_hi1, b_hi1, s_hi2, b_hi2 = rk
@@ -1201,6 +1265,26 @@ def _rope_scores(rq, rk, k_ptr, k_t, ks_ptr, ko_ptr, kq_t, t, t_ok, tile, pos_pt
             scores = _rope_vq_chunk(scores, rq[c], rk[c], vrow, vok, c * VW + tl.arange(0, VW),
                                     tab, trow, p0, run, c * VW, KP, D, OP, PRECISION, K_VQ,
                                     K_VQB, nuq[0])  # fmt: skip
+    elif K_LUT == 3 and not FULL:  # NUQ keys in channel order: one gather for the tile
+        # (the gather stores its table to shared memory each call: one per tile, where one
+        # per chunk and half cost 77.1 warp-instructions per row against 71.8, Llama-like;
+        # one per chunk: 72.1)
+        CB: tl.constexpr = D // 4 // NC  # code bytes per chunk and half
+        row = k_ptr + t[:, None] * k_t
+        b = tl.arange(0, CB)[None, :]
+        raw = tl.join(tl.load(row + b), tl.load(row + D // 4 + b))  # [BT, CB, half]
+        if NC == 2:
+            raw = tl.join(raw, tl.join(tl.load(row + CB + b), tl.load(row + D // 4 + CB + b)))
+        x = _pair_levels(raw, nuq[15])
+        if NC == 2:
+            x0, x1 = tl.split(x)
+            scores = _rope_pair_chunk(scores, rq[0], rk[0], x0, tab, trow, p0, run, 0, D, OP,
+                                      PRECISION)  # fmt: skip
+            scores = _rope_pair_chunk(scores, rq[1], rk[1], x1, tab, trow, p0, run, 2 * CB, D,
+                                      OP, PRECISION)  # fmt: skip
+        else:
+            scores = _rope_pair_chunk(scores, rq[0], rk[0], x, tab, trow, p0, run, 0, D, OP,
+                                      PRECISION)  # fmt: skip
     else:
         CW: tl.constexpr = D // KP // 2 // NC
         LUT: tl.constexpr = 0 if FULL else K_LUT
@@ -1260,6 +1344,28 @@ def _rope_inputs(FULL: tl.constexpr, tab, tab1, amp1, rope_q):
     return out
 
 
+# an L2 prefetch of the line at $1 (no fault, no register written but the dummy)
+_PREFETCH_ASM = tl.constexpr("""{
+prefetch.global.L2 [$1];
+mov.u32 $0, 0;
+}""")
+
+
+@triton.jit
+def _prefetch_tile(k_ptr, v_ptr, k_t, v_t, tile, rows_seg, BT: tl.constexpr):
+    """Asks L2 for the packed rows of tile `tile` (clamped to the segment's last row), one
+    prefetch per row of keys and of values (a row of codes: 64 B at head_dim 128, 128 B at
+    256), so that the next iteration's loads find them there: the tile's code bytes are in
+    flight from HBM while this one decodes, where the key entries' loop keeps Triton's
+    pipeliner from staging them."""
+    t = tl.minimum(tile * BT + tl.arange(0, BT), rows_seg - 1)
+    a = tl.inline_asm_elementwise(_PREFETCH_ASM, "=r,l", [k_ptr + t * k_t], dtype=tl.int32,
+                                  is_pure=False, pack=1)  # fmt: skip
+    b = tl.inline_asm_elementwise(_PREFETCH_ASM, "=r,l", [v_ptr + t * v_t], dtype=tl.int32,
+                                  is_pure=False, pack=1)  # fmt: skip
+    return a + b
+
+
 @triton.jit
 def _segment_loop(
     state, q_lo, q_hi, k_bias,
@@ -1278,9 +1384,10 @@ def _segment_loop(
     K_LUT: tl.constexpr = 0, V_LUT: tl.constexpr = 0, K_FLAT: tl.constexpr = False,
     V_SLOTS: tl.constexpr = 0, nuq=None, tab1=None, amp1=None, K_VQ: tl.constexpr = 0,
     K_VQB: tl.constexpr = 0, V_VQ: tl.constexpr = 0, V_VQB: tl.constexpr = 0,
+    PREFETCH: tl.constexpr = False, VT: tl.constexpr = False,
 ):  # fmt: skip
     """Folds tiles [first, last) of one segment into the online-softmax state (m, l,
-    acc_lo, acc_hi: the numerator's planes). FULL: a full-precision segment (keys
+    acc_lo, acc_hi: the numerator's planes; VT: transposed, [D / VP, R]). FULL: a full-precision segment (keys
     post-RoPE); otherwise packed codes with the key qparams already in q and k_bias.
     ROPE: keys stored before RoPE, rotated at positions pos_ptr (`_rope_scores`);
     full-precision ones in channel order (tab1, amp1: the unit table and amplitude of one
@@ -1290,9 +1397,16 @@ def _segment_loop(
     m_i, l_i, acc_lo, acc_hi = state
     LOG2E: tl.constexpr = 1.4426950408889634
     if ROPE:
-        KPR: tl.constexpr = 1 if FULL else KP  # `_rope_inputs`
+        # NUQ keys from the byte-pair table (K_LUT 3) rotate in channel order as
+        # full-precision keys do: a byte's two levels come out side by side, no split into
+        # planes (sm_90, NUQ4 as stored, with the prefetch: Llama-like 77.5 -> 77.1
+        # warp-instructions per row, 218 -> 168 registers: 8 -> 12 warps per SM; Gemma 3
+        # 160.1 -> 151.6, 172 registers; one gather per tile, `_rope_scores`: 71.8 at 254
+        # registers, 8 warps per SM, and 144.4)
+        CHO: tl.constexpr = FULL or K_LUT == 3
+        KPR: tl.constexpr = 1 if CHO else KP  # `_rope_inputs`
         NCS: tl.constexpr = (2 if D >= 256 else 1) if FULL else NC
-        rtab, rope_q = _rope_inputs(FULL, tab, tab1, amp1, rope_q)
+        rtab, rope_q = _rope_inputs(CHO, tab, tab1, amp1, rope_q)
         rq, rk = _rope_prepare(rope_q, not FULL and not K_ROWQ, D, KPR, OP, NCS)
     # value slots patched into the levels by the compiled lookup (`_word_levels_slots`):
     # per-row normalisers, codes read as words, at most MAX_PATCHED_SLOTS
@@ -1318,6 +1432,8 @@ def _segment_loop(
         # 31.1 -> 29.6 (sm_90)
         tr = tl.minimum(t, rows_seg - 1)
         tr_ok = tl.full([BT], 1, tl.int1)
+        if PREFETCH and not FULL:  # the next tile's codes on their way to L2
+            _prefetch_tile(k_ptr, v_ptr, k_t, v_t, tile + 1, rows_seg, BT)
         if ROPE:
             scores = _rope_scores(rq, rk, k_ptr, k_t, ks_ptr, ko_ptr, kq_t, tr, tr_ok, tile,
                                   pos_ptr, pos_t, rtab, tab_rows, R, K_ZERO, BT, FULL, KPR,
@@ -1364,14 +1480,21 @@ def _segment_loop(
         else:
             v_lo, v_hi = _value_planes(v_ptr, tr, tr_ok, v_t, vs_ptr, vo_ptr, vq_t, V_ZERO, VP,
                                        NG, GW, FULL, V_HAS_OFF, OP, ASM, V_FP8, V_FACTOR,
-                                       V_WORDS and not FULL, V_LUT, nuq[14], nuq[16],
+                                       V_WORDS and not FULL and V_LUT != 3, V_LUT, nuq[14], nuq[16],
                                        V_SLOTS * V_PATCH, nuq)  # fmt: skip
         if V_SLOTS and not FULL and not V_PATCH and not VQ_PATCH:  # exact exceptions
             v_lo, v_hi = _value_slots(v_lo, v_hi, tr, tr_ok, nuq, VP, V_SLOTS)
         p16 = p.to(OP)
-        acc_lo = acc_lo * alpha[:, None] + tl.dot(p16, v_lo, input_precision=PRECISION)
-        if VP == 2:
-            acc_hi = acc_hi * alpha[:, None] + tl.dot(p16, v_hi, input_precision=PRECISION)
+        if VT:  # the numerator transposed, [D / VP, R]: values the dot's A operand
+            acc_lo = acc_lo * alpha[None, :] + tl.dot(tl.trans(v_lo), tl.trans(p16),
+                                                      input_precision=PRECISION)  # fmt: skip
+            if VP == 2:
+                acc_hi = acc_hi * alpha[None, :] + tl.dot(tl.trans(v_hi), tl.trans(p16),
+                                                          input_precision=PRECISION)  # fmt: skip
+        else:
+            acc_lo = acc_lo * alpha[:, None] + tl.dot(p16, v_lo, input_precision=PRECISION)
+            if VP == 2:
+                acc_hi = acc_hi * alpha[:, None] + tl.dot(p16, v_hi, input_precision=PRECISION)
         m_i = m_new
     return m_i, l_i, acc_lo, acc_hi
 
@@ -1403,7 +1526,7 @@ def decode_splits_kernel(
     k_first=None, kf_b=0, kf_h=0, kf_t=0, k_eidx=None, k_eval=None, v_sidx=None, v_sval=None,
     vs_b=0, vs_h=0, vs_t=0, RQ: tl.constexpr = 16, rope_tab1=None, rope_amp1=None,
     K_VQ: tl.constexpr = 0, K_VQB: tl.constexpr = 0, V_VQ: tl.constexpr = 0,
-    V_VQB: tl.constexpr = 0,
+    V_VQB: tl.constexpr = 0, PREFETCH: tl.constexpr = False,
 ):  # fmt: skip
     """Segments 0, 1, 2 (KIND 0: absent, 1: full precision, 2: packed; one packed at
     most): key and value data with their batch, head and row strides (elements of the
@@ -1430,6 +1553,8 @@ def decode_splits_kernel(
     codes (`_vq_index`), groups of that many channels (0: none), digits of K_VQB, V_VQB
     bits, centroids from k_tab, v_tab ([2^(bits M), M] in the dots' dtype); keys pre-RoPE
     over RoPE pairs in KP = M / 2 planes, values over neighbouring channels in VP = 2.
+    PREFETCH: the packed segment's loop asks L2 for the next tile's rows
+    (`_prefetch_tile`), where its loads are not staged.
 
     None for an argument (Triton binds it as a constexpr: no runtime argument) where the
     host's layout fixes its value (`planned_decode._layout_strides`): row strides of
@@ -1567,10 +1692,24 @@ def decode_splits_kernel(
     NC: tl.constexpr = 1 if K_VQ or K_ROWQ else (2 if CH > 32 or (K_LUT and CH == 32) else 1)
     rope_q = (q_row, r_ok, q_scale, rope_amp, fk, HKV)  # what `_rope_prepare` reads
 
+    # codebook values with slots (NUQ's PRMT lookup) and vq values dot as the A operand,
+    # the probabilities as the B one (the numerator transposed; sm_90: a warpgroup MMA
+    # reading both from shared memory), where P as the A operand was loaded by 128-bit
+    # reads spanning four k-steps and regrouped by register moves (about 60 per
+    # iteration). sm_90, batch 16 x 32K, warp-instructions per row before -> after: NUQ4
+    # as stored, Llama-like 71.8 -> 68.0; post-RoPE 59.7 -> 55.4 (Gemma 3 100.6 -> 93.8);
+    # vq3 134.4 -> 127.9, vq2 95.4 -> 92.1 (Gemma 3 267.9 -> 256.2, 234.5 -> 228.8). Not
+    # taken: affine and fp8 values (KV4 29.6 -> 30.6, KV8 33.7 -> 33.9, fp8 37.6 -> 38.6
+    # with 20 -> 16 warps per SM), NUQ4 values without slots (post-RoPE, Llama-like 34.2 ->
+    # 35.2, 16 -> 12 warps per SM), Gemma 3's pre-RoPE NUQ4 (136.8 but an 8 B spill, 16 B
+    # in its layer call)
+    VT: tl.constexpr = (V_LUT != 0 and V_SLOTS != 0 or V_VQ != 0) and not (
+        K_LUT != 0 and D >= 256 and (ROPE0 or ROPE1 or ROPE2)
+    )
     m_i = tl.full([R], float("-inf"), tl.float32)
     l_i = tl.zeros([R], tl.float32)
-    acc_lo = tl.zeros([R, D // VP], tl.float32)
-    acc_hi = tl.zeros([R, D // VP], tl.float32)
+    acc_lo = tl.zeros([D // VP, R] if VT else [R, D // VP], tl.float32)
+    acc_hi = tl.zeros([D // VP, R] if VT else [R, D // VP], tl.float32)
     state = (m_i, l_i, acc_lo, acc_hi)
 
     # this split's tiles of the segments laid end to end (launch_plan.split_tiles)
@@ -1587,13 +1726,20 @@ def decode_splits_kernel(
     q_real = q + b * sq_b + (h * G + rq // Q) * sq_h + (rq % Q) * sq_q
     q_real = tl.where(rq < G * Q, q_real, q)  # padding rows read row 0 (and are dropped)
     # the packed segment's NUQ tables and exceptions (`_key_exceptions`, `_value_slots`);
-    # levels by PRMT where the dots take fp16 (compiled), else by gathers (`_lut_planes`)
-    K_MODE: tl.constexpr = K_LUT + K_LUT * ASM * HALF
-    V_MODE: tl.constexpr = V_LUT + V_LUT * ASM * HALF
+    # with fp16 dots, levels from the byte-pair table (3, `_pair_levels`); values with slots
+    # by PRMT (2, compiled), the slots patched into the lookup; else by gathers (1). sm_90,
+    # NUQ4 as stored (pre-RoPE keys, ~1% exceptions, 2 value slots), warp-instructions per
+    # cached row, PRMT keys -> pair-table keys: Llama-like 78.8 -> 76.6 (236 -> 227
+    # registers), Gemma 3 162.1 -> 159.2 (255 -> 175); post-RoPE keys 69.1 -> 59.7 and 116.9
+    # -> 100.6. Values through the table with their slots selected into the pairs per byte
+    # (one compare and select per byte and slot, the slot's pair built per row): 83.5 for
+    # Llama-like (66.2 without the slots), so slotted values keep the PRMT patch
+    K_MODE: tl.constexpr = K_LUT * 3 if HALF else K_LUT
+    V_MODE: tl.constexpr = V_LUT * (3 if HALF and not V_SLOTS else (2 if HALF and ASM else 1))
     nuq = (k_tab, k_cnt + b * kc_b + h * kc_h, kc_t, k_first + b * kf_b + h * kf_h, kf_t,
            k_eidx, k_eval, fk, fk + HKV * D, q_real, q_scale, v_sidx + b * vs_b + h * vs_h,
-           v_sval + b * vs_b + h * vs_h, vs_t, v_tab, _lut_words(k_tab, K_MODE),
-           _lut_words(v_tab, V_MODE))  # fmt: skip
+           v_sval + b * vs_b + h * vs_h, vs_t, v_tab, _lut_table(k_tab, K_MODE),
+           _lut_table(v_tab, V_MODE))  # fmt: skip
     if KIND0 != 0:
         k0_t = (D if KIND0 == 1 else KRB) if k0_t is None else k0_t
         v0_t = (D if KIND0 == 1 else VRB) if v0_t is None else v0_t
@@ -1611,7 +1757,7 @@ def decode_splits_kernel(
             m_row, HAS_MASK, K_FP8, V_FP8, K_FACTOR, V_FACTOR, K_WORDS, V_WORDS,
             ROPE0, rope_q, pos0 + b * pos0_b, pos0_t, rope_tab, rope_rows, D, NC,
             K_MODE, V_MODE, K_FLAT, V_SLOTS, nuq, rope_tab1, rope_amp1,
-            K_VQ, K_VQB, V_VQ, V_VQB,
+            K_VQ, K_VQB, V_VQ, V_VQB, PREFETCH, VT,
         )  # fmt: skip
     if KIND1 != 0:
         k1_t = (D if KIND1 == 1 else KRB) if k1_t is None else k1_t
@@ -1643,7 +1789,7 @@ def decode_splits_kernel(
                 K_HAS_OFF, m_row, HAS_MASK, K_FP8, V_FP8, K_FACTOR, V_FACTOR, K_WORDS, V_WORDS,
                 ROPE1, rope_q, pos1 + b * pos1_b, pos1_t, rope_tab, rope_rows, D, NC,
                 K_MODE, V_MODE, K_FLAT, V_SLOTS, nuq, rope_tab1, rope_amp1,
-                K_VQ, K_VQB, V_VQ, V_VQB,
+                K_VQ, K_VQB, V_VQ, V_VQB, PREFETCH, VT,
             )  # fmt: skip
         if KIND2 != 0 and step == 1:
             kp = k2 + b * k2_b + h * k2_h
@@ -1658,9 +1804,12 @@ def decode_splits_kernel(
                 K_WORDS, V_WORDS,
                 ROPE2, rope_q, pos2 + b * pos2_b, pos2_t, rope_tab, rope_rows, D, NC,
                 K_MODE, V_MODE, K_FLAT, V_SLOTS, nuq, rope_tab1, rope_amp1,
-                K_VQ, K_VQB, V_VQ, V_VQB,
+                K_VQ, K_VQB, V_VQ, V_VQB, PREFETCH, VT,
             )  # fmt: skip
     m_i, l_i, acc_lo, acc_hi = state
+    if VT:
+        acc_lo = tl.trans(acc_lo)
+        acc_hi = tl.trans(acc_hi)
 
     # channel of plane k, column c: c * VP + k
     chan = (tl.arange(0, D // VP) * VP)[None, :]

@@ -36,6 +36,7 @@ REGISTER_UNIT = 256  # registers are allocated per warp in units of 256
 TENSOR_CORE_OPS = ("HMMA", "HGMMA", "IMMA", "IGMMA", "QGMMA")
 INT_TO_FLOAT_OPS = ("I2F", "I2FP")
 ASYNC_COPY_OPS = ("LDGSTS", "UTMALDG", "UBLKCP")
+PREFETCH_OP = "CCTL.PF"  # CCTL.E.PF1 / PF2: a prefetch into L1 / L2 (`loops` names it so)
 
 
 @dataclass(frozen=True)
@@ -91,6 +92,12 @@ class KernelResources:
         the loads."""
         return sum(self.loop[op] for op in ASYNC_COPY_OPS)
 
+    @property
+    def loop_prefetches(self) -> int:
+        """Prefetches into the caches issued in the loop (prefetch.global.L2): the loop asks
+        for a later tile's rows while it decodes this one."""
+        return self.loop[PREFETCH_OP]
+
     def as_dict(self) -> dict:
         return {
             "num_warps": self.num_warps,
@@ -105,6 +112,7 @@ class KernelResources:
             "loop_int_to_float": self.loop_int_to_float,
             "loop_tensor_core_ops": self.loop_tensor_core_ops,
             "loop_async_copies": self.loop_async_copies,
+            "loop_prefetches": self.loop_prefetches,
         }
 
 
@@ -221,12 +229,16 @@ def main_loop(sass: str) -> Counter:
 
 def loops(sass: str) -> list[Counter]:
     """Opcode -> count over each range [target, branch] closed by a backward branch, in
-    address order (an inner loop's range is listed too, and counted in its outer one)."""
+    address order (an inner loop's range is listed too, and counted in its outer one).
+    Cache prefetches (CCTL with a .PF modifier) count as PREFETCH_OP."""
     listing = []  # (address, opcode, operands)
     for line in sass.splitlines():
         m = _LINE.match(line)
         if m:
-            listing.append((int(m.group(1), 16), m.group(2), m.group(3)))
+            op = m.group(2)
+            if op == "CCTL" and ".PF" in m.group(3).split(None, 1)[0]:
+                op = PREFETCH_OP
+            listing.append((int(m.group(1), 16), op, m.group(3)))
     ranges = []
     for addr, op, rest in listing:
         if op != "BRA":

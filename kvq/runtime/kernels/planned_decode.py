@@ -67,6 +67,8 @@ class KernelConfig:
     block_t: int
     num_warps: int
     num_stages: int
+    # the tile loop prefetches the next tile's rows into L2 (the kernel's PREFETCH)
+    prefetch: bool = False
 
     def options(self) -> dict:
         return {"num_warps": self.num_warps, "num_stages": self.num_stages}
@@ -94,7 +96,13 @@ def kernel_config(head_dim: int, bits: int, key_rows: bool = False,
     of columns, 552 B in two), so 8 warps share the state: 255 registers, no spill, 162
     per row (general kernel: 426), one stage (the key entries' loop leaves the codes
     unstaged; without entries two stages spilled 16 B, one: none, 149 per row); at
-    head_dim 128, 4 warps: 236 registers, 8 warps per SM, 79 per row (252).
+    head_dim 128, 4 warps: 236 registers, 8 warps per SM, 79 per row (252). With the keys'
+    levels from the byte-pair table (`_pair_levels`, one gather per tile) in channel order:
+    254 registers, 8 warps per SM, 72 per row at 128; 255 registers, 144 per row at 256
+    (4 warps there still spill). With key entries (their
+    loop leaves the codes unstaged) the loop prefetches the next tile into L2
+    (`prefetch`): 36 KB in flight per SM at 8 warps, where one tile was 18 (Llama-like
+    head_dim 128 without it: 75 per row; Gemma 3: 17 KB).
     `vector`: the group size of vq keys (pre-RoPE, centroids gathered in the loop), with
     or without `key_entries` (flat exceptions): at head_dim 256, 8 warps as for NUQ4 (3 x
     2 codes: 222 registers, no spill, 297 per row; 4 warps spill); at 128, 4 warps (3 x 2:
@@ -106,9 +114,12 @@ def kernel_config(head_dim: int, bits: int, key_rows: bool = False,
     if vector:
         one = (vector == 4 and head_dim >= 256) or (vector == 2 and not key_entries)
         stages = 1 if one else 2
-        return KernelConfig(64, 8, stages) if head_dim >= 256 else KernelConfig(64, 4, stages)
+        warps = 8 if head_dim >= 256 else 4
+        return KernelConfig(64, warps, stages, prefetch=key_entries)
     if rope_lut and head_dim >= 256:
-        return KernelConfig(64, 8, 1)
+        return KernelConfig(64, 8, 1, prefetch=key_entries)
+    if rope_lut:
+        return KernelConfig(64, 4, 2, prefetch=key_entries)
     if bits == 8 and head_dim >= 256:
         return KernelConfig(32, 4, 2)
     return KernelConfig(64, 4, 2)
@@ -700,7 +711,8 @@ def _site(query: Tensor, segments, src: list, *, scaling: float, softcap: float 
         V_WORDS=packed is not None and _words(packed.value) and not _vq(packed.value),
         HAS_SOFTCAP=bool(softcap), CAUSAL=q_len > 1, HALF=half, DIRECT=False,
         HAS_MASK=mask is not None,
-        NUM_STAGES=cfg.num_stages, ASM=ASM and not interpreting() and query.device.type == "cuda",
+        NUM_STAGES=cfg.num_stages, PREFETCH=cfg.prefetch and not interpreting(),
+        ASM=ASM and not interpreting() and query.device.type == "cuda",
     )  # fmt: skip
     args.update(_rope_args(segments, src))
     args.update(_nuq_args(packed, src, hkv), RQ=next_pow2(group * q_len))

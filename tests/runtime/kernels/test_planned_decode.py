@@ -391,6 +391,35 @@ def test_pre_rope_nuq4_with_masks_and_query_blocks(q_len, planned_calls):
     assert len(planned_calls) == 3
 
 
+@pytest.mark.parametrize("kind", ["nuq4-dense", "nuq4"])
+@pytest.mark.parametrize("pre, d, hq, hkv", [(False, 64, 8, 2), (True, 64, 8, 2),
+                                             (True, 128, 4, 2)])  # fmt: skip
+def test_fp16_dots_take_nuq4_levels_from_the_byte_pair_table(kind, pre, d, hq, hkv):
+    """With fp16 dots (the compiled path; here interpreted) NUQ4 keys, and values without
+    slots, become their levels by one gather per code byte from the 256-entry table of
+    level pairs (`_pair_levels`): within fp16 rounding of the reference, keys post- and
+    pre-RoPE (head_dim 128: two chunks of columns), and the exceptions still move the
+    result far beyond that, so a lookup that lost them would fail."""
+    b = 2
+    segs = _layer_segments(kind, b, hkv, d, rows=150, seed=41)
+    rope = None
+    if pre:
+        total = sum(s.rows for s in segs)
+        segs = _pre_rope(segs, _positions(b, total, start=37, pad=(0, 9)))
+        rope = _rope(d)
+    q, segs, rope = _to((torch.randn(b, hq, 1, d) * 2, segs, rope), DEVICE)
+    kw = dict(scaling=d**-0.5, softcap=None, half=True, rope=rope)
+    call = planned_decode.planned_call(q, segs, **kw)
+    assert call.args["K_LUT"] and call.args["V_LUT"] and call.args["HALF"]
+    ref = decode_attention_reference(q, segs, scaling=d**-0.5, rope=rope)
+    out = planned_decode.run_planned(q, segs, **kw)
+    assert (out - ref).abs().max().item() < 2e-2
+    if kind == "nuq4":
+        bare = [segs[0], _strip_exceptions(segs[1]), segs[2]]
+        without = planned_decode.run_planned(q, bare, **kw)
+        assert (without - ref).abs().max().item() > 0.2
+
+
 def _route_segments(fmt, d=64):
     """A layer's segments (sink, main, residual) with main rows in format `fmt`."""
     k, v = _data(2, 2, 80, d, seed=13)
