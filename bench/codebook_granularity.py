@@ -11,8 +11,9 @@ measures on the held-out second half, with kvquant's own normalisers and excepti
 (keys: Fisher-allocated thresholds at the held-out-scaled fraction; values: per-row range
 with round(1% D) exceptions) and kvq's own weighted k-means (`nuq.fit_codebook`):
 
-  layer     today's codebook: `kvquant._levels` (inliers pooled, weights = diagonal Fisher)
-  layer_s2  the same pool weighted by Fisher x scale^2 (the error's own weights)
+  today     one codebook per layer-side: `kvquant._levels` (inliers pooled, weights =
+            the diagonal Fisher)
+  today_s2  the same pool weighted by Fisher x scale^2 (the error's own weights)
   channel   one codebook per (head, channel)
   std{k}    k groups of channels by the std of their normalised inliers (equal counts)
   hist{k}   k groups by k-means over the channels' normalised inlier histograms
@@ -175,10 +176,10 @@ def measure(fit, held, f, opts, bits, variants) -> dict[str, float]:
     out = {}
     lv = _levels(xf, mf, f, opts, bits)
     cb = lv["codebook"]
-    out["layer"] = held_error(xh, mh, wh, cb, cb)
-    out["layer_q"] = held_error(xh, mh, wh, cb, lv.get("qnorm_levels", cb))
+    out["today"] = held_error(xh, mh, wh, cb, cb)
+    out["today_q"] = held_error(xh, mh, wh, cb, lv.get("qnorm_levels", cb))
     one = torch.zeros(h, d, dtype=torch.long)
-    out["layer_s2"], out["layer_s2_q"] = grouped(fit, held, f, one, opts, bits, True)
+    out["today_s2"], out["today_s2_q"] = grouped(fit, held, f, one, opts, bits, True)
     if "channel" in variants:
         labels = torch.arange(h * d).reshape(h, d)
         out["channel"], out["channel_q"] = grouped(fit, held, f, labels, opts, bits)
@@ -194,7 +195,7 @@ def measure(fit, held, f, opts, bits, variants) -> dict[str, float]:
 def static_bits(variant: str, bits: int, head_dim: int, tokens: int, qnorm: bool) -> float:
     """Static bits per cached element (one KV head) a variant adds beyond today's."""
     per_book = 2**bits * 16 * (2 if qnorm else 1)  # fp16 levels (+ Q-Norm levels)
-    books = {"layer": 1, "layer_s2": 1, "channel": head_dim}
+    books = {"today": 1, "today_s2": 1, "channel": head_dim}
     if variant in books:
         extra = (books[variant] - 1) * per_book
     else:
@@ -214,7 +215,12 @@ def main() -> None:
     ap.add_argument("--variants", default="channel,std,hist")
     ap.add_argument("--cache", type=Path, default=Path("/tmp/kvq_cbgran_kv.safetensors"))
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--md", type=Path, help="also write the tables as Markdown")
+    ap.add_argument("--render", type=Path, help="only print (and --md) a --json written before")
     args = ap.parse_args()
+    if args.render:
+        payload = json.loads(args.render.read_text())
+        return write(args, payload["rows"], 0, KVQuantOptions(), payload)
     torch.set_num_threads(1)
     opts = KVQuantOptions()
     keys, values, fk, fv = captured(args, opts)
@@ -248,27 +254,62 @@ def main() -> None:
     write(args, rows, head_dim, opts)
 
 
+def variant_names(rows) -> list[str]:
+    return [k for k in rows[0] if k not in ("layer", "side", "bits") and not k.endswith("_q")]
+
+
 def summarise(rows, head_dim, opts):
-    names = [k for k in rows[0] if k not in ("layer", "side", "bits") and not k.endswith("_q")]
+    names = variant_names(rows)
     summary = []
     for side in dict.fromkeys(r["side"] for r in rows):
         for bits in dict.fromkeys(r["bits"] for r in rows):
             mine = [r for r in rows if r["side"] == side and r["bits"] == bits]
-            base, base_q = sum(r["layer"] for r in mine), sum(r["layer_q"] for r in mine)
-            s = {"side": side, "bits": bits, "layer_err": base, "layer_err_q": base_q}
+            base, base_q = sum(r["today"] for r in mine), sum(r["today_q"] for r in mine)
+            s = {"side": side, "bits": bits, "today_err": base, "today_err_q": base_q}
             for v in names:
                 s[v] = sum(r[v] for r in mine) / base
                 s[v + "_q"] = sum(r[v + "_q"] for r in mine) / base_q
-                s[v + "_min_layer"] = min(r[v] / r["layer"] for r in mine)
-                s[v + "_max_layer"] = max(r[v] / r["layer"] for r in mine)
+                s[v + "_min_layer"] = min(r[v] / r["today"] for r in mine)
+                s[v + "_max_layer"] = max(r[v] / r["today"] for r in mine)
                 for t in (512, 4096):
                     s[f"{v}_static_bits_{t}"] = static_bits(v, bits, head_dim, t, opts.qnorm)
             summary.append(s)
     return names, summary
 
 
-def write(args, rows, head_dim, opts, show: bool = True) -> None:
-    names, summary = summarise(rows, head_dim, opts)
+def markdown(names, summary, rows) -> str:
+    """The summary (ratios to today's codebook, Q-Norm decode in parentheses, static bits
+    per element at 512 / 4096 tokens) and the per-layer ratios of channel and hist16."""
+    out = ["| side | bits | " + " | ".join(names) + " |", "|---|---|" + "---|" * len(names)]
+    for s in summary:
+        cells = [f"{s[v]:.3f} ({s[v + '_q']:.3f})" for v in names]
+        out.append(f"| {s['side']} | {s['bits']} | " + " | ".join(cells) + " |")
+    out += ["", "Static bits per element added (at 512 / 4096 tokens):", ""]
+    out += ["| bits | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
+    for bits in dict.fromkeys(s["bits"] for s in summary):
+        s = next(s for s in summary if s["bits"] == bits)
+        cells = [
+            f"{s[f'{v}_static_bits_512']:.3f} / {s[f'{v}_static_bits_4096']:.4f}" for v in names
+        ]
+        out.append(f"| {bits} | " + " | ".join(cells) + " |")
+    bits_list = list(dict.fromkeys(r["bits"] for r in rows))
+    per = [v for v in ("channel", "hist16") if v in names]
+    out += ["", "Per layer, ratio to today's codebook (error with levels as fitted):", ""]
+    head = [f"{v}@{b}" for v in per for b in bits_list]
+    out += ["| layer | side | " + " | ".join(head) + " |", "|---|---|" + "---|" * len(head)]
+    for layer in dict.fromkeys(r["layer"] for r in rows):
+        for side in dict.fromkeys(r["side"] for r in rows):
+            mine = {r["bits"]: r for r in rows if r["layer"] == layer and r["side"] == side}
+            cells = [f"{mine[b][v] / mine[b]['today']:.3f}" for v in per for b in bits_list]
+            out.append(f"| {layer} | {side} | " + " | ".join(cells) + " |")
+    return "\n".join(out) + "\n"
+
+
+def write(args, rows, head_dim, opts, payload=None, show: bool = True) -> None:
+    if payload is None:
+        names, summary = summarise(rows, head_dim, opts)
+    else:  # as measured (static bits need the run's head_dim)
+        names, summary = variant_names(rows), payload["summary"]
     table = Table(title="held-out Fisher-weighted error / today's per-layer codebook (Q-Norm)")
     for c in ["side", "bits", *names]:
         table.add_column(c)
@@ -278,10 +319,13 @@ def write(args, rows, head_dim, opts, show: bool = True) -> None:
         table.add_row(*cells)
     if show:
         Console().print(table)
-    if args.json:
+    if args.md and show:
+        args.md.write_text(markdown(names, summary, rows))
+    if args.json and payload is None:
         meta = {"model": args.model, "samples": args.samples, "seqlen": args.seqlen,
                 "calibration": Path(args.calibration).name, "fit": "first half of rows",
-                "measure": "second half", "outliers": opts.outliers, "sink": opts.sink}  # fmt: skip
+                "measure": "second half", "outliers": opts.outliers, "sink": opts.sink,
+                "head_dim": head_dim}  # fmt: skip
         args.json.write_text(json.dumps(meta | {"summary": summary, "rows": rows}, indent=1))
 
 
