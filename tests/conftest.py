@@ -15,9 +15,16 @@ from pathlib import Path
 # variable must be set before triton is first imported anywhere in the session.
 if not os.environ.get("KVQ_TEST_CUDA"):
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# One intra-op thread (children inherit it): the tiny models' ops are far too small to
+# split, and a second OpenMP thread only spins at every barrier. On the 2-core CI machine
+# that spinning cost 2-3x the suite's CPU time (tests/calibrators/test_intactkv.py: 39 s
+# of CPU with 2 threads, 12 s with 1). OMP_NUM_THREADS=2 in the environment overrides it.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest
 import torch
+
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))  # if torch came in first
 
 SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 CALIBRATION_TXT = SHARED_DATA / "calibration" / "groups_merged.txt"
