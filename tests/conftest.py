@@ -8,6 +8,7 @@ hub. Other test modules import `make_tiny_model` and `tiny_tokenizer` directly.
 from __future__ import annotations
 
 import functools
+import hashlib
 import os
 from pathlib import Path
 
@@ -15,9 +16,16 @@ from pathlib import Path
 # variable must be set before triton is first imported anywhere in the session.
 if not os.environ.get("KVQ_TEST_CUDA"):
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# One intra-op thread (children inherit it): the tiny models' ops are far too small to
+# split, and a second OpenMP thread only spins at every barrier. On the 2-core CI machine
+# that spinning cost 2-3x the suite's CPU time (tests/calibrators/test_intactkv.py: 39 s
+# of CPU with 2 threads, 12 s with 1). OMP_NUM_THREADS=2 in the environment overrides it.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest
 import torch
+
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))  # if torch came in first
 
 SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 CALIBRATION_TXT = SHARED_DATA / "calibration" / "groups_merged.txt"
@@ -135,6 +143,28 @@ def make_tiny_model(family: str, **overrides):
             if name.endswith(".bias") or "norm" in name:
                 p.normal_(0.0, 0.1)
     return model.eval()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def tokenize_each_text_once():
+    """Every calibration and evaluation tokenizes its whole text to draw a few windows from
+    it: 0.4 s of CPU for the calibration text with the tiny tokenizer, about half of a
+    typical calibration test, repeated a few hundred times on the same two texts. The
+    first call for a (tokenizer fingerprint, text) pair tokenizes; later ones get its ids."""
+    from kvq.data import windows
+    from kvq.models.fingerprint import tokenizer_sha256
+
+    tokenize, known = windows.text_token_ids, {}
+
+    def once(tokenizer, text: str) -> tuple[int, ...]:
+        key = (tokenizer_sha256(tokenizer), hashlib.sha256(text.encode()).digest())
+        if key not in known:
+            known[key] = tuple(tokenize(tokenizer, text))
+        return known[key]
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(windows, "text_token_ids", once)
+        yield
 
 
 @pytest.fixture(scope="session")

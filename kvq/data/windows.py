@@ -41,6 +41,13 @@ def ids_fingerprint(ids: torch.Tensor) -> str:
     return hashlib.sha256(flat.numpy().astype("<i8", copy=False).tobytes()).hexdigest()
 
 
+def text_token_ids(tokenizer, text: str) -> list[int]:
+    """The token ids of all of `text`, no special tokens. One call over the whole text:
+    tokenizing pieces separately would change tokens at the seams and depend on how the
+    text was split."""
+    return tokenizer(text, add_special_tokens=False, return_attention_mask=False)["input_ids"]
+
+
 def sample_windows(
     tokenizer, text: str, source: TextSource, n: int, seqlen: int, seed: int
 ) -> TokenWindows:
@@ -54,9 +61,7 @@ def sample_windows(
         raise KvqError(f"window length must be at least 2 tokens, got {seqlen}")
     bos = tokenizer.bos_token_id
     chunk = seqlen - 1 if bos is not None else seqlen
-    # One call over the whole text: tokenizing pieces separately would change tokens at
-    # the seams and depend on how the text was split.
-    ids = tokenizer(text, add_special_tokens=False, return_attention_mask=False)["input_ids"]
+    ids = text_token_ids(tokenizer, text)
     available = len(ids) // chunk
     if available < n:
         raise KvqError(
