@@ -115,8 +115,11 @@ class _Trainer:
         kq = self._fake_quant(layer, "key", key, positions)
         vq = self._fake_quant(layer, "value", value, positions)
         ppos = torch.arange(-p, 0, device=key.device)[None].expand(b, p)
-        pk = layer.rotate(self.keys[i][None].expand(b, -1, -1, -1), ppos).to(key.dtype)
-        pv = self.values[i][None].expand(b, -1, -1, -1).to(value.dtype)
+        # as the cache serves them: rotated, then held in the prefix rows' dtype (fp16 for an
+        # fp32 model), with a straight-through gradient across that rounding
+        pk = _held(layer.rotate(self.keys[i][None].expand(b, -1, -1, -1), ppos), layer)
+        pv = _held(self.values[i][None].expand(b, -1, -1, -1), layer)
+        pk, pv = pk.to(key.dtype), pv.to(value.dtype)
         k, v = torch.cat([pk, kq], dim=2), torch.cat([pv, vq], dim=2)
         # causal over prefix + window, and the layer's sliding window, in served positions
         q_pos = torch.arange(t, device=key.device)[:, None] + p
@@ -176,6 +179,11 @@ class _Trainer:
         )
         spec = PrefixSpec(self.prefix.token_ids, self.prefix.spec.tokenizer_sha256, source)
         return Prefix(spec, layers)
+
+
+def _held(x: Tensor, layer) -> Tensor:
+    """x rounded to the dtype the cache keeps prefix rows in (`sink_dtype`), identity grad."""
+    return x + (x.detach().to(layer.sink_dtype).float() - x.detach()).to(x.dtype)
 
 
 def _register(trainer: _Trainer) -> None:

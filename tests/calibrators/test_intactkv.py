@@ -96,8 +96,9 @@ def test_the_training_forward_is_the_cache_forward(setup):
         loaded.model(ids, cache=cache_for(loaded, artifact=art))
     handle.remove()
     real = seen["h"][0] if isinstance(seen["h"], tuple) else seen["h"]
-    # the cache keeps prefix rows in fp16, the trainer in fp32: that rounding, no more
-    torch.testing.assert_close(train, real, atol=2e-3, rtol=2e-3)
+    # the trainer rounds its fp32 prefix rows to the cache's fp16 as the cache does (without
+    # that, 1.5e-3 here, and 2-bit code flips downstream on other windows)
+    torch.testing.assert_close(train, real, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize(
