@@ -13,6 +13,8 @@ import json
 import time
 from pathlib import Path
 
+import torch
+
 from kvq.eval.quality import QualityResult, QualityTotals
 from kvq.models.loading import load_model
 from kvq.pipeline import load_windows, run_pass
@@ -89,3 +91,22 @@ def check_same_windows(payloads: list[dict], keys: tuple[str, ...] = WINDOW_KEYS
         for k in keys:
             if other[k] != payloads[0][k]:
                 raise SystemExit(f"cannot merge: {k} differs ({other[k]} vs {payloads[0][k]})")
+
+
+def calibration_kv(model: str, calibration: str, samples: int, seqlen: int, sink: int, stage):
+    """Calibration K/V of `model` as `kvq calibrate` sees them: per layer [N, H, D] keys
+    (at `stage`) and values, and the Fisher sums (kvq's cache) over the same windows."""
+    from kvq.calibrators.fisher import fisher_cached
+    from kvq.calibrators.kvquant import capture_kv
+
+    loaded = load_model(model)
+    cal = load_windows(loaded, calibration, samples, seqlen, 0, None)
+    progress = Progress()
+    with torch.enable_grad():
+        fisher = fisher_cached(
+            loaded.model, loaded.adapter, cal.ids, cal.fingerprint,
+            loaded.identity.weights_sha256, progress, exclude_first=sink,
+        )  # fmt: skip
+    with torch.no_grad():
+        keys, values = capture_kv(loaded.model, loaded.adapter, cal.ids, sink, stage, progress)
+    return loaded, keys, values, fisher

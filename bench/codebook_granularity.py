@@ -36,26 +36,22 @@ import time
 from pathlib import Path
 
 import torch
+from _common import calibration_kv  # bench/_common.py
 from rich.console import Console
 from rich.table import Table
 from safetensors.torch import load_file, save_file
 from sklearn.cluster import KMeans
 
-from kvq.calibrators.fisher import fisher_cached
 from kvq.calibrators.kvquant import (
     KVQuantOptions,
     _key_thresholds,
     _levels,
     _qnorm_levels,
-    capture_kv,
     key_fraction,
     value_rows,
 )
 from kvq.calibrators.rotation import random_rotation
 from kvq.errors import KvqError
-from kvq.models.loading import load_model
-from kvq.pipeline import load_windows
-from kvq.progress import Progress
 from kvq.quant import nuq, sparse
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
@@ -70,18 +66,9 @@ def captured(args, opts: KVQuantOptions):
         t = load_file(args.cache)
         n = int(t["layers"])
         return [t[f"k{i}"] for i in range(n)], [t[f"v{i}"] for i in range(n)], t["fk"], t["fv"]
-    loaded = load_model(args.model)
-    cal = load_windows(loaded, args.calibration, args.samples, args.seqlen, 0, None)
-    progress = Progress()
-    with torch.enable_grad():
-        fisher = fisher_cached(
-            loaded.model, loaded.adapter, cal.ids, cal.fingerprint,
-            loaded.identity.weights_sha256, progress, exclude_first=opts.sink,
-        )  # fmt: skip
-    with torch.no_grad():
-        keys, values = capture_kv(
-            loaded.model, loaded.adapter, cal.ids, opts.sink, opts.key_stage, progress
-        )
+    _, keys, values, fisher = calibration_kv(
+        args.model, args.calibration, args.samples, args.seqlen, opts.sink, opts.key_stage
+    )
     t = {f"k{i}": k.contiguous() for i, k in enumerate(keys)}
     t |= {f"v{i}": v.contiguous() for i, v in enumerate(values)}
     t |= {"fk": fisher.key.float(), "fv": fisher.value.float()}

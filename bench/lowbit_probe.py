@@ -36,14 +36,10 @@ from pathlib import Path
 
 import torch
 import transform_coding as tc  # bench/transform_coding.py: the measured prototype
+from _common import calibration_kv  # bench/_common.py
 from rich.console import Console
 from rich.table import Table
 
-from kvq.calibrators.fisher import fisher_cached
-from kvq.calibrators.kvquant import capture_kv
-from kvq.models.loading import load_model
-from kvq.pipeline import load_windows
-from kvq.progress import Progress
 from kvq.quant import nuq, vq
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
@@ -125,15 +121,9 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_grad_enabled(False)
     console = Console(stderr=True)
-    loaded = load_model(args.model)
-    cal = load_windows(loaded, args.calibration, args.samples, args.seqlen, 0, None)
-    progress = Progress()
-    with torch.enable_grad():
-        fisher = fisher_cached(
-            loaded.model, loaded.adapter, cal.ids, cal.fingerprint,
-            loaded.identity.weights_sha256, progress, exclude_first=1,
-        )  # fmt: skip
-    keys, values = capture_kv(loaded.model, loaded.adapter, cal.ids, 1, "pre-rope", progress)
+    loaded, keys, values, fisher = calibration_kv(
+        args.model, args.calibration, args.samples, args.seqlen, 1, "pre-rope"
+    )
     n_layers = loaded.adapter.info.num_layers
     layers = [int(s) for s in args.layers.split(",")] if args.layers else list(range(n_layers))
     bits_list = [int(b) for b in args.bits.split(",")]
