@@ -86,7 +86,10 @@ def test_prefix_positions_are_left_out(outlier_model_dir, data, tmp_path, prefix
     for name, m in without.items():
         got = art.tensors[input_scale_name(name)]
         torch.testing.assert_close(got, kv_formats.scale_for(m[None], "int8"), rtol=1e-5, atol=0)
-        assert bool((kv_formats.scale_for(included[name][None], "int8") >= got).all())
+        # against the same computation (got matches it to 1e-5, not bit for bit): with equal
+        # maxima the two scales are equal, never one rounding step apart
+        wide = kv_formats.scale_for(included[name][None], "int8")
+        assert bool((wide >= kv_formats.scale_for(m[None], "int8")).all())
     for name in ("self_attn.q_proj", "mlp.gate_proj"):  # the outlier token's own row
         ratio = included[f"layers.0.{name}"] / without[f"layers.0.{name}"]
         assert ratio > 2, (name, ratio)
