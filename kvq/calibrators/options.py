@@ -186,8 +186,32 @@ class ChannelScalesOptions(PassOptions):
         return (value or None) if name == "value_group" else value  # --v-group 0: whole head
 
 
+class _SideExceptions:
+    """What kvquant and vq share about exact exceptions: --outliers, and --k-outliers /
+    --v-outliers apart from it (fields declared by each pass, for its own help text)."""
+
+    outliers: float
+    k_outliers: float | None
+    v_outliers: float | None
+
+    def check_exceptions(self) -> None:
+        check_range("--outliers", self.outliers, 0, 0.5, open_hi=True)
+        for flag, own in (("--k-outliers", self.k_outliers), ("--v-outliers", self.v_outliers)):
+            if own is not None:
+                check_range(flag, own, 0, 0.5, open_hi=True)
+
+    def outliers_of(self, part: str) -> float:
+        """The exception fraction of `part` ("key" or "value"): its own flag, else --outliers."""
+        own = self.k_outliers if part == "key" else self.v_outliers
+        return self.outliers if own is None else own
+
+    @property
+    def value_outliers(self) -> float:
+        return self.outliers_of("value")
+
+
 @dataclass(frozen=True)
-class KVQuantOptions(PassOptions):
+class KVQuantOptions(_SideExceptions, PassOptions):
     NAME: ClassVar[str] = "kvquant"
     SUMMARY: ClassVar[str] = (
         "KVQuant: pre-RoPE per-channel K, per-token V, Fisher-weighted NUQ, sparse outliers, sinks."
@@ -242,22 +266,9 @@ class KVQuantOptions(PassOptions):
         check_choice("--mixed", self.mixed, ("none", "loss"), " for kvquant")
         if self.mixed == "loss" and self.bits == 2:
             raise KvqError("--mixed loss needs --bits 3 or 4 for kvquant: NUQ has no 1-bit width")
-        check_range("--outliers", self.outliers, 0, 0.5, open_hi=True)
-        if self.v_outliers is not None:
-            check_range("--v-outliers", self.v_outliers, 0, 0.5, open_hi=True)
-        if self.k_outliers is not None:
-            check_range("--k-outliers", self.k_outliers, 0, 0.5, open_hi=True)
+        self.check_exceptions()
         check_range("--sink", self.sink, 0)
         check_choice("key_outliers", self.key_outliers, ("fisher", "uniform"))
-
-    def outliers_of(self, part: str) -> float:
-        """The exception fraction of `part` ("key" or "value"): its own flag, else --outliers."""
-        own = self.k_outliers if part == "key" else self.v_outliers
-        return self.outliers if own is None else own
-
-    @property
-    def value_outliers(self) -> float:
-        return self.outliers_of("value")
 
 
 KVFormat = Literal["fp8-e4m3", "fp8-e5m2", "int8"]
@@ -410,7 +421,7 @@ MIXED_HELP = (
 
 
 @dataclass(frozen=True)
-class VQOptions(PassOptions):
+class VQOptions(_SideExceptions, PassOptions):
     NAME: ClassVar[str] = "vq"
     SUMMARY: ClassVar[str] = (
         "KVQuant with vector codebooks over channel groups (RoPE pairs for K); mixed bits."
@@ -446,21 +457,8 @@ class VQOptions(PassOptions):
         check_choice("--dim", self.dim, (0, 2, 4))
         if self.dim and 2 ** (self.bits * self.dim) > 4096:
             raise KvqError(f"--dim {self.dim} at {self.bits} bits needs over 4096 centroids")
-        check_range("--outliers", self.outliers, 0, 0.5, open_hi=True)
-        if self.v_outliers is not None:
-            check_range("--v-outliers", self.v_outliers, 0, 0.5, open_hi=True)
-        if self.k_outliers is not None:
-            check_range("--k-outliers", self.k_outliers, 0, 0.5, open_hi=True)
+        self.check_exceptions()
         check_range("--sink", self.sink, 0)
-
-    def outliers_of(self, part: str) -> float:
-        """The exception fraction of `part` ("key" or "value"): its own flag, else --outliers."""
-        own = self.k_outliers if part == "key" else self.v_outliers
-        return self.outliers if own is None else own
-
-    @property
-    def value_outliers(self) -> float:
-        return self.outliers_of("value")
 
 
 # What `kvq calibrate auto --bits B` runs, from the measurements on Gemma 3 270M
