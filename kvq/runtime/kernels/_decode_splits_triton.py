@@ -669,6 +669,164 @@ def _pad_rows(x, R: tl.constexpr):
     return x
 
 
+# one word of 4 code bytes ($4) -> their indices into an extended byte-pair table: index k
+# is byte k of $4 | byte k of $5 << 8 (bytes 2 and 3 zero: $5's byte k, below 0x80,
+# sign-replicated), so that a byte with $5's byte k set reads an entry past the 256 pairs
+_PAIR_INDEX_ASM = tl.constexpr("""{
+prmt.b32 $0, $4, $5, 0xCC40;
+prmt.b32 $1, $4, $5, 0xDD51;
+prmt.b32 $2, $4, $5, 0xEE62;
+prmt.b32 $3, $4, $5, 0xFF73;
+}""")
+
+
+@triton.jit
+def _pair_index(words, hi, ASM: tl.constexpr):
+    """int32 words [BT, W] of code bytes (hi: the high index bytes, `_PAIR_INDEX_ASM`) ->
+    [BT x W x 4] int32 indices into the extended pair table, bytes in row order."""
+    if ASM:
+        i0, i1, i2, i3 = tl.inline_asm_elementwise(
+            _PAIR_INDEX_ASM, "=r,=r,=r,=r,r,r", [words, hi], dtype=(tl.int32,) * 4,
+            is_pure=True, pack=1,
+        )  # fmt: skip
+    else:
+        i0 = (words & 255) | ((hi & 255) << 8)
+        i1 = ((words >> 8) & 255) | (((hi >> 8) & 255) << 8)
+        i2 = ((words >> 16) & 255) | (((hi >> 16) & 255) << 8)
+        i3 = ((words >> 24) & 255) | (((hi >> 24) & 255) << 8)
+    # join(join(a, c), join(b, d)) flattens to a, b, c, d per word
+    idx = tl.join(tl.join(i0, i2), tl.join(i1, i3))
+    return tl.reshape(idx, (idx.numel,), can_reorder=False)
+
+
+@triton.jit
+def _slot_fields(row, rows, nuq, ptab, inv, center, s: tl.constexpr, D: tl.constexpr):
+    """Slot s of the tile's rows, [BT, 1] each (row: their codes as int32 words, rows: their
+    indices, in the layout of the tile's words): (channel, its exact value normalised by
+    the row's scale and centre, as fp16 bits in both halves of a word, its byte's pair of
+    levels from the global pair table, the word of codes holding it)."""
+    si_ptr, sv_ptr, s_t = nuq[11], nuq[12], nuq[13]
+    c = tl.load(si_ptr + rows * s_t + s).to(tl.int32)
+    exact = tl.load(sv_ptr + rows * s_t + s).to(tl.float32)
+    bits = ((exact - center) * inv).to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32)
+    bits = bits & 0xFFFF
+    word = tl.load(row + (c >> 3), mask=c < D, other=0)
+    byte = (word >> ((c >> 1) & 3) * 8) & 255
+    return c, bits | (bits << 16), tl.load(ptab + byte), word
+
+
+@triton.jit
+def _slot_patch(entry, alt, alt_hi, c, other, e, OWN: tl.constexpr):
+    """Slot `other` (`_slot_fields`; e: its entry's index - 256) put into slot c's entry
+    (its half, where it is the same byte) and word (its byte's index, where it is the same
+    word); OWN: `other` is slot c itself."""
+    co, rep, _, _ = other
+    half = 0xFFFF << ((co & 1) * 16)
+    at = ((co >> 1) & 3) * 8
+    if OWN:
+        entry = (entry & ~half) | (rep & half)
+        alt = (alt & ~(255 << at)) | (e << at)
+        alt_hi = alt_hi | (1 << at)
+    else:
+        entry = tl.where((co >> 1) == (c >> 1), (entry & ~half) | (rep & half), entry)
+        same = (co >> 3) == (c >> 3)
+        alt = tl.where(same, (alt & ~(255 << at)) | (e << at), alt)
+        alt_hi = tl.where(same, alt_hi | (1 << at), alt_hi)
+    return entry, alt, alt_hi
+
+
+@triton.jit
+def _slot_table(pairs, entries, BT: tl.constexpr):
+    """[512] int32: the 256 level pairs, then the slots' entries (a tuple of [BT, 1], slot s
+    row t at 256 + s BT + t), then zeros."""
+    ent = tl.reshape(entries[0], (BT,))
+    if len(entries) == 2:
+        ent = tl.reshape(tl.permute(tl.join(entries[0], entries[1]), (2, 1, 0)), (2 * BT,))
+    if len(entries) >= 3:
+        e3 = entries[3] if len(entries) == 4 else tl.zeros_like(entries[0])
+        four = tl.join(tl.join(entries[0], entries[1]), tl.join(entries[2], e3))
+        ent = tl.reshape(tl.permute(four, (3, 2, 1, 0)), (4 * BT,))
+    for _ in tl.static_range(8):
+        if ent.shape[0] < 256:
+            ent = tl.reshape(tl.permute(tl.join(ent, tl.zeros_like(ent)), (1, 0)),
+                             (2 * ent.shape[0],))  # fmt: skip
+    return tl.reshape(tl.permute(tl.join(pairs, ent), (1, 0)), (512,))
+
+
+@triton.jit
+def _pair_values(ptr, rows, row_ok, stride_t, vs_ptr, vo_ptr, vq_t, pairs, nuq,
+                 D: tl.constexpr, V_HAS_OFF: tl.constexpr, OP: tl.constexpr,
+                 SLOTS: tl.constexpr, ASM: tl.constexpr):  # fmt: skip
+    """A NUQ4 value tile [BT, D] in channel order, in OP: the codes read as int32 words, each
+    byte's two levels from the byte-pair table (`_pair_levels`, one gather per byte: a
+    pair is two neighbouring channels, no split into planes), then the row's scale and
+    centre. SLOTS (S x BT <= 256): the rows' exact values, by redirecting the gather: the
+    byte of a slot's channel reads entry 256 + s BT + t of an extended table, its pair of
+    levels with the slot's half replaced by the exact value normalised (every slot of that
+    byte in it), built per row; the word holding it is swapped per row for one whose byte
+    is s BT + t and whose high index byte 1 (`_pair_index`): one compare and two selects
+    per word and slot, where the PRMT lookup patched 8 instructions per word and slot.
+    sm_90, Llama-like NUQ4 as stored: 63.1 warp-instructions per row, 54.1 without the
+    slots (the PRMT lookup: 66.2, 63.0); the rows' entries and words are built in two
+    layouts (Triton rematerialises their loads: pinning one layout converted through
+    shared memory instead, 63.2)."""
+    BT: tl.constexpr = rows.shape[0]
+    W: tl.constexpr = D // 8
+    rows = rows[:, None]  # [BT, 1]: every per-row value in the words' layout
+    row = ptr.to(tl.pointer_type(tl.int32)) + rows * (stride_t // 4)
+    words = tl.load(row + tl.arange(0, W)[None, :])  # [BT, W] (rows clamped: no mask)
+    scale = tl.load(vs_ptr + rows * vq_t)
+    center = tl.zeros_like(scale)
+    if V_HAS_OFF:
+        center = tl.load(vo_ptr + rows * vq_t)
+    hi = tl.zeros_like(words)
+    table = pairs
+    if SLOTS:
+        ptab = nuq[14].to(tl.pointer_type(tl.int32), bitcast=True) + 16 + 256
+        scale32 = scale.to(tl.float32)
+        inv = 1.0 / scale32
+        if ASM:  # one approximate reciprocal (the quotient is rounded to fp16 next)
+            inv = tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=f,f", [scale32],
+                                            dtype=tl.float32, is_pure=True, pack=1)  # fmt: skip
+        fields = ()
+        for s in tl.static_range(SLOTS):
+            fields = fields + (_slot_fields(row, rows, nuq, ptab, inv, center.to(tl.float32), s,
+                                            D),)  # fmt: skip
+        local = tl.arange(0, BT)[:, None]
+        entries = ()
+        wi = tl.arange(0, W)[None, :]
+        for s in tl.static_range(SLOTS):
+            c, _, pair, alt = fields[s]
+            entry = pair
+            alt_hi = tl.zeros_like(alt)
+            for o in tl.static_range(SLOTS):  # every slot of this byte and word
+                entry, alt, alt_hi = _slot_patch(entry, alt, alt_hi, c, fields[o],
+                                                 o * BT + local, o == s)  # fmt: skip
+            entries = entries + (entry,)
+            m = wi == (c >> 3)
+            words = tl.where(m, alt, words)
+            hi = tl.where(m, alt_hi, hi)
+        table = _slot_table(pairs, entries, BT)
+    x = tl.reshape(tl.gather(table, _pair_index(words, hi, ASM), 0), (BT, D // 2))
+    if ASM:  # the row's scale and centre by one fma.rn.f16x2 per pair (in Triton, the
+        # pairs' halves were swapped around the HFMA2: 4 PRMTs per 8 codes)
+        s2 = scale.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+        o2 = center.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+        y = tl.inline_asm_elementwise("fma.rn.f16x2 $0, $1, $2, $3;", "=r,r,r,r",
+                                      [x, s2 | (s2 << 16), o2 | (o2 << 16)], dtype=tl.int32,
+                                      is_pure=True, pack=1)  # fmt: skip
+        lo, odd = tl.inline_asm_elementwise("mov.b32 {$0, $1}, $2;", "=h,=h,r", [y],
+                                            dtype=(tl.float16, tl.float16), is_pure=True,
+                                            pack=1)  # fmt: skip
+        v = tl.reshape(tl.join(lo, odd), (BT, D)).to(OP)
+    else:
+        lo, odd = _split_pairs(x)
+        v = tl.reshape(tl.join(lo, odd), (BT, D)).to(OP) * scale.to(OP)
+        if V_HAS_OFF:
+            v = v + center.to(OP)
+    return v
+
+
 @triton.jit
 def _value_slots(v_lo, v_hi, rows, row_ok, nuq, VP: tl.constexpr, SLOTS: tl.constexpr):
     """A decoded value tile (planes [BT, D / VP] in the dots' dtype) with its rows' SLOTS
@@ -1389,7 +1547,7 @@ def _segment_loop(
     K_LUT: tl.constexpr = 0, V_LUT: tl.constexpr = 0, K_FLAT: tl.constexpr = False,
     V_SLOTS: tl.constexpr = 0, nuq=None, tab1=None, amp1=None, K_VQ: tl.constexpr = 0,
     K_VQB: tl.constexpr = 0, V_VQ: tl.constexpr = 0, V_VQB: tl.constexpr = 0,
-    PREFETCH: tl.constexpr = False, VT: tl.constexpr = False,
+    PREFETCH: tl.constexpr = False, VT: tl.constexpr = False, VCH: tl.constexpr = False,
 ):  # fmt: skip
     """Folds tiles [first, last) of one segment into the online-softmax state (m, l,
     acc_lo, acc_hi: the numerator's planes; VT: transposed, [D / VP, R]). FULL: a full-precision segment (keys
@@ -1425,6 +1583,10 @@ def _segment_loop(
     # pre-RoPE full-precision rows of head_dim 256 in tiles of BLOCK_T / SUB rows: whole
     # tiles of them spilled (`_rope_inputs`); the packed loop keeps BLOCK_T
     SUB: tl.constexpr = 4 if (FULL and ROPE and D >= 256) else 1
+    # VCH: every segment's values (and the numerator) in channel order, one plane
+    VPA: tl.constexpr = 1 if VCH else VP
+    VNG: tl.constexpr = 1 if VCH and FULL else NG
+    VGW: tl.constexpr = D if VCH and FULL else GW
     BT: tl.constexpr = BLOCK_T // SUB
     # no sub-tile past the segment's rows (a pre-RoPE tile reads its first row's position)
     last = tl.minimum(last * SUB, tl.cdiv(rows_seg, BT))
@@ -1482,23 +1644,27 @@ def _segment_loop(
             v_lo, v_hi = _vq_value_planes(v_ptr, tr, tr_ok, v_t, vs_ptr, vo_ptr, vq_t, V_VQ,
                                           V_VQB, D, V_HAS_OFF, OP, nuq[14], VQ_PATCH,
                                           nuq)  # fmt: skip
+        elif VCH and not FULL:  # NUQ4 values in channel order, slots in the gather
+            v_lo = _pair_values(v_ptr, tr, tr_ok, v_t, vs_ptr, vo_ptr, vq_t, nuq[16], nuq, D,
+                                V_HAS_OFF, OP, V_SLOTS, ASM)  # fmt: skip
+            v_hi = v_lo
         else:
-            v_lo, v_hi = _value_planes(v_ptr, tr, tr_ok, v_t, vs_ptr, vo_ptr, vq_t, V_ZERO, VP,
-                                       NG, GW, FULL, V_HAS_OFF, OP, ASM, V_FP8, V_FACTOR,
+            v_lo, v_hi = _value_planes(v_ptr, tr, tr_ok, v_t, vs_ptr, vo_ptr, vq_t, V_ZERO, VPA,
+                                       VNG, VGW, FULL, V_HAS_OFF, OP, ASM, V_FP8, V_FACTOR,
                                        V_WORDS and not FULL and V_LUT != 3, V_LUT, nuq[14], nuq[16],
                                        V_SLOTS * V_PATCH, nuq)  # fmt: skip
-        if V_SLOTS and not FULL and not V_PATCH and not VQ_PATCH:  # exact exceptions
+        if V_SLOTS and not FULL and not V_PATCH and not VQ_PATCH and not VCH:  # exact ones
             v_lo, v_hi = _value_slots(v_lo, v_hi, tr, tr_ok, nuq, VP, V_SLOTS)
         p16 = p.to(OP)
         if VT:  # the numerator transposed, [D / VP, R]: values the dot's A operand
             acc_lo = acc_lo * alpha[None, :] + tl.dot(tl.trans(v_lo), tl.trans(p16),
                                                       input_precision=PRECISION)  # fmt: skip
-            if VP == 2:
+            if VPA == 2:
                 acc_hi = acc_hi * alpha[None, :] + tl.dot(tl.trans(v_hi), tl.trans(p16),
                                                           input_precision=PRECISION)  # fmt: skip
         else:
             acc_lo = acc_lo * alpha[:, None] + tl.dot(p16, v_lo, input_precision=PRECISION)
-            if VP == 2:
+            if VPA == 2:
                 acc_hi = acc_hi * alpha[:, None] + tl.dot(p16, v_hi, input_precision=PRECISION)
         m_i = m_new
     return m_i, l_i, acc_lo, acc_hi
@@ -1708,13 +1874,30 @@ def decode_splits_kernel(
     # with 20 -> 16 warps per SM), NUQ4 values without slots (post-RoPE, Llama-like 34.2 ->
     # 35.2, 16 -> 12 warps per SM), Gemma 3's pre-RoPE NUQ4 (136.8 but an 8 B spill, 16 B
     # in its layer call)
+    # VCH: NUQ4 values from the byte-pair table in channel order (`_pair_values`: rows read
+    # as words, one normaliser per row), every segment's values and the numerator in
+    # channel order; with slots redirected in the gather where the tile's slots fit its
+    # extended table. sm_90, warp-instructions per row, before -> after: NUQ4 as stored
+    # (value slots), Llama-like 66.2 -> 63.1; without value slots 63.0 -> 54.1
+    # (post-RoPE without exceptions 34.2 -> 31.7). Not taken, the PRMT lookup kept:
+    # post-RoPE keys with value slots (55.4 -> 58.4), Gemma 3's pre-RoPE NUQ4 with slots
+    # (140.4 -> 125.9 but a 16 B spill; 8 B with the values the A operand, 648 B in
+    # 128-row tiles; 32-row tiles: 185.8)
+    VCH: tl.constexpr = (
+        V_LUT != 0
+        and HALF
+        and V_WORDS
+        and NG == 1
+        and (V_SLOTS == 0 or (V_SLOTS * BLOCK_T <= 256 and D < 256 and (ROPE0 or ROPE1 or ROPE2)))
+    )
+    VPA: tl.constexpr = 1 if VCH else VP
     VT: tl.constexpr = (V_LUT != 0 and V_SLOTS != 0 or V_VQ != 0) and not (
         K_LUT != 0 and D >= 256 and (ROPE0 or ROPE1 or ROPE2)
     )
     m_i = tl.full([R], float("-inf"), tl.float32)
     l_i = tl.zeros([R], tl.float32)
-    acc_lo = tl.zeros([D // VP, R] if VT else [R, D // VP], tl.float32)
-    acc_hi = tl.zeros([D // VP, R] if VT else [R, D // VP], tl.float32)
+    acc_lo = tl.zeros([D // VPA, R] if VT else [R, D // VPA], tl.float32)
+    acc_hi = tl.zeros([D // VPA, R] if VT else [R, D // VPA], tl.float32)
     state = (m_i, l_i, acc_lo, acc_hi)
 
     # this split's tiles of the segments laid end to end (launch_plan.split_tiles)
@@ -1740,7 +1923,9 @@ def decode_splits_kernel(
     # (one compare and select per byte and slot, the slot's pair built per row): 83.5 for
     # Llama-like (66.2 without the slots), so slotted values keep the PRMT patch
     K_MODE: tl.constexpr = K_LUT * 3 if HALF else K_LUT
-    V_MODE: tl.constexpr = V_LUT * (3 if HALF and not V_SLOTS else (2 if HALF and ASM else 1))
+    V_MODE: tl.constexpr = V_LUT * (
+        3 if HALF and (not V_SLOTS or VCH) else (2 if HALF and ASM else 1)
+    )
     nuq = (k_tab, k_cnt + b * kc_b + h * kc_h, kc_t, k_first + b * kf_b + h * kf_h, kf_t,
            k_eidx, k_eval, fk, fk + HKV * D, q_real, q_scale, v_sidx + b * vs_b + h * vs_h,
            v_sval + b * vs_b + h * vs_h, vs_t, v_tab, _lut_table(k_tab, K_MODE),
@@ -1762,7 +1947,7 @@ def decode_splits_kernel(
             m_row, HAS_MASK, K_FP8, V_FP8, K_FACTOR, V_FACTOR, K_WORDS, V_WORDS,
             ROPE0, rope_q, pos0 + b * pos0_b, pos0_t, rope_tab, rope_rows, D, NC,
             K_MODE, V_MODE, K_FLAT, V_SLOTS, nuq, rope_tab1, rope_amp1,
-            K_VQ, K_VQB, V_VQ, V_VQB, PREFETCH, VT,
+            K_VQ, K_VQB, V_VQ, V_VQB, PREFETCH, VT, VCH,
         )  # fmt: skip
     if KIND1 != 0:
         k1_t = (D if KIND1 == 1 else KRB) if k1_t is None else k1_t
@@ -1794,7 +1979,7 @@ def decode_splits_kernel(
                 K_HAS_OFF, m_row, HAS_MASK, K_FP8, V_FP8, K_FACTOR, V_FACTOR, K_WORDS, V_WORDS,
                 ROPE1, rope_q, pos1 + b * pos1_b, pos1_t, rope_tab, rope_rows, D, NC,
                 K_MODE, V_MODE, K_FLAT, V_SLOTS, nuq, rope_tab1, rope_amp1,
-                K_VQ, K_VQB, V_VQ, V_VQB, PREFETCH, VT,
+                K_VQ, K_VQB, V_VQ, V_VQB, PREFETCH, VT, VCH,
             )  # fmt: skip
         if KIND2 != 0 and step == 1:
             kp = k2 + b * k2_b + h * k2_h
@@ -1809,27 +1994,27 @@ def decode_splits_kernel(
                 K_WORDS, V_WORDS,
                 ROPE2, rope_q, pos2 + b * pos2_b, pos2_t, rope_tab, rope_rows, D, NC,
                 K_MODE, V_MODE, K_FLAT, V_SLOTS, nuq, rope_tab1, rope_amp1,
-                K_VQ, K_VQB, V_VQ, V_VQB, PREFETCH, VT,
+                K_VQ, K_VQB, V_VQ, V_VQB, PREFETCH, VT, VCH,
             )  # fmt: skip
     m_i, l_i, acc_lo, acc_hi = state
     if VT:
         acc_lo = tl.trans(acc_lo)
         acc_hi = tl.trans(acc_hi)
 
-    # channel of plane k, column c: c * VP + k
-    chan = (tl.arange(0, D // VP) * VP)[None, :]
+    # channel of plane k, column c: c * VPA + k
+    chan = (tl.arange(0, D // VPA) * VPA)[None, :]
     ok = r_ok[:, None]
     if DIRECT:  # one split: the normalised output, [B, H_q, Q, D] float32
         inv = 1.0 / tl.maximum(l_i, 1.1754943508222875e-38)
         row = out + ((b * HKV + h) * G * Q + r[:, None]) * D
         tl.store(row + chan, acc_lo * inv[:, None], mask=ok)
-        if VP == 2:
+        if VPA == 2:
             tl.store(row + chan + 1, acc_hi * inv[:, None], mask=ok)
     else:
         W: tl.constexpr = D + 2
         row = part + ((bh * splits + split) * R + r) * W
         tl.store(row[:, None] + chan, acc_lo, mask=ok)
-        if VP == 2:
+        if VPA == 2:
             tl.store(row[:, None] + chan + 1, acc_hi, mask=ok)
         tl.store(row + D, m_i, mask=r_ok)
         tl.store(row + D + 1, l_i, mask=r_ok)

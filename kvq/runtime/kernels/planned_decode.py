@@ -301,10 +301,12 @@ def _table(p, half: bool) -> Tensor | None:
 
 
 def nuq_table(table: Tensor) -> Tensor:
-    """float32 [16 + 32 x 8] of a 4-bit codebook, cached per table: its 16 levels (the
+    """float32 [16 + 32 x 8 + 256] of a 4-bit codebook, cached per table: its 16 levels (the
     kernel's gathers, exact), then the bits of the PRMT table (`_LUT_ASM`: the low bytes of
     the fp16 levels 0-3, 4-7, 8-11, 12-15, then their high bytes, one word each) once per
-    lane of a warp, so that each lane reads its own copy into regular registers."""
+    lane of a warp, so that each lane reads its own copy into regular registers, then the
+    byte-pair table's bits (entry b: the fp16 levels of b's low and high nibble, the value
+    slots' per-row entries, `_decode_splits_triton._slot_fields`)."""
 
     def build():
         levels = table.float().reshape(16)
@@ -313,7 +315,9 @@ def nuq_table(table: Tensor) -> Tensor:
         words = (byte << torch.tensor([0, 8, 16, 24], device=table.device)).sum(-1)  # [2, 4]
         words = words.reshape(8).to(torch.int64).to(torch.int32)  # wraps to int32 bits
         lanes = words.repeat(32).view(torch.float32)
-        return torch.cat([levels, lanes]).contiguous()
+        b = torch.arange(256, device=table.device)
+        pairs = (bits[b & 15] | (bits[b >> 4] << 16)).to(torch.int64).to(torch.int32)
+        return torch.cat([levels, lanes, pairs.view(torch.float32)]).contiguous()
 
     return memoised(_NUQ_TABLES, table, build)
 

@@ -264,25 +264,27 @@ def test_llama_like_fp8_loop_within_55_instructions_per_row(compiled):
 def test_llama_like_nuq4_loop_per_row(compiled):
     """KVQuant's NUQ4 (post-RoPE keys): key levels from a table of level pairs in shared
     memory (one gather per code byte), values with slots by PRMT from a table held in
-    registers, the values the value dot's A operand, 16 warps per SM. Codes alone: 43 per
-    row; with the bench's exceptions (2 key entries, 2 value slots per row, 1.6% of the
-    channels), 55 (69 with PRMT keys and P as the A operand): the key entries' score
-    corrections (gathers of the query, added through an MMA) and the slots patched into
-    the lookup."""
-    _assert_loop(compiled, "nuq4-dense-llama", per_row=50, warps_per_sm=16)
+    registers, the values the value dot's A operand, 16 warps per SM. Codes alone (values
+    from the pair table too, in channel order): 32 per row (34 in planes); with the
+    bench's exceptions (2 key entries, 2 value slots per row, 1.6% of the channels), 55
+    (69 with PRMT keys and P as the A operand): the key entries' score corrections
+    (gathers of the query, added through an MMA) and the slots patched into the
+    lookup."""
+    _assert_loop(compiled, "nuq4-dense-llama", per_row=34, warps_per_sm=16)
     _assert_loop(compiled, "nuq4-llama", per_row=58, warps_per_sm=16)
 
 
 def test_pre_rope_nuq4_loops_per_row(compiled):
     """KVQuant's stored layout (NUQ4 keys before RoPE, their exceptions corrected rotated,
     value slots): levels from the byte-pair table (one gather per tile) x per-channel scale
-    + centre, rotated in channel order in the loop, the next tile prefetched into L2.
-    Llama-like 68 per row at 8 warps per SM, the values the value dot's A operand (PRMT
-    keys in planes: 79; the general kernel: 252); Gemma 3, 8 warps per program, 144 (162;
-    426), no spill; Gemma 3's whole-layer call (it spilled 8 B) keeps the packed loop
-    within 5%."""
-    _assert_loop(compiled, "nuq4-pre-llama", per_row=71, warps_per_sm=8)
-    _assert_loop(compiled, "nuq4-pre-gemma", per_row=148, warps_per_sm=8)
+    + centre, rotated in channel order in the loop (the query rotated per tile by one table
+    row), the next tile prefetched into L2. Llama-like 63 per row at 8 warps per SM, the
+    values from the pair table too, their slots redirected in its gather (PRMT values:
+    66; PRMT keys in planes: 79; the general kernel: 252); Gemma 3, 8 warps per program,
+    140 (162; 426), no spill; Gemma 3's whole-layer call (it spilled 8 B) keeps the
+    packed loop within 5%."""
+    _assert_loop(compiled, "nuq4-pre-llama", per_row=65, warps_per_sm=8)
+    _assert_loop(compiled, "nuq4-pre-gemma", per_row=143, warps_per_sm=8)
     res, r = compiled["nuq4-pre-gemma"]
     layer, rl = compiled["nuq4-pre-gemma-layer"]
     assert layer.stack_bytes == 0, layer.as_dict()

@@ -420,6 +420,55 @@ def test_fp16_dots_take_nuq4_levels_from_the_byte_pair_table(kind, pre, d, hq, h
         assert (without - ref).abs().max().item() > 0.2
 
 
+def _slotted_values(seg: Segment, slots: int, seed: int) -> Segment:
+    """`seg` with its value exceptions replaced by `slots` per row: random distinct
+    channels, and on every third row two slots in one code byte (channels 2j, 2j + 1), a
+    third in that byte's word, a fourth in the next word; every fifth row's last slot
+    unused (channel D)."""
+    v = seg.value
+    b, h, t, _ = v.scale.shape
+    d = v.head_dim
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.stack([torch.randperm(d, generator=g)[:slots] for _ in range(b * h * t)])
+    idx = idx.view(b, h, t, slots)
+    if slots >= 2:
+        word = torch.randint(0, d // 8, (b, h, t), generator=g) * 8
+        byte = word + 2 * torch.randint(0, 4, (b, h, t), generator=g)
+        crowd = [byte, byte + 1] + ([word + (byte - word + 4) % 8] if slots >= 3 else [])
+        crowd += [(word + 8) % d + 3] if slots >= 4 else []  # another word
+        every3 = torch.arange(t) % 3 == 0
+        for i, ch in enumerate(crowd):
+            idx[..., i] = torch.where(every3, ch, idx[..., i])
+    idx[..., slots - 1] = torch.where(torch.arange(t) % 5 == 0, d, idx[..., slots - 1])
+    vals = (torch.randn(b, h, t, slots, generator=g) * 4).half()
+    value = replace(v, slot_index=idx.to(torch.uint8), slot_value=vals)
+    return Segment(seg.key, value, seg.positions)
+
+
+@pytest.mark.parametrize("slots", [1, 3, 4])
+def test_fp16_dots_redirect_nuq4_value_slots_in_the_pair_table(slots):
+    """Pre-RoPE NUQ4 with fp16 dots: the values' slots redirect the gather of their code
+    byte to per-row entries of an extended pair table (`_pair_values`), slots sharing a
+    byte or a word included, unused slots skipped: within fp16 rounding of the reference,
+    and the slots move the result far beyond that."""
+    b, hkv, d = 2, 2, 64
+    segs = _layer_segments("nuq4", b, hkv, d, rows=150, seed=43)
+    total = sum(s.rows for s in segs)
+    segs = _pre_rope(segs, _positions(b, total, start=11))
+    segs[1] = _slotted_values(segs[1], slots, seed=slots)
+    q, segs, rope = _to((torch.randn(b, 8, 1, d) * 2, segs, _rope(d)), DEVICE)
+    kw = dict(scaling=d**-0.5, softcap=None, half=True, rope=rope)
+    call = planned_decode.planned_call(q, segs, **kw)
+    assert call.args["V_SLOTS"] == slots and call.args["V_WORDS"] and call.args["HALF"]
+    ref = decode_attention_reference(q, segs, scaling=d**-0.5, rope=rope)
+    out = planned_decode.run_planned(q, segs, **kw)
+    assert (out - ref).abs().max().item() < 2e-2
+    bare = [segs[0], replace(segs[1], value=replace(segs[1].value, slot_index=None,
+                                                     slot_value=None)), segs[2]]  # fmt: skip
+    without = planned_decode.run_planned(q, bare, **kw)
+    assert (without - ref).abs().max().item() > 0.2
+
+
 def _route_segments(fmt, d=64):
     """A layer's segments (sink, main, residual) with main rows in format `fmt`."""
     k, v = _data(2, 2, 80, d, seed=13)
