@@ -1881,8 +1881,9 @@ def decode_splits_kernel(
     # (value slots), Llama-like 66.2 -> 63.1; without value slots 63.0 -> 54.1
     # (post-RoPE without exceptions 34.2 -> 31.7). Not taken, the PRMT lookup kept:
     # post-RoPE keys with value slots (55.4 -> 58.4), Gemma 3's pre-RoPE NUQ4 with slots
-    # (140.4 -> 125.9 but a 16 B spill; 8 B with the values the A operand, 648 B in
-    # 128-row tiles; 32-row tiles: 185.8)
+    # (140.4 -> 125.9 but a 16 B spill after the loop; the numerator stored in planes:
+    # 125.8, none, but 8 B in its whole-layer call; 8 B with the values the A operand,
+    # 648 B in 128-row tiles; 32-row tiles: 185.8)
     VCH: tl.constexpr = (
         V_LUT != 0
         and HALF
