@@ -45,17 +45,20 @@ def levels(bits: int) -> int:
 # --- symmetric ------------------------------------------------------------------------
 
 
-def symmetric_qparams(amax: Tensor, bits: int, scale_dtype=torch.float16) -> Tensor:
+def symmetric_qparams(
+    amax: Tensor, bits: int, scale_dtype=torch.float16, raise_tiny: bool = True
+) -> Tensor:
     """Stored scale amax / qmax (rounded up to `scale_dtype`); 1 where amax == 0.
 
     amax: [...] non-negative absolute maxima. Returns [...] in `scale_dtype`.
+    raise_tiny: see `store_scale` (False for a static, calibrated scale).
     """
     qmax = qmax_signed(bits)
     check_finite(amax, "amax")
     amax = amax.float()
     if bool((amax < 0).any()):
         raise KvqError("amax must be non-negative")
-    return store_scale(amax / qmax, scale_dtype, amax > 0)
+    return store_scale(amax / qmax, scale_dtype, amax > 0, raise_tiny)
 
 
 def symmetric_encode(x: Tensor, scale: Tensor, bits: int) -> Tensor:
@@ -100,6 +103,7 @@ def affine_qparams(
     below the range clips); scale = (hi - offset) / (2^bits - 1) rounded up.
     Constant rows (hi == lo, all-zero included) get scale 1 and offset = lo
     rounded to nearest, so they decode within the dtype's rounding of the value.
+    raise_tiny: see `store_scale` (False for static, calibrated ranges).
     """
     top = levels(bits)
     check_finite(lo, "range minimum")
