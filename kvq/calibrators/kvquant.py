@@ -168,7 +168,7 @@ def value_rows(samples: Tensor, outliers: float) -> tuple[Tensor, Tensor, Tensor
     else:
         lo, hi = samples.amin(-1), samples.amax(-1)
         inlier = torch.ones_like(samples, dtype=torch.bool)
-    scale, center = nuq.normalizer(lo, hi)
+    scale, center = nuq.normalizer(lo, hi, raise_tiny=False)  # live rows: see store_scale
     return inlier, scale, center
 
 

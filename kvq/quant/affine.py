@@ -76,17 +76,18 @@ def symmetric_decode(codes: Tensor, scale: Tensor, dtype=torch.float32) -> Tenso
 
 
 def quantize_symmetric(
-    x: Tensor, bits: int, dim: Dims, scale_dtype=torch.float16
+    x: Tensor, bits: int, dim: Dims, scale_dtype=torch.float16, raise_tiny: bool = True
 ) -> tuple[Tensor, Tensor]:
     """Dynamic symmetric quantization with one scale per slice reduced over `dim`.
 
     x: [...]. Returns (codes int8 shaped like x, scale in `scale_dtype` shaped
     like x with the `dim` axes kept as size 1, so it broadcasts back).
+    raise_tiny: see `store_scale` (False for the cache's live rows).
     """
     _check_bits(bits)
     check_finite(x, "input")
     amax = x.float().abs().amax(dim=dim, keepdim=True)
-    scale = symmetric_qparams(amax, bits, scale_dtype)
+    scale = symmetric_qparams(amax, bits, scale_dtype, raise_tiny)
     return symmetric_encode(x, scale, bits), scale
 
 
@@ -206,7 +207,8 @@ def qserve_qparams(lo: Tensor, hi: Tensor) -> tuple[Tensor, Tensor]:
     lo, hi = torch.broadcast_tensors(lo.float(), hi.float())
     if bool((lo > hi).any()):
         raise KvqError("range minimum exceeds range maximum")
-    scale = store_scale((hi - lo) / top, QSERVE_DTYPE, hi > lo)
+    # only ever live rows (the cache's): a near-constant row floors, see `store_scale`
+    scale = store_scale((hi - lo) / top, QSERVE_DTYPE, hi > lo, raise_tiny=False)
     offset = ((0.0 - lo) / scale.float()).to(QSERVE_DTYPE)  # 0 - lo: +0, not -0, for lo = 0
     if not bool(torch.isfinite(offset.float()).all()):
         raise KvqError(

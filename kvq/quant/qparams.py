@@ -110,10 +110,12 @@ def store_scale(
     ideal:   float scales, any shape.
     nonzero: bool, broadcastable to `ideal`; False marks rows with nothing to
              scale (their ideal value is ignored).
-    raise_tiny: refuse a scale below the dtype's smallest normal (live data, by default);
-             False raises it to that normal instead: static calibrated scales, and live
-             data where a near-constant slice is no error (KIVI). Rounding a scale up
-             only coarsens the step, here to ~6e-5 in fp16; it never clips.
+    raise_tiny: refuse a scale below the dtype's smallest normal (the default, for
+             callers that must not coarsen: activations, weights); False raises it to
+             that normal instead: static calibrated scales and the cache's live rows
+             (the append kernels floor alike), where a near-silent slice is no error and
+             must not stop a generation. Rounding a scale up only coarsens the step,
+             here to ~6e-5 in fp16; it never clips.
     Returns the stored scales in `dtype`, shape of the broadcast.
     """
     if dtype not in STORAGE_DTYPES.values():

@@ -185,3 +185,46 @@ def test_tuning_never_moves_a_floored_key_scale_below_the_floor():
     assert tuned.dtype == torch.float16 and tuned[0, CHANNEL] == FP16_TINY
     assert bool((tuned.float() >= FP16_TINY).all())
     assert bool((tuned < state["scale"]).sum() == heads * d - 1)  # the others did shrink
+
+
+@pytest.fixture(scope="module")
+def silent_values_llama(tmp_path_factory):
+    """A tiny llama whose KV head 0 values are scaled by SILENT in every layer: each live
+    value row of that head has an ideal per-token fp16 scale below the smallest normal."""
+    model = make_tiny_model("llama")
+    d = model.config.head_dim
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.v_proj.weight[:d] *= SILENT
+    out = tmp_path_factory.mktemp("silent-values-llama")
+    model.save_pretrained(out)
+    tiny_tokenizer().save_pretrained(out)
+    return out
+
+
+@pytest.mark.parametrize(
+    "name,options",
+    [("channel-scales", ["--bits", 8, "--v-group", 8, "--sink", 2]),
+     ("kvquant", ["--bits", 3, "--no-fisher"])],
+)  # fmt: skip
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_silent_live_values_are_stored_not_refused(
+    name, options, backend, silent_values_llama, data, tmp_path
+):
+    """Per-token value scales are computed from live rows at run time: a quiet head's rows
+    floor at fp16's smallest normal (coarser steps than they need, no clip) on both append
+    paths, where calibration's own cache measurement and generation used to raise "scale
+    underflows float16"."""
+    art = tmp_path / "A"
+    args = ["--model", silent_values_llama, "--dataset", data, "--samples", 2, "--seqlen", 24]
+    result = _run("calibrate", name, *args, *options, "--out", art)
+    assert result.exit_code == 0, result.stderr
+    model, _ = kvq.load_model(str(silent_values_llama))
+    ids = torch.randint(3, 200, (1, 8), generator=torch.Generator().manual_seed(0))
+    cache = kvq.make_cache(model, art, backend=backend)
+    with torch.no_grad():
+        out = model.generate(ids, cache=cache, max_new_tokens=4, do_sample=False, pad_token_id=0)
+    assert out.shape == (1, 12)
+    layer = cache.layers[0]
+    _, value = layer.decoded(layer.state)  # [B, H, rows, D]: head 0 stays quiet, not zero
+    assert 0 < float(value[:, 0].abs().max()) < 1e-3
