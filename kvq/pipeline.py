@@ -35,6 +35,7 @@ from kvq.manifests.schema import Calibration, DatasetInfo, new_manifest
 from kvq.models.loading import LoadedModel, load_model
 from kvq.models.placement import Placement, input_device
 from kvq.progress import Progress
+from kvq.quant.qparams import count_floored
 from kvq.quant.schemes import CachePolicy, named_policy
 from kvq.runtime.cache import QuantizedKVCache, build_cache, unit_scales
 from kvq.runtime.prefix import Prefix, check_tokenizer, load_prefix
@@ -197,8 +198,22 @@ def run_pass(
         else:
             state = ChainState(result.policy, carried | result.tensors)
     apply_transforms(loaded, new_transforms)
-    state.report = dict(result.report)
+    state.report = dict(result.report) | floored_note(options.NAME, result.tensors)
     return state
+
+
+def floored_note(name: str, tensors: dict[str, Tensor]) -> dict[str, int]:
+    """The manifest note for a pass's static scales that calibration raised to their dtype's
+    smallest normal (a nearly silent channel, head or tensor: stored-scale policy,
+    `kvq.quant.qparams`). No clipping follows from it, so a note and a debug line, not a
+    warning; {} when there are none."""
+    floored = sum(count_floored(t) for n, t in tensors.items() if n.endswith("scale"))
+    if not floored:
+        return {}
+    logging.getLogger("kvq").debug(
+        "kvq: %s: %d static scales raised to their dtype's smallest normal", name, floored
+    )
+    return {"scales_at_smallest_normal": floored}
 
 
 def weights_key(loaded: LoadedModel, base: ChainState | None) -> str:

@@ -75,7 +75,8 @@ def calibrate_channel_scales(
             samples = torch.cat(keys[layer])  # [N*T', H_kv, D]
             keys[layer] = []
             lo, hi = channel_ranges(samples, options.clip_percentile)
-            scale, offset = affine.affine_qparams(lo, hi, options.bits)
+            # static: a nearly silent channel's scale is raised to fp16's smallest normal
+            scale, offset = affine.affine_qparams(lo, hi, options.bits, raise_tiny=False)
             tensors[f"layers.{layer}.key.scale"] = scale.contiguous()
             tensors[f"layers.{layer}.key.offset"] = offset.contiguous()
             bar.advance()

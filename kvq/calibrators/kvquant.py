@@ -152,7 +152,8 @@ def fit_key_widths(
     else:
         lower, upper = samples.amin(0), samples.amax(0)
         inlier = torch.ones_like(samples, dtype=torch.bool)
-    scale, center = nuq.normalizer(lower, upper)
+    # static: a nearly silent channel's scale is raised to fp16's smallest normal
+    scale, center = nuq.normalizer(lower, upper, raise_tiny=False)
     normed = nuq.normalize(samples, scale, center)
     static |= {"scale": scale, "center": center}
     return {w: _levels(normed, inlier, fisher, opts, w) | static for w in widths}
@@ -167,7 +168,7 @@ def value_rows(samples: Tensor, outliers: float) -> tuple[Tensor, Tensor, Tensor
     else:
         lo, hi = samples.amin(-1), samples.amax(-1)
         inlier = torch.ones_like(samples, dtype=torch.bool)
-    scale, center = nuq.normalizer(lo, hi)
+    scale, center = nuq.normalizer(lo, hi, raise_tiny=False)  # live rows: see store_scale
     return inlier, scale, center
 
 

@@ -104,7 +104,10 @@ class _Side:
         out = {self.table_name: _straight(p["table"], st[self.table_name].dtype)}
         if "log_scale" in p:
             scale0 = st["scale"].float()
-            scale = scale0 * p["log_scale"].exp()
+            # a static scale is never stored below its dtype's smallest normal (the runtime
+            # refuses it; stored-scale policy): a key scale at that floor cannot shrink
+            tiny = torch.finfo(st["scale"].dtype).tiny
+            scale = (scale0 * p["log_scale"].exp()).clamp_min(tiny)
             out["scale"] = _straight(scale, st["scale"].dtype)
             out["center"] = _straight(
                 st["center"].float() + scale0 * p["shift"], st["center"].dtype

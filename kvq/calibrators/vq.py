@@ -103,7 +103,8 @@ def _key_side(samples: Tensor, fisher: Tensor | None, kv: KVQuantOptions) -> _Si
     else:
         lower, upper = samples.amin(0), samples.amax(0)
         inlier = torch.ones_like(samples, dtype=torch.bool)
-    scale, center = nuq.normalizer(lower, upper)
+    # static: a nearly silent channel's scale is raised to fp16's smallest normal
+    scale, center = nuq.normalizer(lower, upper, raise_tiny=False)
     static |= {"scale": scale, "center": center}
     f = torch.ones_like(scale.float()) if fisher is None else fisher.float()
     weight = f * scale.float() ** 2  # [H, D]: error in original units

@@ -45,17 +45,20 @@ def levels(bits: int) -> int:
 # --- symmetric ------------------------------------------------------------------------
 
 
-def symmetric_qparams(amax: Tensor, bits: int, scale_dtype=torch.float16) -> Tensor:
+def symmetric_qparams(
+    amax: Tensor, bits: int, scale_dtype=torch.float16, raise_tiny: bool = True
+) -> Tensor:
     """Stored scale amax / qmax (rounded up to `scale_dtype`); 1 where amax == 0.
 
     amax: [...] non-negative absolute maxima. Returns [...] in `scale_dtype`.
+    raise_tiny: see `store_scale` (False for a static, calibrated scale).
     """
     qmax = qmax_signed(bits)
     check_finite(amax, "amax")
     amax = amax.float()
     if bool((amax < 0).any()):
         raise KvqError("amax must be non-negative")
-    return store_scale(amax / qmax, scale_dtype, amax > 0)
+    return store_scale(amax / qmax, scale_dtype, amax > 0, raise_tiny)
 
 
 def symmetric_encode(x: Tensor, scale: Tensor, bits: int) -> Tensor:
@@ -73,17 +76,18 @@ def symmetric_decode(codes: Tensor, scale: Tensor, dtype=torch.float32) -> Tenso
 
 
 def quantize_symmetric(
-    x: Tensor, bits: int, dim: Dims, scale_dtype=torch.float16
+    x: Tensor, bits: int, dim: Dims, scale_dtype=torch.float16, raise_tiny: bool = True
 ) -> tuple[Tensor, Tensor]:
     """Dynamic symmetric quantization with one scale per slice reduced over `dim`.
 
     x: [...]. Returns (codes int8 shaped like x, scale in `scale_dtype` shaped
     like x with the `dim` axes kept as size 1, so it broadcasts back).
+    raise_tiny: see `store_scale` (False for the cache's live rows).
     """
     _check_bits(bits)
     check_finite(x, "input")
     amax = x.float().abs().amax(dim=dim, keepdim=True)
-    scale = symmetric_qparams(amax, bits, scale_dtype)
+    scale = symmetric_qparams(amax, bits, scale_dtype, raise_tiny)
     return symmetric_encode(x, scale, bits), scale
 
 
@@ -100,6 +104,7 @@ def affine_qparams(
     below the range clips); scale = (hi - offset) / (2^bits - 1) rounded up.
     Constant rows (hi == lo, all-zero included) get scale 1 and offset = lo
     rounded to nearest, so they decode within the dtype's rounding of the value.
+    raise_tiny: see `store_scale` (False for static, calibrated ranges).
     """
     top = levels(bits)
     check_finite(lo, "range minimum")
@@ -202,7 +207,8 @@ def qserve_qparams(lo: Tensor, hi: Tensor) -> tuple[Tensor, Tensor]:
     lo, hi = torch.broadcast_tensors(lo.float(), hi.float())
     if bool((lo > hi).any()):
         raise KvqError("range minimum exceeds range maximum")
-    scale = store_scale((hi - lo) / top, QSERVE_DTYPE, hi > lo)
+    # only ever live rows (the cache's): a near-constant row floors, see `store_scale`
+    scale = store_scale((hi - lo) / top, QSERVE_DTYPE, hi > lo, raise_tiny=False)
     offset = ((0.0 - lo) / scale.float()).to(QSERVE_DTYPE)  # 0 - lo: +0, not -0, for lo = 0
     if not bool(torch.isfinite(offset.float()).all()):
         raise KvqError(

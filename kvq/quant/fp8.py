@@ -43,17 +43,18 @@ def fp16_placement(fmt: str) -> tuple[int, float]:
     return 10 - mantissa, float(2 ** (15 - bias))
 
 
-def fp8_scale(amax: Tensor, fmt: str, scale_dtype=torch.float32) -> Tensor:
+def fp8_scale(amax: Tensor, fmt: str, scale_dtype=torch.float32, raise_tiny: bool = True) -> Tensor:
     """Stored scale amax / fp8_max (rounded up to `scale_dtype`); 1 where amax == 0.
 
     amax: [...] non-negative absolute maxima. Returns [...] in `scale_dtype`.
+    raise_tiny: see `store_scale` (False for a static, calibrated scale).
     """
     top = fp8_max(fmt)
     check_finite(amax, "amax")
     amax = amax.float()
     if bool((amax < 0).any()):
         raise KvqError("amax must be non-negative")
-    return store_scale(amax / top, scale_dtype, amax > 0)
+    return store_scale(amax / top, scale_dtype, amax > 0, raise_tiny)
 
 
 def fp8_encode(x: Tensor, scale: Tensor, fmt: str) -> Tensor:

@@ -36,11 +36,14 @@ def scheme_for(fmt: str, axis: str) -> QuantScheme:
 
 
 def scale_for(amax: Tensor, fmt: str) -> Tensor:
-    """Stored float32 scales amax / top code (1 where amax == 0); amax [...] >= 0."""
+    """Stored float32 scales amax / top code (1 where amax == 0); amax [...] >= 0.
+
+    These are static, calibrated scales: one below float32's smallest normal is raised to
+    it (stored-scale policy, `kvq.quant.qparams`: rounding up never clips)."""
     _check(fmt)
     if fmt == "int8":
-        return affine.symmetric_qparams(amax, 8, torch.float32)
-    return fp8.fp8_scale(amax, fmt.removeprefix("fp8-"), torch.float32)
+        return affine.symmetric_qparams(amax, 8, torch.float32, raise_tiny=False)
+    return fp8.fp8_scale(amax, fmt.removeprefix("fp8-"), torch.float32, raise_tiny=False)
 
 
 def round_trip(x: Tensor, scale: Tensor, fmt: str) -> Tensor:

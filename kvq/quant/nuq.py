@@ -37,7 +37,9 @@ def _check_bits(bits: int) -> int:
 # --- normalisation --------------------------------------------------------------------
 
 
-def normalizer(lo: Tensor, hi: Tensor, scale_dtype=torch.float16) -> tuple[Tensor, Tensor]:
+def normalizer(
+    lo: Tensor, hi: Tensor, scale_dtype=torch.float16, raise_tiny: bool = True
+) -> tuple[Tensor, Tensor]:
     """(scale, center) in `scale_dtype` mapping [lo, hi] into [-1, 1].
 
     lo, hi: broadcastable [...] range minima and maxima (e.g. [H, D] for K
@@ -51,7 +53,9 @@ def normalizer(lo: Tensor, hi: Tensor, scale_dtype=torch.float16) -> tuple[Tenso
     This way every x in [lo, hi] normalises to within [-1, 1] and nothing
     clips (the same reason `affine_qparams` rounds its offset down).
     Constant rows (hi == lo) get scale 1. A range too small for the scale
-    dtype raises KvqError (stored-scale policy, `kvq.quant.qparams`).
+    dtype raises KvqError, or with raise_tiny=False (static, calibrated
+    ranges) gets the dtype's smallest normal (stored-scale policy,
+    `kvq.quant.qparams`).
     """
     check_finite(lo, "range minimum")
     check_finite(hi, "range maximum")
@@ -64,7 +68,7 @@ def normalizer(lo: Tensor, hi: Tensor, scale_dtype=torch.float16) -> tuple[Tenso
         raise KvqError(f"center overflows {dtype_name(scale_dtype)}; use a wider scale dtype")
     c = center.float()
     half = torch.maximum(hi - c, c - lo)
-    scale = store_scale(half, scale_dtype, hi > lo)
+    scale = store_scale(half, scale_dtype, hi > lo, raise_tiny)
     return scale, center
 
 

@@ -8,8 +8,21 @@ scale with `.float()` before encoding. The policy (see the live-data notes,
 * round the ideal fp32 scale UP to the storage dtype, so the largest value of
   a range maps to at most the top code and never clips;
 * rows with nothing to scale (all zero, constant) store exactly 1;
-* refuse a stored scale that is non-finite (overflow) or below the smallest
-  normal number of its dtype (zero or subnormal: unsafe under flush-to-zero).
+* refuse a stored scale that is non-finite (overflow);
+* never store a scale below the smallest normal number of its dtype (zero or
+  subnormal: unsafe under flush-to-zero). What happens to a smaller ideal scale
+  depends on where it comes from (`raise_tiny`):
+  - a STATIC scale, calibrated once and written to an artifact (a nearly silent
+    channel, head or tensor: a dead channel of a real model, a quiet head of a
+    tiny random one), is raised to that smallest normal. Rounding a scale up
+    never clips, the codes only use less of their range, so calibration floors
+    it and records the count in the pass's manifest report (`count_floored`);
+  - a scale computed at run time from live data is refused (KvqError) by the
+    shared quantizers and the append kernels, except where a codec documents
+    that a near-constant slice is no error (KIVI's key groups);
+  - a stored scale read back from an artifact that is zero or subnormal was not
+    written by calibration (hand-made or corrupted) and is refused at load
+    (`kvq.runtime.validate`).
 """
 
 from __future__ import annotations
@@ -75,6 +88,14 @@ def deferred_checks() -> Iterator[list[Tensor]]:
         _DEFERRED = outer
 
 
+def count_floored(t: Tensor) -> int:
+    """How many entries of a stored scale tensor sit at its dtype's smallest normal: where
+    calibration raised a smaller ideal scale (or, rarely, the ideal rounded up to it)."""
+    if not t.dtype.is_floating_point:
+        return 0
+    return int((t == torch.finfo(t.dtype).tiny).sum())
+
+
 def step(x: Tensor, up: bool) -> Tensor:
     """The next representable value of x's own dtype, towards +inf or -inf."""
     target = torch.full_like(x, float("inf") if up else float("-inf"))
@@ -89,10 +110,12 @@ def store_scale(
     ideal:   float scales, any shape.
     nonzero: bool, broadcastable to `ideal`; False marks rows with nothing to
              scale (their ideal value is ignored).
-    raise_tiny: refuse a scale below the dtype's smallest normal (calibrated scales: the
-             user's data cannot be stored); False raises it to that normal instead (live
-             data, where a near-constant slice is no error: rounding a scale up only
-             coarsens the step, here to ~6e-5 in fp16).
+    raise_tiny: refuse a scale below the dtype's smallest normal (the default, for
+             callers that must not coarsen: activations, weights); False raises it to
+             that normal instead: static calibrated scales and the cache's live rows
+             (the append kernels floor alike), where a near-silent slice is no error and
+             must not stop a generation. Rounding a scale up only coarsens the step,
+             here to ~6e-5 in fp16; it never clips.
     Returns the stored scales in `dtype`, shape of the broadcast.
     """
     if dtype not in STORAGE_DTYPES.values():

@@ -86,12 +86,16 @@ class IntTokenCodec(Codec):
     def encode(self, x: Tensor) -> tuple[Rows, Flat]:
         g = affine.to_groups(x.float(), self.group)  # [B, H, T, D/G, G]
         if self.symmetric:
-            codes, scale = affine.quantize_symmetric(g, self.bits, -1, self.scale_dtype)
+            codes, scale = affine.quantize_symmetric(
+                g, self.bits, -1, self.scale_dtype, raise_tiny=False
+            )
             # signed -> unsigned so that every width packs the same way
             ucodes = (codes.to(torch.int16) + (1 << (self.bits - 1))).to(torch.uint8)
             packed = packing.pack_bits(affine.from_groups(ucodes), self.bits)
             return {"codes": packed, "scale": scale.squeeze(-1)}, NO_FLAT
-        codes, scale, offset = affine.quantize_affine(g, self.bits, -1, self.scale_dtype)
+        codes, scale, offset = affine.quantize_affine(
+            g, self.bits, -1, self.scale_dtype, raise_tiny=False
+        )
         packed = packing.pack_bits(affine.from_groups(codes), self.bits)
         rows = {"codes": packed, "scale": scale.squeeze(-1), "offset": offset.squeeze(-1)}
         return rows, NO_FLAT

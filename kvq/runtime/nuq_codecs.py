@@ -162,7 +162,7 @@ class NuqValueCodec(_NuqCodec):
             rows["sparse_value"] = vals.to(SPARSE_DTYPE)
         else:
             lo, hi = x.amin(-1), x.amax(-1)
-        scale, center = nuq.normalizer(lo, hi, self.scale_dtype)  # [B, H, T]
+        scale, center = nuq.normalizer(lo, hi, self.scale_dtype, raise_tiny=False)  # [B, H, T]
         rows["codes"] = self._codes(nuq.normalize(x, scale[..., None], center[..., None]))
         rows["scale"], rows["center"] = scale, center
         return rows, NO_FLAT

@@ -6,7 +6,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvq.errors import KvqError
-from kvq.quant.qparams import STORAGE_DTYPES, check_finite, storage_dtype, store_scale
+from kvq.quant.qparams import (
+    STORAGE_DTYPES,
+    check_finite,
+    count_floored,
+    storage_dtype,
+    store_scale,
+)
 
 POSITIVE = st.floats(min_value=2.0**-13, max_value=6e4, allow_nan=False, width=32)
 
@@ -49,6 +55,21 @@ def test_store_scale_masked_entries_are_exactly_one():
 def test_store_scale_underflow(ideal):
     with pytest.raises(KvqError, match="scale underflows float16"):
         store_scale(torch.tensor([ideal]), torch.float16, torch.tensor([True]))
+
+
+@pytest.mark.parametrize("name", list(STORAGE_DTYPES))
+def test_store_scale_floors_a_static_scale_at_the_smallest_normal(name):
+    """raise_tiny=False (static, calibrated scales): a scale below the dtype's smallest
+    normal is stored as that normal (>= the ideal: nothing clips); others are unchanged."""
+    dtype = STORAGE_DTYPES[name]
+    tiny = torch.finfo(dtype).tiny
+    ideal = torch.tensor([tiny / 1e3, tiny / 2, 0.0, 3.0])
+    nonzero = torch.tensor([True, True, True, False])
+    stored = store_scale(ideal, dtype, nonzero, raise_tiny=False)
+    assert stored.dtype == dtype and stored.tolist() == [tiny, tiny, tiny, 1.0]
+    assert count_floored(stored) == 3 and count_floored(torch.ones(2, dtype=dtype)) == 0
+    with pytest.raises(KvqError, match="scale underflows"):
+        store_scale(ideal, dtype, nonzero)  # live data: refused
 
 
 def test_store_scale_overflow_and_nan():

@@ -15,7 +15,7 @@ destination buffers are `[B, H, capacity, ...]` (`RowStore` layout) and rows
 `[start, start + T)` are written, nothing else. Both paths validate shapes and
 dtypes before writing. The reference also validates qparams before writing; the
 Triton launcher can only check the qparams it wrote, so when it raises
-`KvqError` (non-finite input, scale underflow or overflow, offset overflow) the
+`KvqError` (non-finite input, scale overflow, offset overflow) the
 rows `[start, start + T)` may hold partial output. Those rows lie beyond the
 committed frontier of a `RowStore`, so no reader sees them.
 
@@ -185,10 +185,10 @@ def append_int_token_reference(
     grouped = affine.to_groups(x.float(), g)  # [B, H, T, D/G, G]
     rows = _rows(x, start)
     if symmetric:
-        codes, scale = affine.quantize_symmetric(grouped, bits, -1, scale_out.dtype)
+        codes, scale = affine.quantize_symmetric(grouped, bits, -1, scale_out.dtype, False)
         ucodes = (codes.to(torch.int16) + (1 << (bits - 1))).to(torch.uint8)
     else:
-        ucodes, scale, offset = affine.quantize_affine(grouped, bits, -1, scale_out.dtype)
+        ucodes, scale, offset = affine.quantize_affine(grouped, bits, -1, scale_out.dtype, False)
         offset_out[:, :, rows] = offset.squeeze(-1)
     codes_out[:, :, rows] = packing.pack_bits(affine.from_groups(ucodes), bits)
     scale_out[:, :, rows] = scale.squeeze(-1)
@@ -341,7 +341,7 @@ def append_nuq_value_reference(
         idx, vals, lo, hi = sparse.row_outliers(xf, fraction, split)
     else:
         lo, hi = xf.amin(-1), xf.amax(-1)
-    scale, center = nuq.normalizer(lo, hi, scale_out.dtype)  # [B, H, T]
+    scale, center = nuq.normalizer(lo, hi, scale_out.dtype, raise_tiny=False)  # [B, H, T]
     codes = nuq.nuq_encode(nuq.normalize(xf, scale[..., None], center[..., None]), cb)
     if fraction:
         index_out[:, :, rows] = idx.to(index_out.dtype)
@@ -475,10 +475,13 @@ def _step(s, UP: tl.constexpr, DT: tl.constexpr):
     return out
 
 
-def _round_up(v, DT: tl.constexpr):
-    # the stored-scale policy for a positive fp32 scale (qparams.store_scale)
+def _round_up(v, DT: tl.constexpr, TINY: tl.constexpr):
+    # the stored-scale policy for a positive fp32 scale of live rows (qparams.store_scale,
+    # raise_tiny=False): rounded up to the storage dtype, and at least its smallest normal
     s = _near(v, DT)
-    return tl.where(s.to(tl.float32) < v, _step(s, True, DT), s)
+    s = tl.where(s.to(tl.float32) < v, _step(s, True, DT), s)
+    f = s.to(tl.float32)  # exact: s is already in its dtype, and so is TINY
+    return tl.where(f < TINY, TINY, f).to(s.dtype)
 
 
 def _units(R: tl.constexpr, n_units):
@@ -540,7 +543,7 @@ def _int_token_kernel(x_ptr, codes_ptr, scale_ptr, offset_ptr, bad_ptr, start, H
     if SYM:
         amax = tl.max(tl.where(m, tl.abs(x), 0.0), axis=1)
         ideal = tl.math.div_rn(amax, tl.full([R], (1 << (BITS - 1)) - 1, tl.float32))
-        s = _round_up(tl.where(amax > 0, ideal, 1.0), DT)
+        s = _round_up(tl.where(amax > 0, ideal, 1.0), DT, TINY)
         q = _rint(tl.math.div_rn(x, s.to(tl.float32)[:, None]))
         top = (1 << (BITS - 1)) - 1
         q = tl.minimum(tl.maximum(q, -top), top) + (1 << (BITS - 1))
@@ -555,7 +558,7 @@ def _int_token_kernel(x_ptr, codes_ptr, scale_ptr, offset_ptr, bad_ptr, start, H
         off = tl.where(varying, down, near)
         of = off.to(tl.float32)
         ideal = tl.math.div_rn(hi - of, tl.full([R], (1 << BITS) - 1, tl.float32))
-        s = _round_up(tl.where(varying, ideal, 1.0), DT)
+        s = _round_up(tl.where(varying, ideal, 1.0), DT, TINY)
         tl.store(offset_ptr + b * sob + h * soh + (start + t) * sot + g * sod, off, mask=valid)
         q = _rint(tl.math.div_rn(x - of[:, None], s.to(tl.float32)[:, None]))
         q = tl.minimum(tl.maximum(q, 0.0), (1 << BITS) - 1)
@@ -585,7 +588,7 @@ def _int_qserve_kernel(x_ptr, codes_ptr, scale_ptr, offset_ptr, bad_ptr, start, 
     hi = tl.where(valid, tl.max(tl.where(m, x, float("-inf")), axis=1), 0.0)
     # affine.qserve_qparams
     ideal = tl.math.div_rn(hi - lo, tl.full([R], 15.0, tl.float32))
-    s = _round_up(tl.where(hi > lo, ideal, 1.0), 1)
+    s = _round_up(tl.where(hi > lo, ideal, 1.0), 1, TINY)
     sf = s.to(tl.float32)
     off = tl.math.div_rn(0.0 - lo, sf).to(tl.float16)
     tl.store(scale_ptr + b * ssb + h * ssh + (start + t) * sst, s, mask=valid)
@@ -725,7 +728,7 @@ def _nuq_value_kernel(x_ptr, codes_ptr, scale_ptr, center_ptr, index_ptr, value_
     center = _near(lo * 0.5 + hi * 0.5, DT)
     c = center.to(tl.float32)
     half = tl.maximum(hi - c, c - lo)
-    s = _round_up(tl.where(hi > lo, half, 1.0), DT)
+    s = _round_up(tl.where(hi > lo, half, 1.0), DT, TINY)
     tl.store(scale_ptr + b * ssb + h * ssh + (start + t) * sst, s, mask=valid)
     tl.store(center_ptr + b * seb + h * seh + (start + t) * sec, center, mask=valid)
     _flag_rows(bad_ptr, u, valid, x, m, s, center, TINY)
