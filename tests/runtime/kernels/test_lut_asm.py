@@ -135,11 +135,28 @@ def test_word_lookup_gives_each_codes_level_in_plane_order(table):
 
 
 def test_every_lane_holds_the_same_table(table):
-    """`nuq_table`: the levels, then 32 identical copies of the 8 words."""
+    """`nuq_table`: the levels, then 32 identical copies of the 8 words, then the byte-pair
+    table: entry b holds the fp16 levels of b's low nibble (low half) and high nibble."""
     t = nuq_table(table)
     assert torch.equal(t[:16], table.float())
-    lanes = t[16:].view(torch.int32).view(32, 8)
+    lanes = t[16 : 16 + 256].view(torch.int32).view(32, 8)
     assert torch.equal(lanes, lanes[:1].expand(32, 8))
+    lv = _levels(table)
+    pairs = [int(x) & M32 for x in t[16 + 256 :].view(torch.int32)]
+    assert pairs == [lv[b & 15] | lv[b >> 4] << 16 for b in range(256)]
+
+
+def test_pair_index_builds_extended_table_indices():
+    """`_PAIR_INDEX_ASM` == `_pair_index`'s Triton fallback: index k = byte k of the code
+    word | byte k of the high word << 8 (high bytes below 0x80)."""
+    g = torch.Generator().manual_seed(3)
+    words = torch.randint(0, 2**32, (64,), generator=g, dtype=torch.int64).tolist()
+    his = torch.randint(0, 2, (64, 4), generator=g).tolist()
+    for w, hb in zip(words, his, strict=True):
+        hi = sum(b << (8 * k) for k, b in enumerate(hb))
+        out = run_ptx(kern._PAIR_INDEX_ASM.value, {"$4": w, "$5": hi})
+        want = [((w >> (8 * k)) & 255) | (((hi >> (8 * k)) & 255) << 8) for k in range(4)]
+        assert [out[f"${k}"] for k in range(4)] == want
 
 
 def _repeated_bytes(bits: int) -> tuple[int, int]:
