@@ -1,7 +1,8 @@
 """Every calibration pass a user serves from, and the calibration-free layouts, on the
 unusual model shapes of tests/test_model_shapes.py (head_dim no multiple of 32 or 64, MQA,
 GQA 8, sliding windows shorter than the prompt, Qwen2 biases, YaRN / Llama 3 / linear rope
-scaling). test_model_shapes runs KVQuant 3-bit on every shape; here each other layout runs
+scaling) and Qwen2.5 0.5B's 7 query heads per KV head.
+test_model_shapes runs KVQuant 3-bit on every shape; here each other layout runs
 on the shapes that stress it (PAIRS), calibrated on tiny windows, loaded and served:
 * the cache stores what attention hands it, within the layout's bits, at its own scale;
 * a model transform (SmoothAttention, rotate) leaves the model's output unchanged;
@@ -41,7 +42,14 @@ from kvq.pipeline import cache_for, load_artifact
 from kvq.runtime.prefix import load_prefix
 from tests.cli.test_cli import _one_line_error, _run
 from tests.conftest import calibrate, make_tiny_model, tiny_tokenizer
-from tests.test_model_shapes import SHAPES
+from tests.test_model_shapes import SHAPES as ODD_SHAPES
+
+# Qwen2.5 0.5B's head layout (14 query heads on 2 KV heads, head_dim 64, tied embeddings):
+# 7 query heads per KV head, no power of two, in no shape of test_model_shapes
+SHAPES = ODD_SHAPES | {
+    "qwen2-d64-gqa7-tied": ("qwen2", dict(head_dim=64, num_attention_heads=14,
+                                          tie_word_embeddings=True)),
+}  # fmt: skip
 
 # a pass's chain (base first) with small settings: the user's defaults where they are cheap
 PASSES = {
@@ -76,11 +84,13 @@ PAIRS = [  # (layout, the shape that stresses it)
     ("auto3", "qwen2-d112-gqa4-yarn"),
     ("auto4", "mistral-d128-mha-window6"),  # pre-RoPE NUQ keys evicted from a window
     ("prefixquant", "llama-d96-gqa8-linear"),
+    ("vq", "qwen2-d64-gqa7-tied"),
     ("intactkv", "llama-d80-mqa-llama3-tied"),
     ("tune", "llama-d100-gqa2"),
     ("kivi2-g16-r8", "qwen2-d112-gqa4-yarn"),
     ("kivi4-g16-r8", "llama-d80-mqa-llama3-tied"),
     ("kv4-qserve", "mistral-d128-mha-window6"),
+    ("kv4-qserve", "qwen2-d64-gqa7-tied"),
     ("int2", "llama-d96-gqa8-linear"),
     ("fp8-e4m3-dynamic", "llama-d100-gqa2"),
 ]  # fmt: skip
