@@ -279,3 +279,13 @@ def test_cli_calibrate_export_eval_and_refuse_another_model(models, data, tmp_pa
         tiny_tokenizer().save_pretrained(other)
         refused = _run("run-eval", "--model", other, "--artifact", art, *evaluate)
         _one_line_error(refused, "incompatible", needle)
+
+
+def test_channel_scales_default_value_group_on_head_dim_100_is_one_line(models, data, tmp_path):
+    """--v-group 32 (the default) cannot group a head of 100: refused before anything is
+    written, with the way out (a divisor, or 0: one group per head)."""
+    out = tmp_path / "A"
+    result = _run("calibrate", "channel-scales", "--model", models("llama-d100-gqa2"),
+                  "--dataset", data, "--samples", 1, "--seqlen", 16, "--out", out)  # fmt: skip
+    _one_line_error(result, "--v-group 32 does not divide head_dim 100", "0: one group per head")
+    assert not out.exists()
