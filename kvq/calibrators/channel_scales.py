@@ -51,7 +51,10 @@ def calibrate_channel_scales(
     if value_group == info.head_dim:
         value_group = None  # a group as wide as the head is one group per head
     if value_group is not None and info.head_dim % value_group:
-        raise KvqError(f"--v-group {value_group} does not divide head_dim {info.head_dim}")
+        raise KvqError(
+            f"--v-group {value_group} does not divide head_dim {info.head_dim} "
+            "(give a divisor of it, or 0: one group per head)"
+        )
     keys: list[list[Tensor]] = [[] for _ in range(info.num_layers)]
 
     def consume(layer: int, part: str, x: Tensor) -> None:
