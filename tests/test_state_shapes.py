@@ -20,6 +20,7 @@ import copy
 import pytest
 import torch
 
+from kvq.errors import KvqError
 from kvq.runtime.saved import restore_cache
 from tests import test_pass_shapes as shapes
 from tests.test_pass_shapes import PROMPT, _padded_batch
@@ -206,3 +207,31 @@ def test_padded_batch_saved_and_cropped(served, tmp_path, method, shape):
         got, _ = _padded_steps(model, other, ids, mask, step)
         want, _ = _padded_steps(model, ref, ids, mask, step)
         torch.testing.assert_close(got, want, atol=0, rtol=0, msg=name)
+
+
+@pytest.mark.parametrize("method, shape", [
+    ("kivi2-g16-r8", "qwen2-d112-gqa4-yarn"),  # a padded batch's exact rows, dropped
+    ("kv4-qserve", "mistral-d128-mha-window6"),  # rows the window dropped
+])  # fmt: skip
+def test_crop_past_dropped_rows_is_a_one_line_refusal(served, method, shape):
+    """Without activate_past_recording a cache drops what greedy decoding no longer needs;
+    a crop back past those rows is refused (KvqError: the CLI's one line), the cache
+    left as it was."""
+    loaded, _, make_cache = served(method, shape)
+    model = loaded.model
+    (long, _), ids, mask = _padded_batch()
+    cache = make_cache()
+    if method.startswith("kivi"):
+        with torch.no_grad():
+            pos = (mask.cumsum(-1) - 1).clamp(min=0)
+            model(ids, attention_mask=mask, position_ids=pos, cache=cache)
+        _padded_steps(model, cache, ids, mask, _tokens(3, 8, b=2))
+        n, needle = 3, "exact rows are gone"
+    else:
+        _feed(model, cache, long[None])
+        _feed(model, cache, _tokens(3, 1))
+        n, needle = 5, "sliding window has already dropped"
+    seen = cache.get_seq_length()
+    with pytest.raises(KvqError, match=f"{needle}.*activate_past_recording"):
+        cache.crop(-n)
+    assert cache.get_seq_length() == seen
