@@ -8,7 +8,7 @@ windows shorter than the prompt. What must hold:
 * crop a rejected draft, continue: what a cache that never saw the draft gives, and
   assisted decoding (which crops) equals greedy;
 * beam search keeps each beam's rows together: a returned beam's score is what a fresh
-  cache fed that beam's tokens gives;
+  cache fed that beam's tokens gives, and on the Triton backend what the reference gives;
 * a left-padded batch (each sequence's own group phase) survives save / load and a crop.
 Each pair asserts first that its cache holds the state it is here for (CARRIES).
 """
@@ -16,6 +16,7 @@ Each pair asserts first that its cache holds the state it is here for (CARRIES).
 from __future__ import annotations
 
 import copy
+import os
 
 import pytest
 import torch
@@ -235,3 +236,30 @@ def test_crop_past_dropped_rows_is_a_one_line_refusal(served, method, shape):
     with pytest.raises(KvqError, match=f"{needle}.*activate_past_recording"):
         cache.crop(-n)
     assert cache.get_seq_length() == seen
+
+
+# the Triton interpreter costs 5-25 s a beam search here: one pair by default (NUQ
+# exceptions, a sink and an evicting window), KVQ_STATE_TRITON=all for the four families
+TRITON = [("auto4", "mistral-d128-mha-window6")]
+if os.environ.get("KVQ_STATE_TRITON") == "all":
+    TRITON += [("vq", "qwen2-d64-gqa7-tied"), ("kivi2-g16-r8", "qwen2-d112-gqa4-yarn"),
+               ("prefixquant", "llama-d96-gqa8-linear")]  # fmt: skip
+
+
+@pytest.mark.parametrize("method, shape", TRITON)
+def test_beam_search_on_triton_equals_the_reference(served, method, shape):
+    """Beam search on a left-padded batch: the Triton backend (its append kernels writing
+    the pages that reorder_cache then picks from, and its attention) gives the reference's
+    beams and scores."""
+    loaded, _, make_cache = served(method, shape)
+    _, ids, mask = _padded_batch()
+    out = {}
+    for backend in ("reference", "triton"):
+        out[backend] = _generate(
+            loaded.model, ids, make_cache(backend), attention_mask=mask, max_new_tokens=2,
+            num_beams=2, num_return_sequences=2, output_scores=True,
+        )  # fmt: skip
+    ref, got = out["reference"], out["triton"]
+    assert got.sequences.shape == (4, PROMPT + 2)
+    assert torch.equal(got.sequences, ref.sequences)
+    torch.testing.assert_close(got.sequences_scores, ref.sequences_scores, atol=1e-4, rtol=0)
