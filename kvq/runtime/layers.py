@@ -670,7 +670,7 @@ class KvqLayer(CacheLayerMixin):
         before, after = st.seen - st.skipped, st.seen - n - skipped  # tail rows
         keep = st.main.length - (self._main_rows(before) - self._main_rows(after))
         if keep < 0:
-            raise RuntimeError(f"layer {self.layer_idx}: rollback past evicted rows")
+            raise KvqError(f"layer {self.layer_idx}: rollback past evicted rows")
         tail = columns - lead - keep  # rows the residual window keeps
         residual = st.residual.truncated(st.residual.length)
         if self.windowed:
@@ -714,7 +714,7 @@ class KvqLayer(CacheLayerMixin):
         x = columns - lead - self.policy.residual_tokens
         first_exact = lead + max(0, min(keep, x - self.group_rows + 1))
         if lead != st.lead or start > first_exact:
-            raise RuntimeError(
+            raise KvqError(
                 f"layer {self.layer_idx}: cannot remove {n} tokens of a padded batch, their "
                 "exact rows are gone (call activate_past_recording before appending tokens "
                 "that may be rolled back)"
@@ -784,7 +784,7 @@ class KvqLayer(CacheLayerMixin):
             columns = st.visible - n
             w = self.sliding_window
             if st.evicted and (columns < 0 or (w is not None and columns < w - 1)):
-                raise RuntimeError(
+                raise KvqError(
                     f"layer {self.layer_idx}: cannot remove {n} tokens, the sliding window "
                     "has already dropped the rows before them (call activate_past_recording "
                     "before appending tokens that may be rolled back)"
