@@ -1880,20 +1880,23 @@ def decode_splits_kernel(
     # extended table. sm_90, warp-instructions per row, before -> after: NUQ4 as stored
     # (value slots), Llama-like 66.2 -> 63.1; without value slots 63.0 -> 54.1
     # (post-RoPE without exceptions 34.2 -> 31.7). Not taken, the PRMT lookup kept:
-    # post-RoPE keys with value slots (55.4 -> 58.4), Gemma 3's pre-RoPE NUQ4 with slots
-    # (140.4 -> 125.9 but a 16 B spill after the loop; the numerator stored in planes:
-    # 125.8, none, but 8 B in its whole-layer call; 8 B with the values the A operand,
-    # 648 B in 128-row tiles; 32-row tiles: 185.8)
+    # post-RoPE keys with value slots (55.4 -> 58.4). Gemma 3's pre-RoPE NUQ4 with slots
+    # takes it, the values the A operand (VT): 140.4 -> 125.5, its whole-layer call 141.1
+    # -> 125.5 without spill; the packed call alone keeps one lane index of the
+    # epilogue's layout conversion in local memory across the loop (8 B: one store
+    # before, one load after, none in the loop; the numerator [R, D]: 125.9 and 16 B;
+    # m and l stored as one [R, 2] tile: none there but 16 B in the layer call; 128-row
+    # tiles 648 B; 32-row tiles: 185.8)
     VCH: tl.constexpr = (
         V_LUT != 0
         and HALF
         and V_WORDS
         and NG == 1
-        and (V_SLOTS == 0 or (V_SLOTS * BLOCK_T <= 256 and D < 256 and (ROPE0 or ROPE1 or ROPE2)))
+        and (V_SLOTS == 0 or (V_SLOTS * BLOCK_T <= 256 and (ROPE0 or ROPE1 or ROPE2)))
     )
     VPA: tl.constexpr = 1 if VCH else VP
     VT: tl.constexpr = (V_LUT != 0 and V_SLOTS != 0 or V_VQ != 0) and not (
-        K_LUT != 0 and D >= 256 and (ROPE0 or ROPE1 or ROPE2)
+        K_LUT != 0 and D >= 256 and (ROPE0 or ROPE1 or ROPE2) and not VCH
     )
     m_i = tl.full([R], float("-inf"), tl.float32)
     l_i = tl.zeros([R], tl.float32)
