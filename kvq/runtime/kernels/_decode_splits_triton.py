@@ -704,7 +704,8 @@ def _slot_word(row, rows, nuq, s: tl.constexpr, D: tl.constexpr):
     """Slot s of the tile's rows, [BT, 1] each (row: their codes as int32 words, rows: their
     indices, in the layout of the tile's words): (channel, the word of codes holding it)."""
     c = tl.load(nuq[11] + rows * nuq[13] + s).to(tl.int32)
-    return c, tl.load(row + (c >> 3), mask=c < D, other=0)
+    # an unused slot (channel D) reads the last word, unmasked: it matches no word's index
+    return c, tl.load(row + tl.minimum(c >> 3, D // 8 - 1))
 
 
 @triton.jit
@@ -747,8 +748,9 @@ def _slot_entries(ptr, span, stride_t, vs_ptr, vo_ptr, vq_t, nuq, ptab, BT: tl.c
         inv = tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=f,f", [scale],
                                         dtype=tl.float32, is_pure=True, pack=1)  # fmt: skip
     c = tl.load(si_ptr + er * s_t + s, mask=s < SLOTS, other=D).to(tl.int32)
-    word = tl.load(ptr.to(tl.pointer_type(tl.int32)) + er * (stride_t // 4) + (c >> 3),
-                   mask=c < D, other=0)  # fmt: skip
+    # unused slots read the row's last word, unmasked: no byte is redirected to them
+    word = tl.load(ptr.to(tl.pointer_type(tl.int32)) + er * (stride_t // 4)
+                   + tl.minimum(c >> 3, D // 8 - 1))  # fmt: skip
     entry = tl.load(ptab + ((word >> ((c >> 1) & 3) * 8) & 255))
     for o in tl.static_range(SLOTS):  # every slot of this byte (s itself included)
         co = tl.load(si_ptr + er * s_t + o).to(tl.int32)
@@ -786,7 +788,7 @@ def _pair_values(ptr, rows, row_ok, stride_t, vs_ptr, vo_ptr, vq_t, pairs, nuq,
     segment's last); the word holding it is swapped per row for one whose byte is
     t SP + s and whose high index byte 1 (`_pair_index`): one compare and two selects per
     word and slot, where the PRMT lookup patched 8 instructions per word and slot. sm_90,
-    Llama-like NUQ4 as stored: 62.2 warp-instructions per row, 54.1 without the slots
+    Llama-like NUQ4 as stored: 61.8 warp-instructions per row, 54.1 without the slots
     (the PRMT lookup: 66.2, 63.0; the entries built per row in the words' layout and
     again in the table's, 63.1)."""
     BT: tl.constexpr = rows.shape[0]
@@ -1891,7 +1893,7 @@ def decode_splits_kernel(
     # as words, one normaliser per row), every segment's values and the numerator in
     # channel order; with slots redirected in the gather where the tile's slots fit its
     # extended table. sm_90, warp-instructions per row, before -> after: NUQ4 as stored
-    # (value slots), Llama-like 66.2 -> 62.2; without value slots 63.0 -> 54.1
+    # (value slots), Llama-like 66.2 -> 61.8; without value slots 63.0 -> 54.1
     # (post-RoPE without exceptions 34.2 -> 31.7). Not taken, the PRMT lookup kept:
     # post-RoPE keys with value slots (55.4 -> 58.4). Gemma 3's pre-RoPE NUQ4 with slots
     # takes it, the values the A operand (VT): 140.4 -> 123.6, its whole-layer call 141.1
