@@ -700,52 +700,73 @@ def _pair_index(words, hi, ASM: tl.constexpr):
 
 
 @triton.jit
-def _slot_fields(row, rows, nuq, ptab, inv, center, s: tl.constexpr, D: tl.constexpr):
+def _slot_word(row, rows, nuq, s: tl.constexpr, D: tl.constexpr):
     """Slot s of the tile's rows, [BT, 1] each (row: their codes as int32 words, rows: their
-    indices, in the layout of the tile's words): (channel, its exact value normalised by
-    the row's scale and centre, as fp16 bits in both halves of a word, its byte's pair of
-    levels from the global pair table, the word of codes holding it)."""
-    si_ptr, sv_ptr, s_t = nuq[11], nuq[12], nuq[13]
-    c = tl.load(si_ptr + rows * s_t + s).to(tl.int32)
-    exact = tl.load(sv_ptr + rows * s_t + s).to(tl.float32)
-    bits = ((exact - center) * inv).to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32)
-    bits = bits & 0xFFFF
-    word = tl.load(row + (c >> 3), mask=c < D, other=0)
-    byte = (word >> ((c >> 1) & 3) * 8) & 255
-    return c, bits | (bits << 16), tl.load(ptab + byte), word
+    indices, in the layout of the tile's words): (channel, the word of codes holding it)."""
+    c = tl.load(nuq[11] + rows * nuq[13] + s).to(tl.int32)
+    # an unused slot (channel D) reads the last word, unmasked: it matches no word's index
+    return c, tl.load(row + tl.minimum(c >> 3, D // 8 - 1))
 
 
 @triton.jit
-def _slot_patch(entry, alt, alt_hi, c, other, e, OWN: tl.constexpr):
-    """Slot `other` (`_slot_fields`; e: its entry's index - 256) put into slot c's entry
-    (its half, where it is the same byte) and word (its byte's index, where it is the same
-    word); OWN: `other` is slot c itself."""
-    co, rep, _, _ = other
-    half = 0xFFFF << ((co & 1) * 16)
+def _slot_redirect(alt, alt_hi, c, co, e, OWN: tl.constexpr):
+    """Slot co's byte (e: its entry's index - 256) redirected in slot c's word `alt` and its
+    high index bits `alt_hi`, where it is the same word; OWN: co is slot c itself."""
     at = ((co >> 1) & 3) * 8
     if OWN:
-        entry = (entry & ~half) | (rep & half)
         alt = (alt & ~(255 << at)) | (e << at)
         alt_hi = alt_hi | (1 << at)
     else:
-        entry = tl.where((co >> 1) == (c >> 1), (entry & ~half) | (rep & half), entry)
         same = (co >> 3) == (c >> 3)
         alt = tl.where(same, (alt & ~(255 << at)) | (e << at), alt)
         alt_hi = tl.where(same, alt_hi | (1 << at), alt_hi)
-    return entry, alt, alt_hi
+    return alt, alt_hi
 
 
 @triton.jit
-def _slot_table(pairs, entries, BT: tl.constexpr):
-    """[512] int32: the 256 level pairs, then the slots' entries (a tuple of [BT, 1], slot s
-    row t at 256 + s BT + t), then zeros."""
-    ent = tl.reshape(entries[0], (BT,))
-    if len(entries) == 2:
-        ent = tl.reshape(tl.permute(tl.join(entries[0], entries[1]), (2, 1, 0)), (2 * BT,))
-    if len(entries) >= 3:
-        e3 = entries[3] if len(entries) == 4 else tl.zeros_like(entries[0])
-        four = tl.join(tl.join(entries[0], entries[1]), tl.join(entries[2], e3))
-        ent = tl.reshape(tl.permute(four, (3, 2, 1, 0)), (4 * BT,))
+def _slot_entries(ptr, span, stride_t, vs_ptr, vo_ptr, vq_t, nuq, ptab, BT: tl.constexpr,
+                  D: tl.constexpr, V_HAS_OFF: tl.constexpr, SLOTS: tl.constexpr,
+                  SP: tl.constexpr, ASM: tl.constexpr):  # fmt: skip
+    """[SP x BT] int32, entry t SP + s: slot s of the tile's row t (span: its first row and
+    the segment's last, the tile's rows clamped to it, computed in this layout) as its
+    byte's pair of levels from the global pair table `ptab` with the halves of every slot
+    of that byte replaced by their exact values normalised by the row's scale and centre
+    (fp16 bits). One entry per thread, in a 1-D layout of their own: built from the
+    words' per-row layout they were computed for every slot in each of two layouts
+    (Triton rematerialised the loads) and converted through shared memory into the
+    table's."""
+    si_ptr, sv_ptr, s_t = nuq[11], nuq[12], nuq[13]
+    j = tl.arange(0, SP * BT)
+    er = tl.minimum(span[0] + j // SP, span[1])  # rows as `_segment_loop` clamps them
+    s = j % SP
+    scale = tl.load(vs_ptr + er * vq_t).to(tl.float32)
+    center = tl.zeros_like(scale)
+    if V_HAS_OFF:
+        center = tl.load(vo_ptr + er * vq_t).to(tl.float32)
+    inv = 1.0 / scale
+    if ASM:  # one approximate reciprocal (the quotient is rounded to fp16 next)
+        inv = tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=f,f", [scale],
+                                        dtype=tl.float32, is_pure=True, pack=1)  # fmt: skip
+    c = tl.load(si_ptr + er * s_t + s, mask=s < SLOTS, other=D).to(tl.int32)
+    # unused slots read the row's last word, unmasked: no byte is redirected to them
+    word = tl.load(ptr.to(tl.pointer_type(tl.int32)) + er * (stride_t // 4)
+                   + tl.minimum(c >> 3, D // 8 - 1))  # fmt: skip
+    entry = tl.load(ptab + ((word >> ((c >> 1) & 3) * 8) & 255))
+    for o in tl.static_range(SLOTS):  # every slot of this byte (s itself included)
+        co = tl.load(si_ptr + er * s_t + o).to(tl.int32)
+        exact = tl.load(sv_ptr + er * s_t + o).to(tl.float32)
+        bits = ((exact - center) * inv).to(tl.float16).to(tl.int16, bitcast=True)
+        bits = bits.to(tl.int32) & 0xFFFF
+        half = 0xFFFF << ((co & 1) * 16)
+        entry = tl.where((co >> 1) == (c >> 1), (entry & ~half) | ((bits | (bits << 16)) & half),
+                         entry)  # fmt: skip
+    return entry
+
+
+@triton.jit
+def _slot_table(pairs, ent):
+    """[512] int32: the 256 level pairs, then the slots' entries (`_slot_entries`), then
+    zeros."""
     for _ in tl.static_range(8):
         if ent.shape[0] < 256:
             ent = tl.reshape(tl.permute(tl.join(ent, tl.zeros_like(ent)), (1, 0)),
@@ -756,20 +777,20 @@ def _slot_table(pairs, entries, BT: tl.constexpr):
 @triton.jit
 def _pair_values(ptr, rows, row_ok, stride_t, vs_ptr, vo_ptr, vq_t, pairs, nuq,
                  D: tl.constexpr, V_HAS_OFF: tl.constexpr, OP: tl.constexpr,
-                 SLOTS: tl.constexpr, ASM: tl.constexpr):  # fmt: skip
+                 SLOTS: tl.constexpr, ASM: tl.constexpr, span=None):  # fmt: skip
     """A NUQ4 value tile [BT, D] in channel order, in OP: the codes read as int32 words, each
     byte's two levels from the byte-pair table (`_pair_levels`, one gather per byte: a
     pair is two neighbouring channels, no split into planes), then the row's scale and
     centre. SLOTS (S x BT <= 256): the rows' exact values, by redirecting the gather: the
-    byte of a slot's channel reads entry 256 + s BT + t of an extended table, its pair of
+    byte of a slot's channel reads entry 256 + t SP + s of an extended table, its pair of
     levels with the slot's half replaced by the exact value normalised (every slot of that
-    byte in it), built per row; the word holding it is swapped per row for one whose byte
-    is s BT + t and whose high index byte 1 (`_pair_index`): one compare and two selects
-    per word and slot, where the PRMT lookup patched 8 instructions per word and slot.
-    sm_90, Llama-like NUQ4 as stored: 63.1 warp-instructions per row, 54.1 without the
-    slots (the PRMT lookup: 66.2, 63.0); the rows' entries and words are built in two
-    layouts (Triton rematerialises their loads: pinning one layout converted through
-    shared memory instead, 63.2)."""
+    byte in it), one entry per thread (`_slot_entries`; span: the tile's first row and the
+    segment's last); the word holding it is swapped per row for one whose byte is
+    t SP + s and whose high index byte 1 (`_pair_index`): one compare and two selects per
+    word and slot, where the PRMT lookup patched 8 instructions per word and slot. sm_90,
+    Llama-like NUQ4 as stored: 61.8 warp-instructions per row, 54.1 without the slots
+    (the PRMT lookup: 66.2, 63.0; the entries built per row in the words' layout and
+    again in the table's, 63.1)."""
     BT: tl.constexpr = rows.shape[0]
     W: tl.constexpr = D // 8
     rows = rows[:, None]  # [BT, 1]: every per-row value in the words' layout
@@ -783,30 +804,24 @@ def _pair_values(ptr, rows, row_ok, stride_t, vs_ptr, vo_ptr, vq_t, pairs, nuq,
     table = pairs
     if SLOTS:
         ptab = nuq[14].to(tl.pointer_type(tl.int32), bitcast=True) + 16 + 256
-        scale32 = scale.to(tl.float32)
-        inv = 1.0 / scale32
-        if ASM:  # one approximate reciprocal (the quotient is rounded to fp16 next)
-            inv = tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=f,f", [scale32],
-                                            dtype=tl.float32, is_pure=True, pack=1)  # fmt: skip
+        SP: tl.constexpr = 1 if SLOTS == 1 else (2 if SLOTS == 2 else 4)  # entries per row
         fields = ()
         for s in tl.static_range(SLOTS):
-            fields = fields + (_slot_fields(row, rows, nuq, ptab, inv, center.to(tl.float32), s,
-                                            D),)  # fmt: skip
+            fields = fields + (_slot_word(row, rows, nuq, s, D),)
         local = tl.arange(0, BT)[:, None]
-        entries = ()
         wi = tl.arange(0, W)[None, :]
         for s in tl.static_range(SLOTS):
-            c, _, pair, alt = fields[s]
-            entry = pair
+            c, alt = fields[s]
             alt_hi = tl.zeros_like(alt)
-            for o in tl.static_range(SLOTS):  # every slot of this byte and word
-                entry, alt, alt_hi = _slot_patch(entry, alt, alt_hi, c, fields[o],
-                                                 o * BT + local, o == s)  # fmt: skip
-            entries = entries + (entry,)
+            for o in tl.static_range(SLOTS):  # every slot of this word
+                alt, alt_hi = _slot_redirect(alt, alt_hi, c, fields[o][0], local * SP + o,
+                                             o == s)  # fmt: skip
             m = wi == (c >> 3)
             words = tl.where(m, alt, words)
             hi = tl.where(m, alt_hi, hi)
-        table = _slot_table(pairs, entries, BT)
+        ent = _slot_entries(ptr, span, stride_t, vs_ptr, vo_ptr, vq_t, nuq, ptab, BT, D,
+                            V_HAS_OFF, SLOTS, SP, ASM)  # fmt: skip
+        table = _slot_table(pairs, ent)
     x = tl.reshape(tl.gather(table, _pair_index(words, hi, ASM), 0), (BT, D // 2))
     if ASM:  # the row's scale and centre by one fma.rn.f16x2 per pair (in Triton, the
         # pairs' halves were swapped around the HFMA2: 4 PRMTs per 8 codes)
@@ -1646,7 +1661,7 @@ def _segment_loop(
                                           nuq)  # fmt: skip
         elif VCH and not FULL:  # NUQ4 values in channel order, slots in the gather
             v_lo = _pair_values(v_ptr, tr, tr_ok, v_t, vs_ptr, vo_ptr, vq_t, nuq[16], nuq, D,
-                                V_HAS_OFF, OP, V_SLOTS, ASM)  # fmt: skip
+                                V_HAS_OFF, OP, V_SLOTS, ASM, (tile * BT, rows_seg - 1))  # fmt: skip
             v_hi = v_lo
         else:
             v_lo, v_hi = _value_planes(v_ptr, tr, tr_ok, v_t, vs_ptr, vo_ptr, vq_t, V_ZERO, VPA,
@@ -1878,22 +1893,25 @@ def decode_splits_kernel(
     # as words, one normaliser per row), every segment's values and the numerator in
     # channel order; with slots redirected in the gather where the tile's slots fit its
     # extended table. sm_90, warp-instructions per row, before -> after: NUQ4 as stored
-    # (value slots), Llama-like 66.2 -> 63.1; without value slots 63.0 -> 54.1
+    # (value slots), Llama-like 66.2 -> 61.8; without value slots 63.0 -> 54.1
     # (post-RoPE without exceptions 34.2 -> 31.7). Not taken, the PRMT lookup kept:
-    # post-RoPE keys with value slots (55.4 -> 58.4), Gemma 3's pre-RoPE NUQ4 with slots
-    # (140.4 -> 125.9 but a 16 B spill after the loop; the numerator stored in planes:
-    # 125.8, none, but 8 B in its whole-layer call; 8 B with the values the A operand,
-    # 648 B in 128-row tiles; 32-row tiles: 185.8)
+    # post-RoPE keys with value slots (55.4 -> 58.4). Gemma 3's pre-RoPE NUQ4 with slots
+    # takes it, the values the A operand (VT): 140.4 -> 123.6, its whole-layer call 141.1
+    # -> 123.8 without spill; the packed call alone keeps one lane index of the
+    # epilogue's layout conversion in local memory across the loop (8 B: one store
+    # before, one load after, none in the loop; the numerator [R, D]: 125.9 and 16 B;
+    # m and l stored as one [R, 2] tile: none there but 16 B in the layer call; 128-row
+    # tiles 648 B; 32-row tiles: 185.8)
     VCH: tl.constexpr = (
         V_LUT != 0
         and HALF
         and V_WORDS
         and NG == 1
-        and (V_SLOTS == 0 or (V_SLOTS * BLOCK_T <= 256 and D < 256 and (ROPE0 or ROPE1 or ROPE2)))
+        and (V_SLOTS == 0 or (V_SLOTS * BLOCK_T <= 256 and (ROPE0 or ROPE1 or ROPE2)))
     )
     VPA: tl.constexpr = 1 if VCH else VP
     VT: tl.constexpr = (V_LUT != 0 and V_SLOTS != 0 or V_VQ != 0) and not (
-        K_LUT != 0 and D >= 256 and (ROPE0 or ROPE1 or ROPE2)
+        K_LUT != 0 and D >= 256 and (ROPE0 or ROPE1 or ROPE2) and not VCH
     )
     m_i = tl.full([R], float("-inf"), tl.float32)
     l_i = tl.zeros([R], tl.float32)

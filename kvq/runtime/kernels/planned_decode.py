@@ -306,7 +306,7 @@ def nuq_table(table: Tensor) -> Tensor:
     the fp16 levels 0-3, 4-7, 8-11, 12-15, then their high bytes, one word each) once per
     lane of a warp, so that each lane reads its own copy into regular registers, then the
     byte-pair table's bits (entry b: the fp16 levels of b's low and high nibble, the value
-    slots' per-row entries, `_decode_splits_triton._slot_fields`)."""
+    slots' entries, `_decode_splits_triton._slot_entries`)."""
 
     def build():
         levels = table.float().reshape(16)

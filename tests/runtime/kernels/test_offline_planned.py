@@ -20,7 +20,7 @@ import torch
 from kvq.runtime.fp8_codecs import fp8_table
 from kvq.runtime.kernels.decode_attention import Segment
 from kvq.runtime.kernels.launch_plan import plan_splits
-from kvq.runtime.kernels.offline import KernelResources, main_loop
+from kvq.runtime.kernels.offline import PREFETCH_OP, KernelResources, main_loop
 from kvq.runtime.packed import PackedRows
 from tests.runtime.kernels.helpers import compile_in_child, resources
 from tests.runtime.kernels.test_decode_attention import _rope
@@ -195,13 +195,20 @@ def _compile(case: str) -> dict:
     res = compile_offline(fn, (), args, options=call.config.options())
     layer = planned_decode.planned_call(query, _layer(seg), scaling=d**-0.5, softcap=None,
                                         half=True, rope=rope)  # fmt: skip
+    loop = res.loop
+    # a layer call's packed loop: the one prefetching its next tile where one does (Gemma 3's
+    # NUQ4 values as the A operand take a warpgroup MMA, fewer tensor-core instructions
+    # than the residual rows' loop, `main_loop`'s pick)
+    fetching = [body for body in res.loops if body[PREFETCH_OP]]
+    if case.endswith("-layer") and fetching:
+        loop = max(fetching, key=lambda body: sum(body.values()))
     return {
         **res.as_dict(),
         "runtime_args_layer": runtime_arguments(
             fn, {**layer.args, "part": torch.empty(1), "splits": 8}
         ),  # fmt: skip
         "sass": dict(res.sass),
-        "loop": dict(res.loop),
+        "loop": dict(loop),
         "block_t": call.config.block_t,
         "num_stages": call.config.num_stages,
         "row_bytes": row_bytes,
@@ -226,10 +233,19 @@ def _assert_loop(compiled, case: str, per_row: float, warps_per_sm: int) -> None
     assert res.warps_per_sm >= warps_per_sm, (case, res.as_dict())
 
 
+# spilled outside every loop (bytes): Gemma 3's NUQ4 with its value slots redirected in the
+# pair table's gather keeps one lane index of the epilogue's layout conversion in local
+# memory across the tile loop, one store before it and one load after it per program
+# (the loop itself, 123.6 warp-instructions per row against 140.4 with the PRMT lookup,
+# touches none); its whole-layer call spills nothing
+OUTSIDE_LOOP_SPILL = {"nuq4-pre-gemma": 8}
+
+
 @pytest.mark.parametrize("case", list(CASES))
 def test_tile_loop_has_no_int_to_float_no_spill_and_tensor_cores(compiled, case):
     res, _ = compiled[case]
-    assert res.stack_bytes == 0, res.as_dict()
+    assert res.stack_bytes <= OUTSIDE_LOOP_SPILL.get(case, 0), res.as_dict()
+    assert res.loop["LDL"] == res.loop["STL"] == 0, res.loop  # no local memory in the loop
     assert res.loop_int_to_float == 0, res.loop
     assert res.loop_tensor_core_ops > 0, res.loop
     if case not in UNSTAGED:
@@ -278,13 +294,14 @@ def test_pre_rope_nuq4_loops_per_row(compiled):
     """KVQuant's stored layout (NUQ4 keys before RoPE, their exceptions corrected rotated,
     value slots): levels from the byte-pair table (one gather per tile) x per-channel scale
     + centre, rotated in channel order in the loop (the query rotated per tile by one table
-    row), the next tile prefetched into L2. Llama-like 63 per row at 8 warps per SM, the
+    row), the next tile prefetched into L2. Llama-like 62 per row at 8 warps per SM, the
     values from the pair table too, their slots redirected in its gather (PRMT values:
     66; PRMT keys in planes: 79; the general kernel: 252); Gemma 3, 8 warps per program,
-    140 (162; 426), no spill; Gemma 3's whole-layer call (it spilled 8 B) keeps the
-    packed loop within 5%."""
-    _assert_loop(compiled, "nuq4-pre-llama", per_row=65, warps_per_sm=8)
-    _assert_loop(compiled, "nuq4-pre-gemma", per_row=143, warps_per_sm=8)
+    its values the same way: 124 (PRMT values: 140; PRMT keys: 162; 426), nothing spilled
+    in the loop; Gemma 3's whole-layer call spills nothing and keeps the packed loop
+    within 5%."""
+    _assert_loop(compiled, "nuq4-pre-llama", per_row=62.5, warps_per_sm=8)
+    _assert_loop(compiled, "nuq4-pre-gemma", per_row=125, warps_per_sm=8)
     res, r = compiled["nuq4-pre-gemma"]
     layer, rl = compiled["nuq4-pre-gemma-layer"]
     assert layer.stack_bytes == 0, layer.as_dict()

@@ -441,22 +441,24 @@ def _slotted_values(seg: Segment, slots: int, seed: int) -> Segment:
             idx[..., i] = torch.where(every3, ch, idx[..., i])
     idx[..., slots - 1] = torch.where(torch.arange(t) % 5 == 0, d, idx[..., slots - 1])
     vals = (torch.randn(b, h, t, slots, generator=g) * 4).half()
-    value = replace(v, slot_index=idx.to(torch.uint8), slot_value=vals)
+    index = torch.uint8 if d < 256 else torch.int16  # unused slots: D
+    value = replace(v, slot_index=idx.to(index), slot_value=vals)
     return Segment(seg.key, value, seg.positions)
 
 
-@pytest.mark.parametrize("slots", [1, 3, 4])
-def test_fp16_dots_redirect_nuq4_value_slots_in_the_pair_table(slots):
+@pytest.mark.parametrize("slots, d", [(1, 64), (3, 64), (4, 64), (4, 256)])
+def test_fp16_dots_redirect_nuq4_value_slots_in_the_pair_table(slots, d):
     """Pre-RoPE NUQ4 with fp16 dots: the values' slots redirect the gather of their code
     byte to per-row entries of an extended pair table (`_pair_values`), slots sharing a
-    byte or a word included, unused slots skipped: within fp16 rounding of the reference,
-    and the slots move the result far beyond that."""
-    b, hkv, d = 2, 2, 64
+    byte or a word included, unused slots skipped (head_dim 256, MQA: the numerator
+    transposed, values the dot's A operand): within fp16 rounding of the reference, and
+    the slots move the result far beyond that."""
+    b, hkv, hq = 2, (2 if d < 256 else 1), (8 if d < 256 else 4)
     segs = _layer_segments("nuq4", b, hkv, d, rows=150, seed=43)
     total = sum(s.rows for s in segs)
     segs = _pre_rope(segs, _positions(b, total, start=11))
     segs[1] = _slotted_values(segs[1], slots, seed=slots)
-    q, segs, rope = _to((torch.randn(b, 8, 1, d) * 2, segs, _rope(d)), DEVICE)
+    q, segs, rope = _to((torch.randn(b, hq, 1, d) * 2, segs, _rope(d)), DEVICE)
     kw = dict(scaling=d**-0.5, softcap=None, half=True, rope=rope)
     call = planned_decode.planned_call(q, segs, **kw)
     assert call.args["V_SLOTS"] == slots and call.args["V_WORDS"] and call.args["HALF"]
