@@ -104,7 +104,7 @@ def affine_qparams(
     below the range clips); scale = (hi - offset) / (2^bits - 1) rounded up.
     Constant rows (hi == lo, all-zero included) get scale 1 and offset = lo
     rounded to nearest, so they decode within the dtype's rounding of the value.
-    raise_tiny: see `store_scale` (False for static, calibrated ranges).
+    raise_tiny: see `store_scale` (False for static, calibrated ranges and live cache rows).
     """
     top = levels(bits)
     check_finite(lo, "range minimum")

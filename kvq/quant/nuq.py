@@ -54,8 +54,8 @@ def normalizer(
     clips (the same reason `affine_qparams` rounds its offset down).
     Constant rows (hi == lo) get scale 1. A range too small for the scale
     dtype raises KvqError, or with raise_tiny=False (static, calibrated
-    ranges) gets the dtype's smallest normal (stored-scale policy,
-    `kvq.quant.qparams`).
+    ranges and the cache's live rows) gets the dtype's smallest normal
+    (stored-scale policy, `kvq.quant.qparams`).
     """
     check_finite(lo, "range minimum")
     check_finite(hi, "range maximum")

@@ -17,9 +17,10 @@ scale with `.float()` before encoding. The policy (see the live-data notes,
     tiny random one), is raised to that smallest normal. Rounding a scale up
     never clips, the codes only use less of their range, so calibration floors
     it and records the count in the pass's manifest report (`count_floored`);
-  - a scale computed at run time from live data is refused (KvqError) by the
-    shared quantizers and the append kernels, except where a codec documents
-    that a near-constant slice is no error (KIVI's key groups);
+  - a scale the cache computes at run time from live rows (per-token and
+    per-group values, KIVI's key groups, QServe rows) is raised the same way, on
+    both append paths: a quiet head must not stop a generation. Activations
+    and weights keep the refusal (KvqError), the quantizers' default;
   - a stored scale read back from an artifact that is zero or subnormal was not
     written by calibration (hand-made or corrupted) and is refused at load
     (`kvq.runtime.validate`).

@@ -185,10 +185,14 @@ def append_int_token_reference(
     grouped = affine.to_groups(x.float(), g)  # [B, H, T, D/G, G]
     rows = _rows(x, start)
     if symmetric:
-        codes, scale = affine.quantize_symmetric(grouped, bits, -1, scale_out.dtype, False)
+        codes, scale = affine.quantize_symmetric(
+            grouped, bits, -1, scale_out.dtype, raise_tiny=False
+        )
         ucodes = (codes.to(torch.int16) + (1 << (bits - 1))).to(torch.uint8)
     else:
-        ucodes, scale, offset = affine.quantize_affine(grouped, bits, -1, scale_out.dtype, False)
+        ucodes, scale, offset = affine.quantize_affine(
+            grouped, bits, -1, scale_out.dtype, raise_tiny=False
+        )
         offset_out[:, :, rows] = offset.squeeze(-1)
     codes_out[:, :, rows] = packing.pack_bits(affine.from_groups(ucodes), bits)
     scale_out[:, :, rows] = scale.squeeze(-1)
@@ -495,12 +499,13 @@ def _finite(v):
     return tl.abs(v.to(tl.float32)) < float("inf")
 
 
-def _flag_rows(bad_ptr, u, valid, x, m, s, other, TINY: tl.constexpr):
+def _flag_rows(bad_ptr, u, valid, x, m, s, other):
     # 1 where a unit cannot be stored as the reference would: a non-finite input, a
-    # stored scale that is not a finite normal number (below TINY), or a non-finite
-    # `other` stored qparam (offset or center); the launcher reads these with one sync
+    # non-finite stored scale (it is never below the smallest normal: `_round_up`), or a
+    # non-finite `other` stored qparam (offset or center); the launcher reads these with
+    # one sync
     rows_ok = tl.min(tl.where(m, _finite(x), True).to(tl.int32), axis=1) != 0
-    ok = rows_ok & _finite(s) & (s.to(tl.float32) >= TINY) & _finite(other)
+    ok = rows_ok & _finite(s) & _finite(other)
     tl.store(bad_ptr + u, (~ok).to(tl.uint8), mask=valid)
 
 
@@ -563,7 +568,7 @@ def _int_token_kernel(x_ptr, codes_ptr, scale_ptr, offset_ptr, bad_ptr, start, H
         q = _rint(tl.math.div_rn(x - of[:, None], s.to(tl.float32)[:, None]))
         q = tl.minimum(tl.maximum(q, 0.0), (1 << BITS) - 1)
     tl.store(scale_ptr + b * ssb + h * ssh + (start + t) * sst + g * ssd, s, mask=valid)
-    _flag_rows(bad_ptr, u, valid, x, m, s, off, TINY)
+    _flag_rows(bad_ptr, u, valid, x, m, s, off)
     codes = tl.where(m, q.to(tl.int32), 0)
     crow = codes_ptr + b * scb + h * sch + (start + t) * sct + g * GBYTES * scd
     _pack_store(codes, crow, scd, valid, G, BL, BITS, PER)
@@ -593,7 +598,7 @@ def _int_qserve_kernel(x_ptr, codes_ptr, scale_ptr, offset_ptr, bad_ptr, start, 
     off = tl.math.div_rn(0.0 - lo, sf).to(tl.float16)
     tl.store(scale_ptr + b * ssb + h * ssh + (start + t) * sst, s, mask=valid)
     tl.store(offset_ptr + b * sob + h * soh + (start + t) * sot, off, mask=valid)
-    _flag_rows(bad_ptr, u, valid, x, m, s, off, TINY)
+    _flag_rows(bad_ptr, u, valid, x, m, s, off)
     q = _rint(tl.math.div_rn(x, sf[:, None]) + off.to(tl.float32)[:, None])
     q = tl.minimum(tl.maximum(q, 0.0), 15.0)
     codes = tl.where(m, q.to(tl.int32), 0)
@@ -731,7 +736,7 @@ def _nuq_value_kernel(x_ptr, codes_ptr, scale_ptr, center_ptr, index_ptr, value_
     s = _round_up(tl.where(hi > lo, half, 1.0), DT, TINY)
     tl.store(scale_ptr + b * ssb + h * ssh + (start + t) * sst, s, mask=valid)
     tl.store(center_ptr + b * seb + h * seh + (start + t) * sec, center, mask=valid)
-    _flag_rows(bad_ptr, u, valid, x, m, s, center, TINY)
+    _flag_rows(bad_ptr, u, valid, x, m, s, center)
     xn = tl.math.div_rn(x - c[:, None], s.to(tl.float32)[:, None])
     codes = _nuq_codes(xn, mids_ptr, m, BITS)
     crow = codes_ptr + b * scb + h * sch + (start + t) * sct
@@ -822,17 +827,11 @@ def _launch(kernel: str, n_units: int, width: int, *args, **meta) -> None:
     globals()[kernel][grid](*args, R=r, num_warps=warps, **meta)
 
 
-def _check_stored(what: str, stored: Tensor, scale: bool) -> None:
-    """The launcher's half of the stored-scale policy: refuse what the kernel could not store."""
-    back = stored.float()
-    name = dtype_name(stored.dtype)
-    if not bool(torch.isfinite(back).all()):
-        raise KvqError(f"{what} overflows {name}; use a wider scale dtype")
-    if scale and bool((back < torch.finfo(stored.dtype).tiny).any()):
-        raise KvqError(
-            f"{what} underflows {name} (below its smallest normal); "
-            "the data range is too small for this scale dtype"
-        )
+def _check_stored(what: str, stored: Tensor) -> None:
+    """The launcher's half of the stored-scale policy: refuse what the kernel could not store
+    (a scale never underflows: `_round_up` floors it at the dtype's smallest normal)."""
+    if not bool(torch.isfinite(stored.float()).all()):
+        raise KvqError(f"{what} overflows {dtype_name(stored.dtype)}; use a wider scale dtype")
 
 
 def _flags(n_units: int, device: torch.device) -> Tensor:
@@ -841,10 +840,10 @@ def _flags(n_units: int, device: torch.device) -> Tensor:
 
 
 def _refuse_flagged(
-    bad: Tensor, x: Tensor, what: str, stored: tuple[tuple[str, Tensor, bool], ...]
+    bad: Tensor, x: Tensor, what: str, stored: tuple[tuple[str, Tensor], ...]
 ) -> None:
     """After a launch: the kernel flagged every unit whose input was not finite or whose
-    stored qparams (name, rows, is a scale) break `_check_stored`. Reading the flags is one
+    stored qparams (name, rows) break `_check_stored`. Reading the flags is one
     op and one device sync on the happy path (an append runs per layer and step; on CUDA
     every sync stalls the launch queue, and every op is a launch). On a flag the separate
     checks run in order and raise their own message. The rows written past the cache's
@@ -856,8 +855,8 @@ def _refuse_flagged(
     if not bool(bad.any()):
         return
     check_finite(x, what)
-    for name, t, scale in stored:
-        _check_stored(name, t, scale)
+    for name, t in stored:
+        _check_stored(name, t)
     raise KvqError(f"{what}: the append kernel flagged a row that the checks accept")
 
 
@@ -896,9 +895,9 @@ def append_int_token_triton(
         TINY=torch.finfo(scale_out.dtype).tiny,
     )  # fmt: skip
     rows = _rows(x, start)
-    stored = (("scale", scale_out[:, :, rows], True),)
+    stored = (("scale", scale_out[:, :, rows]),)
     if not symmetric:
-        stored += (("offset", offset_out[:, :, rows], False),)
+        stored += (("offset", offset_out[:, :, rows]),)
     _refuse_flagged(bad, x, "input", stored)
 
 
@@ -920,8 +919,8 @@ def append_int_qserve_triton(
     )  # fmt: skip
     rows = _rows(x, start)
     stored = (
-        ("QServe scale", scale_out[:, :, rows], True),
-        ("QServe offset -min/scale", offset_out[:, :, rows], False),
+        ("QServe scale", scale_out[:, :, rows]),
+        ("QServe offset -min/scale", offset_out[:, :, rows]),
     )
     _refuse_flagged(bad, x, "input", stored)
 
@@ -1014,7 +1013,7 @@ def append_nuq_value_triton(
         RANGE=split == "range", TINY=torch.finfo(scale_out.dtype).tiny,
     )  # fmt: skip
     rows = _rows(x, start)
-    stored = (("center", center_out[:, :, rows], False), ("scale", scale_out[:, :, rows], True))
+    stored = (("center", center_out[:, :, rows]), ("scale", scale_out[:, :, rows]))
     _refuse_flagged(bad, x, "value rows", stored)
 
 
