@@ -609,8 +609,9 @@ class KvqLayer(CacheLayerMixin):
 
     # --- ledger --------------------------------------------------------------------
 
-    def ledger_bytes(self) -> dict[str, int]:
-        """Measured bytes per ledger category of the committed state."""
+    def ledger_bytes(self, counted: set[int] | None = None) -> dict[str, int]:
+        """Measured bytes per ledger category of the committed state. counted: addresses of
+        static tensors already counted (a table the layers share is held, and counted, once)."""
         out = dict.fromkeys(
             ("codes", "qparams", "sparse", "sink", "residual", "full_precision", "prefix"), 0
         )
@@ -627,7 +628,11 @@ class KvqLayer(CacheLayerMixin):
             for name, nbytes in store.nbytes().items():
                 out[cats[f"{part}.{name}"]] += nbytes
         for codec in (self.key_codec, self.value_codec):
-            out["qparams"] += sum(t.nbytes for t in codec.static.values())
+            for t in codec.static.values():
+                if counted is None or t.data_ptr() not in counted:
+                    out["qparams"] += t.nbytes
+                    if counted is not None and t.nbytes:
+                        counted.add(t.data_ptr())
         return out
 
     def allocated_bytes(self) -> int:
@@ -738,8 +743,9 @@ class KvqLayer(CacheLayerMixin):
         value = self.value_codec.packed(_strip(rows, "v."), flat.get("v", {}))
         return decode_packed(key.narrow(start, stop)), decode_packed(value.narrow(start, stop))
 
-    def activate_past_recording(self) -> None:
-        """Keep evictable rows until the next `crop` (transformers may roll back drafts)."""
+    def activate_past_recording(self, **_recurrent) -> None:
+        """Keep evictable rows until the next `crop` (transformers may roll back drafts).
+        Keywords for recurrent layers (5.25's `recurrent_states_to_keep`) do not apply."""
         self.record_past = True
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
