@@ -19,7 +19,10 @@ other kept exact): where the remaining error comes from.
 then + vector codebooks (`kvq calibrate vq`: the same normalisers, outliers and sink, the
 dense codes over 2- or 4-channel groups) then + mixed precision (per-layer, per-side bits
 from the Fisher sensitivity at equal total bits: what `kvq calibrate auto` runs), each
-with both sides, keys only and values only quantized. All caches are scored against one
+with both sides, keys only and values only quantized; then (`--steps ...,trellis,trellis-mixed`)
+bit-shift trellis codes (`kvq calibrate trellis`: the same normalisers, outliers and sink,
+shared 12-bit tables) with uniform and Fisher-allocated widths (tables charged over
+--seqlen tokens). All caches are scored against one
 baseline forward per window (`evaluate_many`); the JSON is rewritten after every window.
 Prints perplexity ratio, KLD and top-1 agreement against the unquantized model,
 and bytes per token against fp16, measured from the caches.
@@ -45,7 +48,8 @@ from rich.table import Table
 from kvq.calibrators.channel_scales import ChannelScalesOptions, calibrate_channel_scales
 from kvq.calibrators.fisher import fisher_cached
 from kvq.calibrators.kvquant import KVQuantOptions, calibrate_kvquant
-from kvq.calibrators.options import VQOptions
+from kvq.calibrators.options import TrellisOptions, VQOptions
+from kvq.calibrators.trellis import calibrate_trellis
 from kvq.calibrators.vq import calibrate_vq
 from kvq.eval.quality import QualityTotals, _accumulate, evaluate_many
 from kvq.progress import Progress
@@ -75,7 +79,11 @@ def main() -> None:
     ap.add_argument("--bits", type=int, default=3)
     ap.add_argument("--no-split", action="store_true", help="skip the K-only / V-only rows")
     ap.add_argument("--lowbit", default="", help="e.g. 3,2: scalar NUQ -> + vq -> + mixed")
-    ap.add_argument("--steps", default="nuq,vq,mixed", help="--lowbit rows to run (nuq, vq, mixed)")
+    ap.add_argument(
+        "--steps",
+        default="nuq,vq,mixed",
+        help="--lowbit rows to run (nuq, vq, mixed, trellis, trellis-mixed)",
+    )
     ap.add_argument("--split", default="nuq,vq,mixed", help="--lowbit rows with K/V-only rows")
     args = ap.parse_args()
     torch.set_grad_enabled(False)
@@ -169,6 +177,16 @@ def main() -> None:
     write_json(args.json, {"results": results})
 
 
+def _distinct_bytes(tensors: list[torch.Tensor]) -> int:
+    """Bytes of `tensors`, each distinct tensor once (shared trellis tables are written with
+    every layer and held once by the cache)."""
+    seen: list[torch.Tensor] = []
+    for t in tensors:
+        if not any(s.dtype == t.dtype and s.shape == t.shape and torch.equal(s, t) for s in seen):
+            seen.append(t)
+    return sum(t.nbytes for t in seen)
+
+
 def lowbit(args, loaded, cal, ev, console) -> None:
     """Scalar NUQ -> + vector codebooks -> + mixed precision at each width of --lowbit."""
     model, adapter = loaded.model, loaded.adapter
@@ -177,6 +195,7 @@ def lowbit(args, loaded, cal, ev, console) -> None:
     # every pass captures the same K/V of the same windows: capture once, hand out copies
     # of the per-layer lists (passes release their entries as they go)
     import kvq.calibrators.kvquant as kvquant_module
+    import kvq.calibrators.trellis as trellis_module
     import kvq.calibrators.vq as vq_module
 
     captured = {}
@@ -190,6 +209,7 @@ def lowbit(args, loaded, cal, ev, console) -> None:
         return list(k), list(v)
 
     vq_module.capture_kv = kvquant_module.capture_kv = capture_once
+    trellis_module.capture_kv = capture_once
     steps_wanted = set(args.steps.split(","))
     split_wanted = set(args.split.split(","))
     info = adapter.info
@@ -201,6 +221,11 @@ def lowbit(args, loaded, cal, ev, console) -> None:
                 model, adapter, cal.ids, VQOptions(bits=b), Progress(), fisher)),
             ("mixed", f"{b}b + mixed precision (auto)", lambda b=b: calibrate_vq(
                 model, adapter, cal.ids, VQOptions(bits=b, mixed=True), Progress(), fisher)),
+            ("trellis", f"{b}b + trellis codes", lambda b=b: calibrate_trellis(
+                model, adapter, cal.ids, TrellisOptions(bits=b), Progress(), fisher)),
+            ("trellis-mixed", f"{b}b + trellis codes, mixed precision", lambda b=b:
+                calibrate_trellis(model, adapter, cal.ids, TrellisOptions(bits=b,
+                mixed="fisher"), Progress(), fisher)),
         ]  # fmt: skip
         for step, name, calibrate in steps:
             if step not in steps_wanted:
@@ -215,8 +240,8 @@ def lowbit(args, loaded, cal, ev, console) -> None:
             for side in sides:
                 label = name if side == "both" else f"  {name}: {side} only"
                 kept = {"both": (".key.", ".value."), "keys": (".key.",), "values": (".value.",)}
-                static_bytes[label] = sum(
-                    t.nbytes for n, t in static.items() if any(k in n for k in kept[side])
+                static_bytes[label] = _distinct_bytes(
+                    [t for n, t in static.items() if any(k in n for k in kept[side])]
                 )
                 caches[label] = lambda p=policy.only(side), s=static: build_cache(
                     model, p, s, adapter

@@ -461,6 +461,70 @@ class VQOptions(_SideExceptions, PassOptions):
         check_range("--sink", self.sink, 0)
 
 
+TABLE_CHOICES = ("shared", "width", "layer")
+
+
+@dataclass(frozen=True)
+class TrellisOptions(_SideExceptions, PassOptions):
+    NAME: ClassVar[str] = "trellis"
+    SUMMARY: ClassVar[str] = (
+        "KVQuant with bit-shift trellis codes (QTIP-style TCQ) for the dense codes; mixed bits."
+    )
+
+    bits: int = option(3, "1, 2, 3 or 4 bits per element (codes)")
+    window: int = option(12, "trellis state bits: a table of 2^window levels (a multiple of bits)")
+    tables: str = option(
+        "shared",
+        "shared: one table per side (keys, values) for every layer and width; width: one "
+        "per side and width; layer: one per layer, side and width",
+    )
+    outliers: float = option(0.01, "fraction kept exactly (sparse)")
+    sink: int = option(1, "first N positions kept in full precision")
+    fisher: bool = option(True, "Fisher-weighted tables and search", flag="--fisher/--no-fisher")
+    mixed: str = option("none", "per-layer, per-side bits: none; fisher (within each side)")
+    static_tokens: int | None = option(
+        None,
+        "with --mixed: the context over which the tables and weights are charged to the "
+        "code bits, so the cache holds no more bytes than scalar NUQ there (default: "
+        "--seqlen; 0: code bits only)",
+        flag="--static-tokens",
+    )
+    v_outliers: float | None = option(
+        None,
+        "fraction of each value row kept exactly (default: --outliers); with --mixed the "
+        "bits it saves widen value layers",
+        flag="--v-outliers",
+    )
+    k_outliers: float | None = option(
+        None,
+        "fraction of key entries kept exactly (default: --outliers); with --mixed the bits "
+        "it saves widen key layers",
+        flag="--k-outliers",
+    )
+    seed: int = 0  # table initialisation and subsample; the command line passes its --seed
+
+    def __post_init__(self) -> None:
+        check_choice("--mixed", self.mixed, ("none", "fisher"), " for trellis")
+        check_choice("--bits", self.bits, (1, 2, 3, 4), " for trellis")
+        check_choice("--tables", self.tables, TABLE_CHOICES)
+        if self.static_tokens is not None:
+            check_range("--static-tokens", self.static_tokens, 0)
+        if not all(b < self.window <= 16 and self.window % b == 0 for b in self.widths()):
+            listed = ", ".join(map(str, self.widths()))
+            raise KvqError(
+                f"--window must be at most 16, above and a multiple of the widths {listed}; "
+                f"got {self.window}"
+            )
+        self.check_exceptions()
+        check_range("--sink", self.sink, 0)
+
+    def widths(self) -> tuple[int, ...]:
+        """The widths the layer-sides may take: --bits, or within +-1 of it with --mixed."""
+        if self.mixed == "none":
+            return (self.bits,)
+        return tuple(range(max(1, self.bits - 1), min(4, self.bits + 1) + 1))
+
+
 # What `kvq calibrate auto --bits B` runs, from the measurements on Gemma 3 270M
 # (WikiText-2 test 16 x 512, prefill; README "Low-bit caches"): bits -> (method, vq
 # vector dim, mixed precision). "kvquant" is scalar KVQuant NUQ with its defaults.
@@ -508,6 +572,17 @@ AUTO_V_OUTLIERS: dict[int, float | None] = {2: 0.0, 3: 0.0, 4: None}
 AUTO_K_OUTLIERS: dict[int, float | None] = {2: 0.0, 3: None, 4: None}
 
 
+# per width: what auto runs with --trellis (the default): `kvq calibrate trellis` with
+# shared tables after `rotate`, as (--mixed, keys' exception fraction, values' exception
+# fraction; None: --outliers, 1%). Measured against the choices above (--no-trellis), ratio /
+# KLD / top-1 / bytes at 512 tokens, 16 x 512 prefill (README "Trellis codes"):
+AUTO_TRELLIS: dict[int, tuple[str, float | None, float | None]] = {
+    2: ("fisher", 0.0, 0.0),
+    3: ("fisher", None, 0.0),
+    4: ("none", None, 0.005),
+}
+
+
 def vq_dims(v: VQOptions) -> str:
     """The codebook dimensions of `v` in words: --dim, or the default's (4 up to 2 bits,
     else 2, and 4 on the layer-sides that --mixed moves down to 2 bits or fewer)."""
@@ -538,17 +613,31 @@ class AutoOptions(PassOptions):
         "rotate the values first (`rotate` pass) at the widths where it was measured to pay",
         flag="--rotate/--no-rotate",
     )
+    trellis: bool = option(
+        True,
+        "trellis codes (the best measured quality; decoded by the reference, a Viterbi "
+        "search per appended row); --no-trellis: the best codes with Triton kernels",
+        flag="--trellis/--no-trellis",
+    )
+    static_tokens: int | None = option(
+        None,
+        "with --trellis and --mixed fisher widths: the context over which the tables are "
+        "charged to the code bits (default: --seqlen; 0: code bits only)",
+        flag="--static-tokens",
+    )
     seed: int = 0  # k-means; the command line passes its --seed
 
     def __post_init__(self) -> None:
         check_choice("--bits", self.bits, AUTO_CHOICES, " for auto")
+        if self.static_tokens is not None:
+            check_range("--static-tokens", self.static_tokens, 0)
 
     def chain(self) -> tuple[PassOptions, ...]:
         if self.rotate and AUTO_ROTATE[self.bits]:
             return (RotateOptions(seed=self.seed), self)
         return (self,)
 
-    def chosen(self) -> VQOptions | KVQuantOptions:
+    def chosen(self) -> VQOptions | KVQuantOptions | TrellisOptions:
         method, dim, mixed = AUTO_CHOICES[self.bits]
         # unrotated values keep their exceptions: their outlier channels are still there
         rotated = len(self.chain()) > 1
@@ -556,8 +645,19 @@ class AutoOptions(PassOptions):
             "v_outliers": AUTO_V_OUTLIERS[self.bits] if rotated else None,
             "k_outliers": AUTO_K_OUTLIERS[self.bits] if rotated else None,  # measured so
         }
+        if self.trellis:
+            method, (mixed, k_outliers, v_outliers) = "trellis", AUTO_TRELLIS[self.bits]
+            exceptions = {
+                "v_outliers": v_outliers if rotated else None,
+                "k_outliers": k_outliers if rotated else None,
+            }
         if method == "kvquant":
             return KVQuantOptions(bits=self.bits, mixed=mixed, seed=self.seed, **exceptions)
+        if method == "trellis":
+            return TrellisOptions(
+                bits=self.bits, mixed=mixed, seed=self.seed, static_tokens=self.static_tokens,
+                **exceptions,
+            )  # fmt: skip
         return VQOptions(bits=self.bits, dim=dim, mixed=mixed, seed=self.seed, **exceptions)
 
     def method(self) -> str:
@@ -577,6 +677,12 @@ class AutoOptions(PassOptions):
             "fisher": ", per-layer bits within each side by Fisher sensitivity",
             "loss": ", per-layer/side bits by measured KL (across sides)",
         }[v.mixed]
+        if isinstance(v, TrellisOptions):
+            return (
+                f"trellis: KVQuant normalisers + {_exceptions(v)} + sink {v.sink}, "
+                f"{v.window}-bit bit-shift trellis codes, Fisher-weighted tables shared by "
+                f"the layers{mixed}"
+            )
         return (
             f"vq: KVQuant normalisers + {_exceptions(v)} + sink 1, {vq_dims(v)} Fisher-weighted "
             f"codebooks (keys over RoPE pairs){mixed}"

@@ -24,6 +24,7 @@ from kvq.calibrators.options import (
     PrefixQuantOptions,
     RotateOptions,
     SmoothAttentionOptions,
+    TrellisOptions,
     TuneOptions,
     VQOptions,
 )
@@ -54,6 +55,7 @@ PASSES: dict[str, PassEntry] = {
         PassEntry(RotateOptions, "kvq.calibrators.rotation:fit"),
         PassEntry(ActScalesOptions, "kvq.calibrators.act_scales:fit"),
         PassEntry(VQOptions, "kvq.calibrators.vq:fit"),
+        PassEntry(TrellisOptions, "kvq.calibrators.trellis:fit"),
         PassEntry(AutoOptions, "kvq.calibrators.auto:fit"),
         PassEntry(PrefixQuantOptions, "kvq.calibrators.prefixquant:fit"),
         PassEntry(IntactKVOptions, "kvq.calibrators.intactkv:fit"),

@@ -309,15 +309,20 @@ def fisher_sums(ctx: FitContext, sink: int):
     return info
 
 
-def fit(ctx: FitContext) -> PassResult:
-    """The registered `vq` pass (Fisher sums cached per model and windows, stored as
-    provenance)."""
+def fit_with(ctx: FitContext, calibrate) -> PassResult:
+    """A pass that runs `calibrate` (`calibrate_vq`'s signature) with the Fisher sums when
+    its options ask for them (cached per model and windows, stored as provenance)."""
     opts = ctx.options
     fisher, extra = None, {}
     if opts.fisher:
         info = fisher_sums(ctx, opts.sink)
         fisher, extra = (info.key, info.value), info.to_tensors()
-    policy, tensors = calibrate_vq(
+    policy, tensors = calibrate(
         ctx.loaded.model, ctx.loaded.adapter, ctx.windows.ids, opts, ctx.progress, fisher
     )
     return PassResult(policy, tensors | extra)
+
+
+def fit(ctx: FitContext) -> PassResult:
+    """The registered `vq` pass."""
+    return fit_with(ctx, calibrate_vq)

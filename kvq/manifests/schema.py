@@ -197,6 +197,7 @@ _MISSING = "<missing>"
 LATER_FIELDS = {
     ("QuantScheme", "zero_point"),
     ("QuantScheme", "vector_dim"),
+    ("QuantScheme", "window"),
     ("LayerPolicy", "residual_tokens"),
     ("CachePolicy", "prefix"),
     ("ByteLedger", "prefix"),

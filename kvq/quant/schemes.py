@@ -19,7 +19,7 @@ from kvq.errors import KvqError
 
 SCHEME_VERSION = 1
 
-Format = Literal["int", "fp8", "nuq", "vq", "none"]
+Format = Literal["int", "fp8", "nuq", "vq", "trellis", "none"]
 Axis = Literal["token", "channel", "head", "tensor"]
 Lifetime = Literal["static", "dynamic"]
 KeyStage = Literal["pre-rope", "post-rope"]
@@ -29,6 +29,7 @@ Fp8Format = Literal["e4m3", "e5m2"]
 INT_BITS = (2, 3, 4, 8)
 VQ_DIMS = (2, 4)  # kvq.quant.vq.DIMS (no torch here)
 VQ_MAX_CENTROIDS = 4096
+TRELLIS_WINDOWS = range(2, 17)  # kvq.quant.trellis.MAX_WINDOW (no torch here)
 MAX_GROUP = 4096  # channels per qparam group: at most a head (head_dim <= 4096)
 # run-eval --activations: decoder linear inputs unquantized, INT8 per token, INT8 static
 ACTIVATION_MODES = ("none", "a8-dynamic", "a8-static")
@@ -41,8 +42,10 @@ class QuantScheme:
 
     format:     "int" (uniform integer), "fp8", "nuq" (codebook indices), "vq" (NUQ's
                 normalisation, then one codebook index per group of `vector_dim`
-                channels, stored as `vector_dim` digits of `bits` bits) or "none"
-                (kept in full precision).
+                channels, stored as `vector_dim` digits of `bits` bits), "trellis"
+                (NUQ's normalisation, then a bit-shift trellis code: one `bits`-bit digit
+                per element, each element decoded from the last `window` bits of its
+                row, `kvq.quant.trellis`) or "none" (kept in full precision).
     bits:       payload bits per element (16 for "none", 8 for fp8).
     symmetric:  int only: signed codes and no offset, else unsigned codes with
                 a floating offset (x ~ code * scale + offset).
@@ -72,6 +75,7 @@ class QuantScheme:
     qnorm: bool = False  # nuq: decode through mean/std-corrected levels (KVQuant Q-Norm)
     zero_point: bool = False
     vector_dim: int | None = None  # vq: channels coded jointly (2 or 4)
+    window: int | None = None  # trellis: state bits (a table of 2^window levels)
 
     def __post_init__(self) -> None:
         if self.format == "none":
@@ -91,6 +95,18 @@ class QuantScheme:
                 f"vq: vector_dim one of {VQ_DIMS}, bits 1..4, at most {VQ_MAX_CENTROIDS} "
                 f"centroids; got {self.vector_dim} x {self.bits} bits"
             )
+        if (self.format == "trellis") != (self.window is not None):
+            raise KvqError("window is set exactly for format='trellis'")
+        if self.format == "trellis" and (
+            self.bits not in (1, 2, 3, 4)
+            or self.window not in TRELLIS_WINDOWS
+            or self.window <= self.bits
+            or self.window % self.bits
+        ):
+            raise KvqError(
+                f"trellis: bits 1..4 and a window that is a multiple of them in "
+                f"({self.bits}, {TRELLIS_WINDOWS[-1]}]; got {self.bits} bits, window {self.window}"
+            )
         if self.format == "fp8":
             if self.bits != 8 or self.fp8_format not in ("e4m3", "e5m2"):
                 raise KvqError("fp8 scheme needs bits=8 and fp8_format e4m3 or e5m2")
@@ -98,8 +114,8 @@ class QuantScheme:
             raise KvqError("fp8_format is only meaningful for format='fp8'")
         if not 0.0 <= self.outlier_fraction < 0.5:
             raise KvqError(f"outlier_fraction must be in [0, 0.5), got {self.outlier_fraction}")
-        if self.format not in ("nuq", "vq") and self.outlier_fraction:
-            raise KvqError("sparse outliers are only defined for format='nuq' or 'vq'")
+        if self.format not in ("nuq", "vq", "trellis") and self.outlier_fraction:
+            raise KvqError("sparse outliers are only defined for format='nuq', 'vq' or 'trellis'")
         if self.format != "nuq" and self.qnorm:
             raise KvqError("Q-Norm is only defined for format='nuq'")
         if self.group_size is not None and not 0 < self.group_size <= MAX_GROUP:
@@ -136,6 +152,8 @@ class QuantScheme:
             kind = "codebook"
         if self.format == "vq":
             kind = f"{self.vector_dim}-D codebook"
+        if self.format == "trellis":
+            kind = f"{self.window}-bit trellis"
         return f"{name} {kind} per-{self.axis}{group} ({self.lifetime}){extra}"
 
 

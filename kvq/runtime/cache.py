@@ -266,9 +266,9 @@ class QuantizedKVCache(Cache):
         totals = dict.fromkeys(
             ("codes", "qparams", "sparse", "sink", "residual", "full_precision", "prefix"), 0
         )
-        fp16 = 0
+        fp16, counted = 0, set()  # static tensors the layers share: counted once
         for layer in self.layers:
-            for cat, n in layer.ledger_bytes().items():
+            for cat, n in layer.ledger_bytes(counted).items():
                 totals[cat] += n
             b = layer.batch_size
             head_dim = layer.key_codec.head_dim
@@ -313,6 +313,23 @@ def unit_scales(policy: CachePolicy) -> dict[str, Tensor]:
                     1, dtype=storage_dtype(scheme.scale_dtype)
                 )
     return state
+
+
+def _share_equal_tables(layers: list[KvqLayer]) -> None:
+    """Trellis tables fitted once for many layers are stored per layer in the artifact (each
+    layer's state is self-contained); in the cache equal tables become one tensor, held and
+    counted in the ledger once."""
+    seen: list[tuple[Tensor, Tensor]] = []  # (stored table, the codecs' float32 copy)
+    for layer in layers:
+        for codec in (layer.key_codec, layer.value_codec):
+            table = codec.static.get("trellis_table")
+            if table is None:
+                continue
+            same = [s for s in seen if s[0].dtype == table.dtype and torch.equal(s[0], table)]
+            if same:
+                codec.static["trellis_table"], codec.table = same[0]
+            else:
+                seen.append((table, codec.table))
 
 
 def build_cache(
@@ -370,6 +387,7 @@ def build_cache(
                 rotate=_rope_fn(adapter, i, inverse=False),
             )
         )
+    _share_equal_tables(layers)
     named = dict(static) | ({} if seeded is None else seeded.tensors())
     identity = {
         "model": config_sha256(model.config),

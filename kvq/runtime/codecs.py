@@ -330,4 +330,8 @@ def make_codec(
         from kvq.runtime.vq_codecs import make_vq_codec
 
         return make_vq_codec(scheme, head_dim, state, where)
+    if scheme.format == "trellis":
+        from kvq.runtime.trellis_codecs import make_trellis_codec
+
+        return make_trellis_codec(scheme, head_dim, state, where)
     raise KvqError(f"{where}: no runtime codec for {scheme.describe()}")

@@ -52,7 +52,9 @@ class _NuqCodec(Codec):
         self.fraction = scheme.outlier_fraction
         self.index_dtype = _index_dtype(head_dim)
 
-    def _codes(self, x_norm: Tensor) -> Tensor:
+    def _codes(self, x_norm: Tensor, holes: Tensor | None = None) -> Tensor:
+        """holes: [B, H, T, D] True at exact exceptions (any code will do there; a scalar
+        code ignores it, a trellis search leaves those coordinates free)."""
         return packing.pack_bits(nuq.nuq_encode(x_norm, self.codebook), self.bits)
 
 
@@ -78,6 +80,7 @@ class NuqKeyCodec(_NuqCodec):
         x = x.float()  # [B, H, T, D]
         rows: Rows = {}
         flat: Flat = NO_FLAT
+        mask = None
         if self.fraction:
             mask = sparse.threshold_outliers(x, self._lower.float(), self._upper.float())
             count = mask.sum(-1)  # [B, H, T]
@@ -95,7 +98,7 @@ class NuqKeyCodec(_NuqCodec):
             }
             # holes: clip so the dense code is simply the nearest end level
             x = torch.minimum(torch.maximum(x, self._lower.float()), self._upper.float())
-        rows["codes"] = self._codes(nuq.normalize(x, self._scale, self._center))
+        rows["codes"] = self._codes(nuq.normalize(x, self._scale, self._center), mask)
         return rows, flat
 
     def row_spec(self, x: Tensor):
@@ -156,14 +159,17 @@ class NuqValueCodec(_NuqCodec):
         check_finite(x, "value rows")
         x = x.float()
         rows: Rows = {}
+        holes = None
         if self.fraction:
             idx, vals, lo, hi = sparse.row_outliers(x, self.fraction, VALUE_SPLIT)
             rows["sparse_index"] = idx.to(self.index_dtype)
             rows["sparse_value"] = vals.to(SPARSE_DTYPE)
+            holes = torch.zeros(*x.shape[:-1], x.shape[-1] + 1, dtype=torch.bool, device=x.device)
+            holes = holes.scatter_(-1, idx.long(), True)[..., :-1]  # slot index D: unused
         else:
             lo, hi = x.amin(-1), x.amax(-1)
         scale, center = nuq.normalizer(lo, hi, self.scale_dtype, raise_tiny=False)  # [B, H, T]
-        rows["codes"] = self._codes(nuq.normalize(x, scale[..., None], center[..., None]))
+        rows["codes"] = self._codes(nuq.normalize(x, scale[..., None], center[..., None]), holes)
         rows["scale"], rows["center"] = scale, center
         return rows, NO_FLAT
 

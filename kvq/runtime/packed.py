@@ -1,7 +1,7 @@
 """`PackedRows`: stored K or V rows described in the terms every decoder shares.
 
 A codec stores rows as named tensors; `Codec.packed` describes them as one of
-four kinds whose decode is a single formula, so the pure-torch reference and
+five kinds whose decode is a single formula, so the pure-torch reference and
 the Triton kernels read the same structure:
 
     full:    x = data                                  (sink rows, unquantized layers)
@@ -9,6 +9,9 @@ the Triton kernels read the same structure:
     lookup:  x = table[code] * scale + offset           (NUQ codebook, or the 256 fp8 values)
     vector:  x[c] = table[index of c's group, c's coordinate] * scale + offset
              (vector codebooks, `kvq.quant.vq`: a group's index is m digits of `bits` bits)
+    trellis: x[c] = table[state of c] * scale + offset
+             (bit-shift trellis codes, `kvq.quant.trellis`: c's state is the last `window`
+             bits of the row's digits up to c's; decoded by the reference only)
 
 followed by exact exceptions that REPLACE decoded coordinates (article 0x07C):
 fixed per-row slots (values) or variable-length flat entries (keys).
@@ -30,10 +33,10 @@ import torch
 from torch import Tensor
 
 from kvq.errors import KvqError
-from kvq.quant import packing, sparse, vq
+from kvq.quant import packing, sparse, trellis, vq
 
-Kind = Literal["full", "affine", "lookup", "vector"]
-KINDS = ("full", "affine", "lookup", "vector")
+Kind = Literal["full", "affine", "lookup", "vector", "trellis"]
+KINDS = ("full", "affine", "lookup", "vector", "trellis")
 
 
 @dataclass(frozen=True)
@@ -46,7 +49,8 @@ class PackedRows:
     scale: Tensor | None = None  # [B, H, T, G] | [H, D] | [H]
     offset: Tensor | None = None  # same layout as scale; added after scaling
     zero_point: Tensor | None = None  # affine: floating zero-point (QServe), scale layout
-    table: Tensor | None = None  # lookup: [2^bits] levels; vector: [2^(bits m), m] centroids
+    table: Tensor | None = None  # lookup: [2^bits] levels; vector: [2^(bits m), m] centroids;
+    # trellis: [2^window] levels
     groups: Tensor | None = None  # vector: [D / m, m] int64 channels of each group
     slot_index: Tensor | None = None  # [B, H, T, S] channel of each exception; D = unused slot
     slot_value: Tensor | None = None  # [B, H, T, S]
@@ -54,6 +58,7 @@ class PackedRows:
     sparse_index: Tensor | None = None  # [E] channel, entries ordered by (row, batch, head)
     sparse_value: Tensor | None = None  # [E]
     pre_rope: bool = False  # keys stored before rotation: rotate at each row's position
+    window: int = 0  # trellis: state bits
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -68,6 +73,10 @@ class PackedRows:
                 raise KvqError(f"vector rows need groups [D / m, m] covering {self.head_dim}")
             if self.table is None or tuple(self.table.shape) != (2 ** (self.bits * m), m):
                 raise KvqError(f"vector rows need a table of {2 ** (self.bits * m)} x {m}")
+        if self.kind == "trellis":
+            trellis.check_window(self.bits, self.window)
+            if self.table is None or self.table.numel() != 2**self.window:
+                raise KvqError(f"trellis rows need a table of {2**self.window} levels")
 
     @property
     def vector_dim(self) -> int:
@@ -155,6 +164,9 @@ def decode_packed(p: PackedRows) -> Tensor:
     elif p.kind == "vector":  # m digits per group index, one gather of m coordinates
         digits = packing.unpack_bits(p.data, p.bits, p.head_dim)
         x = vq.decode(digits, p.table, p.groups, p.bits)
+    elif p.kind == "trellis":  # the state of each element: the row's last `window` bits
+        digits = packing.unpack_bits(p.data, p.bits, p.head_dim)
+        x = trellis.decode(digits, p.table, p.bits, p.window)
     else:  # one gather per packed byte
         x = packing.unpack_lookup(p.data, p.table.float(), p.bits, p.head_dim)
     _apply(x, p.scale, "mul_")

@@ -37,6 +37,9 @@ _RULES = {
     "vq_codebook": ("codec", "finite"),
     "vq_groups": ("codec", "index"),
     "vq_weight": ("channel", "nonnegative"),
+    # trellis tables: shape and values checked by their codec (kvq.runtime.trellis_codecs)
+    "trellis_table": ("codec", "finite"),
+    "trellis_weight": ("channel", "nonnegative"),
 }
 # a static scale of a whole KV head or tensor (FP8/INT8 as serving engines store them)
 _STATIC_AXIS_SHAPES = {"head": lambda heads: (heads,), "tensor": lambda heads: (1,)}

@@ -68,7 +68,7 @@ class _VqMixin:
         self.weight = state["vq_weight"].float()
         self.static = {n: state[n] for n in VQ_STATE}
 
-    def _codes(self, x_norm: Tensor) -> Tensor:
+    def _codes(self, x_norm: Tensor, holes: Tensor | None = None) -> Tensor:
         digits = vq.encode(x_norm, self.codebook, self.weight, self.groups, self.bits)
         return packing.pack_bits(digits, self.bits)
 

@@ -18,6 +18,7 @@ from kvq.calibrators.options import (
     PrefixQuantOptions,
     RotateOptions,
     SmoothAttentionOptions,
+    TrellisOptions,
     TuneOptions,
     VQOptions,
 )
@@ -39,7 +40,8 @@ SMALL = {
     "rotate": RotateOptions(layout="int4"),
     "act-scales": ActScalesOptions(layout="fp8-e4m3"),  # + a calibration-free cache layout
     "vq": VQOptions(bits=3, fisher=False),
-    "auto": AutoOptions(bits=3),
+    "trellis": TrellisOptions(bits=2, window=8, fisher=False),
+    "auto": AutoOptions(bits=3, static_tokens=0),  # trellis: 24 tokens pay for no table
     "prefixquant": PrefixQuantOptions(eta=2.0),
     "intactkv": IntactKVOptions(steps=2, lr=1e-3),
     "tune": TuneOptions(steps=2, checkpoints=1),

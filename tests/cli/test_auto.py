@@ -7,11 +7,13 @@ import pytest
 from tests.cli.test_cli import _one_line_error, _run
 
 
-def _calibrate_auto(model_dir, calib_txt, out, bits, *extra, samples=4):
-    """`kvq calibrate auto --bits bits` on samples x 32 tokens of the calibration text."""
+def _calibrate_auto(model_dir, calib_txt, out, bits, *extra, samples=4, trellis=False):
+    """`kvq calibrate auto --bits bits` on samples x 32 tokens of the calibration text;
+    --no-trellis (the layouts with Triton kernels) unless trellis."""
     return _run(
         "calibrate", "auto", "--model", model_dir, "--dataset", calib_txt, "--samples", samples,
         "--seqlen", 32, "--bits", bits, "--out", out, *extra,
+        *(() if trellis else ("--no-trellis",)),
     )  # fmt: skip
 
 
@@ -197,12 +199,15 @@ def test_values_drop_their_exceptions_only_when_rotated():
     are still there), and the method text says which."""
     from kvq.calibrators.options import AUTO_V_OUTLIERS, AutoOptions
 
+    def auto(bits, **kw):
+        return AutoOptions(bits=bits, trellis=False, **kw)
+
     assert AUTO_V_OUTLIERS[2] == AUTO_V_OUTLIERS[3] == 0.0 and AUTO_V_OUTLIERS[4] is None
-    assert AutoOptions(bits=4).chosen().value_outliers == 0.01  # measured worse without
-    rotated, plain = AutoOptions(bits=3).chosen(), AutoOptions(bits=3, rotate=False).chosen()
+    assert auto(4).chosen().value_outliers == 0.01  # measured worse without
+    rotated, plain = auto(3).chosen(), auto(3, rotate=False).chosen()
     assert rotated.value_outliers == 0.0 and rotated.outliers == 0.01
     assert plain.value_outliers == plain.outliers == 0.01
-    assert "1% exact outliers" in AutoOptions(bits=3, rotate=False).method()
+    assert "1% exact outliers" in auto(3, rotate=False).method()
 
 
 def test_keys_drop_their_exceptions_at_2_bits_only():
@@ -210,9 +215,36 @@ def test_keys_drop_their_exceptions_at_2_bits_only():
     (measured ahead there); 3 and 4 bits keep 1%; --no-rotate keeps everything."""
     from kvq.calibrators.options import AutoOptions
 
-    two, three = AutoOptions(bits=2).chosen(), AutoOptions(bits=3).chosen()
+    def auto(bits, **kw):
+        return AutoOptions(bits=bits, trellis=False, **kw)
+
+    two, three = auto(2).chosen(), auto(3).chosen()
     assert two.outliers_of("key") == 0.0 and two.outliers_of("value") == 0.0
-    assert three.outliers_of("key") == 0.01 and AutoOptions(bits=4).chosen().outliers_of("key")
-    assert AutoOptions(bits=2, rotate=False).chosen().outliers_of("key") == 0.01
-    text = AutoOptions(bits=2).method()
+    assert three.outliers_of("key") == 0.01 and auto(4).chosen().outliers_of("key")
+    assert auto(2, rotate=False).chosen().outliers_of("key") == 0.01
+    text = auto(2).method()
     assert "0% exact key outliers, 0% value outliers (the bits saved widen layers)" in text
+
+
+def test_auto_runs_trellis_codes_by_default_and_charges_their_tables(
+    llama_dir, calib_txt, tmp_path
+):
+    """The default (--trellis): rotate -> trellis with AUTO_TRELLIS's settings, named in the
+    output and manifest. Its tables are charged to the code bits over --seqlen tokens,
+    which 32 tokens of a tiny model cannot pay: a one-line error says what to do."""
+    from kvq.calibrators.options import AUTO_TRELLIS
+
+    out = tmp_path / "t3"
+    result = _ok(_calibrate_auto(llama_dir, calib_txt, out, 3, "--static-tokens", 0, trellis=True))
+    assert "auto3: trellis3-w12" in result.output
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert [p["method"] for p in manifest["passes"]] == ["rotate", "auto"]
+    method = manifest["passes"][-1]["options"]["method"]
+    assert method.startswith("trellis:") and "12-bit bit-shift trellis codes" in method
+    layers = manifest["policy"]["_data"]["layers"]
+    assert {layer[s]["format"] for layer in layers for s in ("key", "value")} == {"trellis"}
+    mixed, k_outliers, v_outliers = AUTO_TRELLIS[3]
+    assert {layer["value"]["outlier_fraction"] for layer in layers} == {v_outliers}
+    charged = _calibrate_auto(llama_dir, calib_txt, tmp_path / "x", 3, trellis=True)
+    _one_line_error(charged, "raise --static-tokens")
+    assert not (tmp_path / "x").exists()

@@ -286,6 +286,8 @@ def triton_unsupported(query: Tensor, segments: list[Segment], mask: Tensor | No
         return "per-head masks are unsupported"
     for seg in segments:
         for p in (seg.key, seg.value):
+            if p.kind == "trellis":
+                return "trellis codes decode on the reference (no Triton decode yet)"
             if p.kind != "full" and p.data.stride(-1) != 1:
                 return "packed rows must be contiguous along the last dimension"
     return None
