@@ -576,6 +576,11 @@ AUTO_K_OUTLIERS: dict[int, float | None] = {2: 0.0, 3: None, 4: None}
 # shared tables after `rotate`, as (--mixed, keys' exception fraction, values' exception
 # fraction; None: --outliers, 1%). Measured against the choices above (--no-trellis), ratio /
 # KLD / top-1 / bytes at 512 tokens, 16 x 512 prefill (README "Trellis codes"):
+#   2 bits: 1.1186 / 0.1192 / 0.814 / 0.1601 -> 1.0861 / 0.0822 / 0.846 / 0.1484
+#   3 bits: 1.0307 / 0.0297 / 0.907 / 0.2218 -> 1.0189 / 0.0198 / 0.919 / 0.2125 (keys keep
+#           their 1%, AUTO_K_OUTLIERS's choice for vq at 3 bits; not measured without)
+#   4 bits: 1.0097 / 0.0091 / 0.945 / 0.2774 -> 1.0059 / 0.0050 / 0.959 / 0.2745 (--mixed widens nothing
+#           past 4 bits: uniform; half the values' exceptions keep the bytes under NUQ4's)
 AUTO_TRELLIS: dict[int, tuple[str, float | None, float | None]] = {
     2: ("fisher", 0.0, 0.0),
     3: ("fisher", None, 0.0),
@@ -615,8 +620,9 @@ class AutoOptions(PassOptions):
     )
     trellis: bool = option(
         True,
-        "trellis codes (the best measured quality; decoded by the reference, a Viterbi "
-        "search per appended row); --no-trellis: the best codes with Triton kernels",
+        "trellis codes (the best measured quality; a Viterbi search in torch per appended "
+        "row, the general Triton decode kernel); --no-trellis: the best codes with Triton "
+        "append and planned decode kernels",
         flag="--trellis/--no-trellis",
     )
     static_tokens: int | None = option(

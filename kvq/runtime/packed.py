@@ -11,7 +11,7 @@ the Triton kernels read the same structure:
              (vector codebooks, `kvq.quant.vq`: a group's index is m digits of `bits` bits)
     trellis: x[c] = table[state of c] * scale + offset
              (bit-shift trellis codes, `kvq.quant.trellis`: c's state is the last `window`
-             bits of the row's digits up to c's; decoded by the reference only)
+             bits of the row's digits up to c's)
 
 followed by exact exceptions that REPLACE decoded coordinates (article 0x07C):
 fixed per-row slots (values) or variable-length flat entries (keys).

@@ -12,9 +12,10 @@ Static state (artifact tensors under layers.{i}.{key|value}.):
     trellis_weight [H, D]     float32  channel weights of the Viterbi search
 plus the NUQ key normaliser (scale, center, lower, upper) for keys.
 
-`packed` describes the stored rows as "trellis" `PackedRows`; the reference decodes them
-(`decode_packed`), the Triton kernels do not take them yet. Appends encode in torch (a
-Viterbi search per row, `trellis.encode`).
+`packed` describes the stored rows as "trellis" `PackedRows`: the reference decodes them
+(`decode_packed`), the general Triton decode kernel too (each element's state gathered
+from its row's digits, then its level; the planned kernel does not take them). Appends
+encode in torch (a Viterbi search per row, `trellis.encode`): no Triton append kernel.
 """
 
 from __future__ import annotations

@@ -72,16 +72,12 @@ def test_key_rows_are_the_shared_quantizers_search_and_decode():
     assert torch.allclose(decode_packed(packed), want, atol=1e-6)
 
 
-def test_trellis_rows_route_to_the_reference_and_explicit_triton_refuses():
+def test_trellis_rows_take_the_general_kernel():
     scheme, state = _value()
     codec = make_codec(scheme, D, torch.float32, state, "layers.0.value")
-    x = torch.randn(1, H, 4, D)
-    p = codec.packed(*codec.encode(x))
-    query = torch.randn(1, H, 1, D)
-    path = decode_path(query, [Segment(p, p)], backend="auto", device="cuda")
-    assert path.kernel == "reference" and "trellis" in path.reason
-    with pytest.raises(KvqError, match="triton decode attention: trellis"):
-        decode_path(query, [Segment(p, p)], backend="triton", device="cuda")
+    p = codec.packed(*codec.encode(torch.randn(1, H, 4, D)))
+    path = decode_path(torch.randn(1, H, 1, D), [Segment(p, p)], backend="auto", device="cuda")
+    assert path.kernel == "general"
 
 
 @pytest.mark.parametrize(

@@ -53,6 +53,22 @@ def _vector_levels(ptr, lanes, table, rows, chans, chan_ok, ok, stride_t, BITS: 
 
 
 @triton.jit
+def _trellis_levels(ptr, table, rows, chans, ok, stride_t, BITS: tl.constexpr,
+                    DIGITS: tl.constexpr):  # fmt: skip
+    """Trellis levels float32 [BT, BC] of `chans` (`kvq.quant.trellis`): channel c's state
+    is its digit and the DIGITS - 1 digits before it in the row (zeros before channel 0),
+    the newest lowest: one gather per digit (neighbouring channels share bytes: L1 hits),
+    then one of the table of 2^(BITS DIGITS) levels."""
+    state = _codes(ptr, rows, chans, ok, stride_t, BITS)
+    for j in tl.static_range(1, DIGITS):
+        before = chans - j
+        has = ok & (before >= 0)[None, :]
+        older = _codes(ptr, rows, tl.maximum(before, 0), has, stride_t, BITS)
+        state = state | (older << (BITS * j))
+    return tl.load(table + state, mask=ok, other=0.0)
+
+
+@triton.jit
 def _code_words(ptr, rows, row_ok, stride_t, C0: tl.constexpr, NVALID: tl.constexpr,
                 BLOCK_C: tl.constexpr, BITS: tl.constexpr):  # fmt: skip
     """int32 [BT, BLOCK_C * BITS / 32] little-endian words holding the codes of channels
@@ -251,14 +267,18 @@ def _decode_tile(
     `raw` holds the tile's code words (`_code_words`), loaded by the caller; PRE_Q: so do
     pre_s, pre_o, pre_z its per-row group qparams (`_group_qparams`). KIND 3 (vector
     codebooks): `lanes` and VDIM locate each channel's group (`_vector_levels`); PRELOADED:
-    `raw` holds the tile's group indices."""
+    `raw` holds the tile's group indices. KIND 4 (trellis codes): VDIM is a state's digits
+    (`_trellis_levels`)."""
     ok = row_ok[:, None] & chan_ok[None, :]
     if KIND == 0:
         x = tl.load(data + rows[:, None] * d_t + chans[None, :], mask=ok, other=0.0)
         x = x.to(tl.float32)
-    elif KIND == 3:
-        x = _vector_levels(data, lanes, table, rows, chans, chan_ok, ok, d_t, BITS, VDIM, raw,
-                           PRELOADED)  # fmt: skip
+    elif KIND >= 3:
+        if KIND == 3:
+            x = _vector_levels(data, lanes, table, rows, chans, chan_ok, ok, d_t, BITS, VDIM,
+                               raw, PRELOADED)  # fmt: skip
+        else:
+            x = _trellis_levels(data, table, rows, chans, ok, d_t, BITS, VDIM)
         if not RAW:
             x = _dequantize(x, scale, offset, zp, zero, rows, row_ok, chans, ok, chan_ok, q_t,
                             KIND, QAXIS, GROUP, HAS_OFF, HAS_ZP, C0, NVALID, pre_s, pre_o,

@@ -257,7 +257,7 @@ def _causal(q_len: int, total: int, device) -> Tensor:
 
 # --- triton -------------------------------------------------------------------------------
 
-_KIND = {"full": 0, "affine": 1, "lookup": 2, "vector": 3}
+_KIND = {"full": 0, "affine": 1, "lookup": 2, "vector": 3, "trellis": 4}
 _QAXIS = {"none": 0, "row": 1, "channel": 2, "head": 3}
 # tensor cores: tf32 products (10-bit mantissa, like fp16) with fp32 accumulation; exact
 # fp32 ("ieee") would make a decode kernel compute-bound on CUDA cores. Parity tests on
@@ -286,8 +286,6 @@ def triton_unsupported(query: Tensor, segments: list[Segment], mask: Tensor | No
         return "per-head masks are unsupported"
     for seg in segments:
         for p in (seg.key, seg.value):
-            if p.kind == "trellis":
-                return "trellis codes decode on the reference (no Triton decode yet)"
             if p.kind != "full" and p.data.stride(-1) != 1:
                 return "packed rows must be contiguous along the last dimension"
     return None
@@ -639,7 +637,8 @@ def _family_args(p: PackedRows, dummy: Tensor, chunk: int):
         SLOTS=0 if slots is None else slots.shape[-1],
         FLAT=p.sparse_count is not None and p.sparse_index.numel() > 0,
         WORDS=_word_loadable(p, chunk),
-        VDIM=p.vector_dim,
+        # channels per codebook vector, or a trellis state's digits
+        VDIM=p.window // p.bits if p.kind == "trellis" else p.vector_dim,
     )
     return tensors, strides, consts
 
@@ -667,7 +666,7 @@ def vector_layout(groups: Tensor) -> tuple[Tensor, bool]:
 def _word_loadable(p: PackedRows, chunk: int) -> bool:
     """Whether the kernel can load `p`'s codes as 32-bit words (`_code_words`): 4- or
     8-bit codes, whole words per chunk of channels, rows on 4-byte boundaries."""
-    if p.kind in ("full", "vector") or p.bits not in (4, 8) or chunk % (32 // p.bits):
+    if p.kind in ("full", "vector", "trellis") or p.bits not in (4, 8) or chunk % (32 // p.bits):
         return False
     data = p.data
     return (

@@ -65,6 +65,14 @@ def _channel_state(k, bits):
     return {"scale": scale, "offset": offset}
 
 
+def _trellis_state(window, heads, d, seed=0):
+    g = torch.Generator().manual_seed(seed)  # any levels will do: the kernel reads them
+    return {
+        "trellis_table": (torch.rand(1 << window, generator=g) * 2 - 1).half(),
+        "trellis_weight": torch.rand(heads, d, generator=g).half(),
+    }
+
+
 def _codec_segment(kind, k, v, pre_rope=False):
     d = k.shape[-1]
     if kind == "int4-g16":
@@ -89,10 +97,21 @@ def _codec_segment(kind, k, v, pre_rope=False):
         ks = QuantScheme("nuq", bits, axis="channel", lifetime="static", outlier_fraction=0.02)
         vs = QuantScheme("nuq", bits, outlier_fraction=0.02)
         kst = _nuq_key_state(k, bits, 0.02)
+    elif kind in ("trellis3", "trellis2"):  # 3-bit digits straddle bytes; 2-bit ones do not
+        bits = int(kind[-1])
+        window = {3: 12, 2: 8}[bits]
+        ks = QuantScheme("trellis", bits, axis="channel", lifetime="static",
+                         outlier_fraction=0.02, window=window)  # fmt: skip
+        vs = QuantScheme("trellis", bits, outlier_fraction=0.02, window=window)
+        kst = _nuq_key_state(k, bits, 0.02)
+        del kst["codebook"]
+        kst |= _trellis_state(window, k.shape[1], d)
     else:
         raise AssertionError(kind)
     kc = make_codec(ks, d, torch.float32, kst, "layers.0.key")
     vst = {"codebook": nuq.uniform_codebook(vs.bits)} if vs.format == "nuq" else {}
+    if vs.format == "trellis":
+        vst = _trellis_state(vs.window, v.shape[1], d, seed=1)
     vc = make_codec(vs, d, torch.float32, vst, "layers.0.value")
     kr, kf = kc.encode(k)
     vr, vf = vc.encode(v)
@@ -150,7 +169,9 @@ def _check(query, segments, rope=None, mask=None):
     return out.cpu()
 
 
-@pytest.mark.parametrize("kind", ["int4-g16", "int8-sym", "int2-int3", "int4-channel", "nuq4"])
+@pytest.mark.parametrize(
+    "kind", ["int4-g16", "int8-sym", "int2-int3", "int4-channel", "nuq4", "trellis3", "trellis2"]
+)
 def test_kernel_matches_reference_per_representation(kind):
     k, v = _data(2, 2, 45, 64, seed=1)
     kp, vp = _codec_segment(kind, k, v)
@@ -186,7 +207,9 @@ def test_pre_rope_keys_with_fp_sink_segment_share_one_softmax():
 
 
 @pytest.mark.parametrize("d", [64, 96])
-@pytest.mark.parametrize("kind", ["int4-g16", "int8-sym", "int2-int3", "int4-channel", "nuq4"])
+@pytest.mark.parametrize(
+    "kind", ["int4-g16", "int8-sym", "int2-int3", "int4-channel", "nuq4", "trellis3"]
+)
 def test_pre_rope_keys_rotate_in_pair_order(kind, d):
     """Pre-RoPE keys decode in pair order and rotate as complex numbers in the reference;
     batch rows at different positions read the tables through a gather. head_dim 96 pads
