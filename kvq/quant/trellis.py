@@ -84,36 +84,14 @@ def _viterbi(x: Tensor, w: Tensor, table: Tensor, bits: int, window: int) -> Ten
     newest); its predecessors are p = q + j * Q for the K values j of the digit that leaves.
     The cost of a level is w (x - t)^2 less w x^2, the same for every state of a step:
     w t^2 - 2 w x t. Costs lie [S, R] (states major), so the K predecessors of every state
-    are K contiguous slabs: a running minimum over them (torch's min with indices over a
-    dim is ~30x slower on CPU)."""
+    are K contiguous slabs."""
     r, d = x.shape
-    k, s = 1 << bits, 1 << window
-    q = s // k
+    k, q = 1 << bits, 1 << (window - bits)
     t = table.float().to(x.device)
     squares, levels = (t * t)[:, None], t[:, None]  # [S, 1]
     w, wx = w.T.contiguous(), (-2 * w * x).T.contiguous()  # [D, R]
-    cost = torch.full((s, r), float("inf"), device=x.device)
-    cost[0] = 0.0  # the state before the row: all-zero digits
-    spare = torch.empty_like(cost)
-    back = torch.zeros((d, q, r), dtype=torch.uint8, device=x.device)
-    best = torch.empty((q, r), device=x.device)
-    lower = torch.empty((q, r), dtype=torch.bool, device=x.device)
-    mark = torch.empty((q, r), dtype=torch.uint8, device=x.device)
-    for i in range(d):
-        if r <= _FEW_ROWS:  # a few rows (an append): one op, however slow per element
-            best, j = cost.view(k, q, r).min(0)
-            back[i] = j
-        else:
-            best.copy_(cost[:q])
-        for j in range(1, k if r > _FEW_ROWS else 1):  # predecessors q + j Q: the least
-            slab = cost[j * q : (j + 1) * q]
-            torch.lt(slab, best, out=lower)
-            # j rises, so the last j that lowered the minimum is the largest such j (a
-            # masked fill is ~30x slower on CPU)
-            torch.maximum(back[i], torch.mul(lower.view(torch.uint8), j, out=mark), out=back[i])
-            torch.minimum(best, slab, out=best)
-        torch.mul(squares, w[i], out=spare).addcmul_(levels, wx[i])
-        cost, spare = spare.view(q, k, r).add_(best[:, None]).view(s, r), cost
+    search = _search_few if r <= _FEW_ROWS else _search_many
+    back, cost = search(squares, levels, w, wx, k, q)  # [D, Q, R] the leaving digit j
     state = cost.argmin(0)  # [R]
     digits = torch.empty((r, d), dtype=torch.uint8, device=x.device)
     rows = torch.arange(r, device=x.device)
@@ -122,6 +100,51 @@ def _viterbi(x: Tensor, w: Tensor, table: Tensor, bits: int, window: int) -> Ten
         older = state >> bits
         state = older + back[i][older, rows].long() * q
     return digits
+
+
+def _start(k: int, q: int, r: int, device) -> Tensor:
+    cost = torch.full((k * q, r), float("inf"), device=device)
+    cost[0] = 0.0  # the state before the row: all-zero digits
+    return cost
+
+
+def _search_many(squares, levels, w, wx, k: int, q: int) -> tuple[Tensor, Tensor]:
+    """The forward pass for many rows: a running minimum over the K slabs, in buffers
+    reused from step to step (torch's min with indices over a dim is ~30x slower per
+    element on CPU, a masked fill as slow)."""
+    (d, r), s = w.shape, k * q
+    cost = _start(k, q, r, w.device)
+    spare = torch.empty_like(cost)
+    back = torch.zeros((d, q, r), dtype=torch.uint8, device=w.device)
+    best = torch.empty((q, r), device=w.device)
+    lower = torch.empty((q, r), dtype=torch.bool, device=w.device)
+    mark = torch.empty((q, r), dtype=torch.uint8, device=w.device)
+    for i in range(d):
+        best.copy_(cost[:q])
+        for j in range(1, k):  # predecessors q + j Q: keep the least, remember its j
+            slab = cost[j * q : (j + 1) * q]
+            torch.lt(slab, best, out=lower)
+            # j rises, so the last j that lowered the minimum is the largest such j
+            torch.maximum(back[i], torch.mul(lower.view(torch.uint8), j, out=mark), out=back[i])
+            torch.minimum(best, slab, out=best)
+        torch.mul(squares, w[i], out=spare).addcmul_(levels, wx[i])
+        cost, spare = spare.view(q, k, r).add_(best[:, None]).view(s, r), cost
+    return back, cost
+
+
+def _search_few(squares, levels, w, wx, k: int, q: int) -> tuple[Tensor, Tensor]:
+    """The forward pass for a few rows (an append): every step's level costs at once, then
+    two ops a step (the op count, not the elements, is the cost here). The same arithmetic
+    as `_search_many`, element for element."""
+    (d, r), s = w.shape, k * q
+    err = torch.mul(squares[None], w[:, None, :]).addcmul_(levels[None], wx[:, None, :])
+    cost = _start(k, q, r, w.device)  # err: [D, S, R]
+    back = torch.empty((d, q, r), dtype=torch.int64, device=w.device)
+    best = torch.empty((q, r), device=w.device)
+    for i in range(d):
+        torch.min(cost.view(k, q, r), 0, out=(best, back[i]))
+        cost = err[i].view(q, k, r).add_(best[:, None]).view(s, r)
+    return back, cost
 
 
 def fit_table(

@@ -85,3 +85,13 @@ def test_table_fit_is_deterministic_and_refuses_what_it_cannot_fit():
         trellis.check_table(torch.zeros(32), 6, "layers.0.key")
     with pytest.raises(KvqError, match="NaN or Inf"):
         trellis.check_table(torch.full((64,), float("nan")), 6, "layers.0.key")
+
+
+def test_the_search_for_a_few_rows_equals_the_one_for_many(monkeypatch):
+    g = torch.Generator().manual_seed(5)
+    table = torch.rand(1 << 9, generator=g) * 2 - 1
+    x = torch.rand(5, 40, generator=g) * 2 - 1
+    w = torch.rand(5, 40, generator=g)
+    few = trellis.encode(x, w, table, 3, 9)  # 5 rows: the few-rows search
+    monkeypatch.setattr(trellis, "_FEW_ROWS", 0)
+    assert torch.equal(few, trellis.encode(x, w, table, 3, 9))
