@@ -108,8 +108,8 @@ def spare_layer_bits(opts: TrellisOptions, adapter, tokens: int, progress) -> di
 
 
 def _stored_weight(weight: Tensor) -> Tensor:
-    """[H, D] search weights in fp16, scaled to a maximum of 1 (the search's argmin does not
-    depend on the scale; fp16 would flush small Fisher sums to zero)."""
+    """[H, D] search weights in fp16, scaled to a maximum of 1: the search's argmin does not
+    depend on the scale, and unscaled Fisher sums (often far below 1) would flush to zero."""
     return (weight / weight.max().clamp_min(1e-30)).half().contiguous()
 
 
