@@ -5,10 +5,13 @@
 #   1. kernel parity on CUDA: the general and the planned decode kernels, exact fp32
 #      dots (the planned path's inline-PTX decode included), and the CUDA-graph capture;
 #      then the vector-codebook (vq) layouts, down to greedy generate with a vq cache,
-#      and their planned path (Gemma 3's head shape; slots patched under fp16 dots);
+#      and their planned path (Gemma 3's head shape; slots patched under fp16 dots), and
+#      the trellis layouts' planned path (Gemma 3's head shape, 4- and 3-bit digits) and
+#      their appends' Viterbi search;
 #      then every layer's decode step through the cache captured in a CUDA graph and
 #      replayed token after token against eager (tests/runtime/test_replayable_step.py);
-#   2. decode attention per format and head shape (Llama-like 8 x 128, Gemma 3 1 x 256):
+#   2. decode attention per format (trellis TR4/TR3/TR2 included) and head shape
+#      (Llama-like 8 x 128, Gemma 3 1 x 256):
 #      us, GB/s, share of the HBM peak, speed against fp16 SDPA and the launch chosen
 #      (plan: splits, programs, waves, fill; configuration); then KV4 through the general
 #      kernel for comparison;
@@ -25,15 +28,17 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 echo "== parity: decode attention on CUDA (append kernels: KVQ_TEST_CUDA=1 pytest tests/runtime/kernels/test_append.py)"
 KVQ_TRITON_DOT=ieee timeout 120 python3 -m pytest -q -p no:cacheprovider \
   tests/runtime/kernels/test_planned_decode.py tests/runtime/kernels/test_decode_attention.py 2>&1 | tail -15
-KVQ_TRITON_DOT=ieee timeout 70 python3 -m pytest -q -p no:cacheprovider \
+KVQ_TRITON_DOT=ieee timeout 90 python3 -m pytest -q -p no:cacheprovider \
   tests/runtime/kernels/test_decode_vq.py \
+  tests/runtime/kernels/test_planned_trellis.py::test_trellis_layer_call_matches_reference_mqa_256 \
+  tests/runtime/kernels/test_trellis_encode.py::test_digits_are_the_torch_search \
   tests/runtime/kernels/test_planned_vq.py::test_vq_layer_call_matches_reference_mqa_256 \
   tests/runtime/kernels/test_planned_vq.py::test_fp16_dots_patch_value_slots_into_the_centroid_words \
   2>&1 | tail -8
 timeout 40 python3 -m pytest -q -p no:cacheprovider tests/runtime/test_replayable_step.py \
   -k "cuda_graph and (sink2 or int8)" 2>&1 | tail -8
 echo "== decode attention benchmark (per format and shape: us, GB/s, HBM share, launch)"
-timeout 160 python3 bench/gpu_decode.py --json "$OUT/gpu_decode.json" 2>&1 \
+timeout 140 python3 bench/gpu_decode.py --json "$OUT/gpu_decode.json" 2>&1 \
   | grep -v -i "warn" | tail -80
 echo "== Gemma 3 270M, batch 16, generate: kvq int4 vs fp16 DynamicCache"
 timeout 60 python3 bench/gpu_generate.py --new 32 --json "$OUT/gpu_generate.json" 2>&1 | tail -5

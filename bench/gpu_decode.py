@@ -7,7 +7,9 @@ each representation, parity with the pure-torch reference is checked first on
 a small real encode (raises on mismatch); timings then use random codes of the
 right layout (time does not depend on code values; NUQ4 and the vector-codebook layouts
 VQ3 (2-D codebooks) and VQ2 (4-D) have 1% key exceptions and pre-RoPE keys; NUQ4-post is
-NUQ4 with post-RoPE keys, the layout the planned path takes).
+NUQ4 with post-RoPE keys, the layout the planned path takes; TR4 and TR2 are the trellis
+codes `kvq calibrate auto` stores at 4, 3 and 2 bits: 12-bit states, pre-RoPE keys, 1% key
+exceptions at 3 and 4 bits, 0.5% value slots at 4, none at 2).
 
 Prints microseconds, the host time per call (launcher Python and launches, which is
 the step time when it exceeds the kernel's), achieved GB/s (bytes of codes + qparams +
@@ -40,7 +42,8 @@ from kvq.runtime.packed import PackedRows
 
 HQ, HKV, D = 32, 8, 128
 SHAPES = {"llama-7b-like": (32, 8, 128), "gemma3-270m": (4, 1, 256)}
-KINDS = ("kv8", "kv4", "kv4-token", "fp8", "nuq4", "nuq4-post", "vq3", "vq2")
+KINDS = ("kv8", "kv4", "kv4-token", "fp8", "nuq4", "nuq4-post", "vq3", "vq2", "tr4", "tr3",
+         "tr2")  # fmt: skip
 PEAK_GBS = 4800.0  # H200 HBM3e
 
 
@@ -141,7 +144,41 @@ def packed(kind: str, b: int, t: int, dev: str, seed: int = 0) -> Segment:
             slot_value=half(b, HKV, t, 2),
         )
         return Segment(key, value, pos)
+    if kind in ("tr4", "tr3", "tr2", "tr1"):  # trellis codes as `kvq calibrate auto` stores them
+        return _trellis(int(kind[-1]), b, t, dev, g)
     raise ValueError(kind)
+
+
+def _trellis(bits: int, b: int, t: int, dev: str, g) -> Segment:
+    """Trellis rows of `bits`-bit digits, 12-bit states: keys before RoPE with the static
+    normaliser, values with a per-row one; auto's exceptions: 1% key entries at 3 and 4
+    bits, 0.5% value slots at 4, none at 2."""
+    codes = torch.randint(0, 256, (b, HKV, t, packing.packed_len(D, bits)), generator=g,
+                          device=dev).to(torch.uint8)  # fmt: skip
+    table = torch.rand(4096, generator=g, device=dev) * 2 - 1
+
+    def half(*shape):
+        return (torch.rand(*shape, generator=g, device=dev) * 0.04 + 0.01).half()
+
+    extra_k, extra_v = {}, {}
+    if bits >= 3:
+        per_row, width = math.ceil(0.01 * D), D // math.ceil(0.01 * D)
+        n = b * HKV * t * per_row
+        index = torch.randint(0, width, (n // per_row, per_row), generator=g, device=dev)
+        index = (index + torch.arange(per_row, device=dev) * width).flatten().to(torch.uint8)
+        count = torch.full((b, HKV, t), per_row, dtype=torch.uint8, device=dev)
+        extra_k = dict(sparse_count=count, sparse_index=index, sparse_value=half(n))
+    if bits == 4:
+        slots = math.ceil(0.005 * D)
+        index = torch.randint(0, D, (b, HKV, t, slots), generator=g, device=dev)
+        extra_v = dict(slot_index=index.to(torch.uint8), slot_value=half(b, HKV, t, slots))
+    key = PackedRows("trellis", D, codes, bits, scale=half(HKV, D), offset=half(HKV, D),
+                     table=table, window=12, pre_rope=True, **extra_k)  # fmt: skip
+    value = PackedRows("trellis", D, codes.clone(), bits, scale=half(b, HKV, t, 1),
+                       offset=half(b, HKV, t, 1), table=table, window=12,
+                       **extra_v)  # fmt: skip
+    pos = torch.arange(t, device=dev).expand(b, t)
+    return Segment(key, value, pos)
 
 
 def nbytes(seg: Segment) -> int:

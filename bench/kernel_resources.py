@@ -2,8 +2,9 @@
 
 For two head shapes (Llama-like 32 query / 8 KV heads x 128, and Gemma 3 270M's
 4 / 1 x 256) and each cache format of `bench/gpu_decode.py` (KV4, KV8, FP8, NUQ4, the
-vector-codebook layouts VQ3 and VQ2 of `kvq calibrate auto` and the mixed widths its layers
-take, VQ4 (2-D) and VQ1 (4-D), plus Gemma's own layout,
+vector-codebook layouts VQ3 and VQ2 of `kvq calibrate vq` and the mixed widths its layers
+take, VQ4 (2-D) and VQ1 (4-D), the trellis codes TR4, TR3 and TR2 of `kvq calibrate auto`, plus
+Gemma's own layout,
 KV4 with pre-RoPE keys, and NUQ4 with post-RoPE keys), the launch the runtime makes at
 batch 16 x 32K is compiled for sm_90 here (`kvq.runtime.kernels.offline`): the planned
 path's fixed configuration where it takes the layout (`planned_decode`), else every
@@ -57,11 +58,11 @@ except ImportError:
 
 SHAPES = {"llama-7b-like": (32, 8, 128), "gemma3-270m": (4, 1, 256)}
 FORMATS = ("kv4", "kv4-token", "kv4-pre", "kv8", "fp8", "nuq4", "nuq4-post", "vq3", "vq2", "vq4",
-           "vq1")  # fmt: skip
+           "vq1", "tr4", "tr3", "tr2")  # fmt: skip
 ROWS = 256  # cached rows of the traced call (a multiple of 16, as long contexts are)
 BATCH = 16
 # pre-RoPE keys: the whole-layer call too
-LAYER_FORMATS = ("kv4-pre", "nuq4", "vq3", "vq2", "vq4", "vq1")
+LAYER_FORMATS = ("kv4-pre", "nuq4", "vq3", "vq2", "vq4", "vq1", "tr4", "tr3", "tr2")
 SINK_ROWS, RESIDUAL_ROWS = 4, 64  # full-precision rows around the packed ones in that call
 
 

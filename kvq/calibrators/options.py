@@ -620,9 +620,9 @@ class AutoOptions(PassOptions):
     )
     trellis: bool = option(
         True,
-        "trellis codes (the best measured quality; a Viterbi search in torch per appended "
-        "row, the general Triton decode kernel); --no-trellis: the best codes with Triton "
-        "append and planned decode kernels",
+        "trellis codes (the best measured quality; a Viterbi search per appended row: one "
+        "Triton launch on CUDA, torch on the CPU); --no-trellis: the best codes whose "
+        "appends are cheaper",
         flag="--trellis/--no-trellis",
     )
     static_tokens: int | None = option(

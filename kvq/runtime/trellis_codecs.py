@@ -13,9 +13,10 @@ Static state (artifact tensors under layers.{i}.{key|value}.):
 plus the NUQ key normaliser (scale, center, lower, upper) for keys.
 
 `packed` describes the stored rows as "trellis" `PackedRows`: the reference decodes them
-(`decode_packed`), the general Triton decode kernel too (each element's state gathered
-from its row's digits, then its level; the planned kernel does not take them). Appends
-encode in torch (a Viterbi search per row, `trellis.encode`): no Triton append kernel.
+(`decode_packed`), the Triton decode kernels too (the planned kernel: each element's
+state cut from its unit of codes and the one before it, then its level). Appends run a
+Viterbi search per row (`kernels.trellis_encode`: one Triton launch for CUDA tensors, the
+torch search `trellis.encode` elsewhere); the normaliser and the exceptions in torch.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from kvq.quant import packing, trellis
 from kvq.quant.qparams import check_finite
 from kvq.quant.schemes import QuantScheme
 from kvq.runtime.codecs import Codec
+from kvq.runtime.kernels.trellis_encode import trellis_encode
 from kvq.runtime.nuq_codecs import _index_dtype
 from kvq.runtime.packed import PackedRows
 from kvq.runtime.vq_codecs import VqKeyCodec, VqValueCodec
@@ -63,7 +65,7 @@ class _TrellisMixin:
         w = self.weight[None, :, None, :]  # [1, H, 1, D]
         if holes is not None:
             w = w * ~holes
-        digits = trellis.encode(x_norm.clamp(-1.0, 1.0), w, self.table, self.bits, self.window)
+        digits = trellis_encode(x_norm.clamp(-1.0, 1.0), w, self.table, self.bits, self.window)
         return packing.pack_bits(digits, self.bits)
 
     def _rows(self, codes: Tensor, scale: Tensor, center: Tensor, exceptions) -> PackedRows:

@@ -52,7 +52,8 @@ def test_decode_keeps_exceptions_exact_and_bytes_equal_scalar_nuq(make):
     assert out.shape == x.shape
     assert (out == x.half().float()).any()  # exceptions are stored exactly (fp16)
     assert (out - x).square().mean() / x.square().mean() < 0.3
-    assert codec.row_spec(x) is None  # no Triton append kernel: torch encodes
+    assert codec.row_spec(x) is None  # no in-place append kernel: `encode` (its search
+    # a Triton launch on CUDA, `trellis_encode`)
 
 
 def test_key_rows_are_the_shared_quantizers_search_and_decode():

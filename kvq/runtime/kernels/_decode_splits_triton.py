@@ -592,7 +592,7 @@ def _word_levels(words, tab, lut, LUT: tl.constexpr):
 def _key_exceptions(scores, rows, row_ok, k_ptr, k_t, nuq, OP: tl.constexpr,
                     PRECISION: tl.constexpr, ROPE: tl.constexpr = False, rope=None,
                     D: tl.constexpr = 0, KP: tl.constexpr = 1, VQ: tl.constexpr = 0,
-                    VQB: tl.constexpr = 0):  # fmt: skip
+                    VQB: tl.constexpr = 0, TRN: tl.constexpr = 0):  # fmt: skip
     """Scores [R, BT] plus the flat key exceptions of the tile's rows (KVQuant's ~1% exact
     keys): entry e of row t replaces channel idx, so its score moves by q[idx] x (exact -
     decoded), decoded = level[code] x scale[idx] + offset[idx] as the dense dot saw it
@@ -621,7 +621,7 @@ def _key_exceptions(scores, rows, row_ok, k_ptr, k_t, nuq, OP: tl.constexpr,
         idx = tl.load(e_idx + first + e, mask=has, other=0).to(tl.int32)
         exact = tl.load(e_val + first + e, mask=has, other=0.0).to(tl.float32)
         if VQ:  # vector codebook keys: the coordinate of the channel's group
-            level = _vq_key_coordinate(k_ptr + rows * k_t, idx, has, tab, D, VQ, VQB)
+            level = _vq_key_coordinate(k_ptr + rows * k_t, idx, has, tab, D, VQ, VQB, TRN)
         else:
             byte = tl.load(k_ptr + rows * k_t + (idx >> 1), mask=has, other=0).to(tl.int32)
             level = tl.load(tab + ((byte >> ((idx & 1) * 4)) & 15), mask=has, other=0.0)
@@ -1205,6 +1205,81 @@ def _vq_tile_index(row, C0: tl.constexpr, N: tl.constexpr, ok, FIELD: tl.constex
 
 
 @triton.jit
+def _trellis_units(row, u, ok, BITS: tl.constexpr):
+    """uint64 code units u (any shape, broadcast against `row`) of rows at `row` (uint8
+    pointers): the 32-bit word u for 1-, 2- and 4-bit digits, the 3-byte unit u (8
+    digits) for 3-bit ones; 0 where not ok."""
+    if BITS == 3:
+        at = row + u * 3
+        b0 = tl.load(at, mask=ok, other=0).to(tl.uint64)
+        b1 = tl.load(at + 1, mask=ok, other=0).to(tl.uint64)
+        b2 = tl.load(at + 2, mask=ok, other=0).to(tl.uint64)
+        unit = b0 | (b1 << 8) | (b2 << 16)
+    else:
+        words = row.to(tl.pointer_type(tl.int32), bitcast=True)
+        unit = tl.load(words + u, mask=ok, other=0).to(tl.uint32, bitcast=True).to(tl.uint64)
+    return unit
+
+
+@triton.jit
+def _trellis_states(row, C0: tl.constexpr, N: tl.constexpr, ok, BITS: tl.constexpr,
+                    TRN: tl.constexpr):  # fmt: skip
+    """int32 trellis states [BT, N] of channels C0 ... C0 + N - 1 in rows at `row` [BT, 1]
+    (`kvq.quant.trellis`; C0 and N multiples of a unit's digits, `_trellis_units`):
+    channel c's state is the BITS x TRN bits of the row's little-endian bit stream that
+    end with its digit, read from its unit and the unit before it (zeros before the row)
+    as one 64-bit funnel per channel, oldest digit lowest, so the table is indexed that
+    way (`planned_decode.trellis_table`): no digit reversal here."""
+    UB: tl.constexpr = 3 if BITS == 3 else 4  # bytes per unit
+    P: tl.constexpr = UB * 8 // BITS  # digits per unit
+    W: tl.constexpr = BITS * TRN  # state bits
+    BT: tl.constexpr = row.shape[0]
+    # loaded as [BT, N / P, 1]: the units arrive in the layout their broadcast over the P
+    # digits takes (loaded [BT, N / P], each went through shared memory to get there)
+    ui = C0 // P + tl.arange(0, N // P)[None, :, None]
+    at = row[:, :, None]
+    ok3 = ok[:, :, None]
+    cur = _trellis_units(at, ui, ok3, BITS)  # [BT, N / P, 1]
+    prev = _trellis_units(at, ui - 1, ok3 & (ui > 0), BITS)
+    x = (cur << (8 * UB)) | prev
+    shift = (8 * UB + BITS - W + BITS * tl.arange(0, P)).to(tl.uint64)  # digit m's state
+    state = ((x >> shift[None, None, :]) & ((1 << W) - 1)).to(tl.int32)
+    return tl.reshape(state, (BT, N))
+
+
+@triton.jit
+def _trellis_gather(states, cb, W: tl.constexpr):
+    """Levels of int32 states (any shape) from the table cb [2^W], one gather through
+    shared memory (the table read and stored once per call: per tile)."""
+    tab = tl.load(cb + tl.arange(0, 1 << W))
+    flat = tl.reshape(states, (states.numel,), can_reorder=False)
+    return tl.reshape(tl.gather(tab, flat, 0), states.shape)
+
+
+@triton.jit
+def _trellis_run(row, C0: tl.constexpr, N: tl.constexpr, ok, cb, BITS: tl.constexpr,
+                 TRN: tl.constexpr):  # fmt: skip
+    """Trellis levels [BT, N] of channels C0 ... C0 + N - 1 (`_trellis_states`)."""
+    return _trellis_gather(_trellis_states(row, C0, N, ok, BITS, TRN), cb, BITS * TRN)
+
+
+@triton.jit
+def _trellis_level(row, idx, has, cb, BITS: tl.constexpr, TRN: tl.constexpr):
+    """float32 [BT] trellis level of channel idx [BT] in rows at `row` [BT] (as
+    `_trellis_states`, one channel per row)."""
+    UB: tl.constexpr = 3 if BITS == 3 else 4
+    P: tl.constexpr = UB * 8 // BITS
+    W: tl.constexpr = BITS * TRN
+    u = idx // P
+    cur = _trellis_units(row, u, has, BITS)
+    prev = _trellis_units(row, u - 1, has & (u > 0), BITS)
+    x = (cur << (8 * UB)) | prev
+    shift = (8 * UB + BITS - W + BITS * (idx % P)).to(tl.uint64)
+    state = ((x >> shift) & ((1 << W) - 1)).to(tl.int32)
+    return tl.load(cb + state, mask=has, other=0.0).to(tl.float32)
+
+
+@triton.jit
 def _vq_centroids(row, C0: tl.constexpr, N: tl.constexpr, ok, cb, M: tl.constexpr,
                   BITS: tl.constexpr):  # fmt: skip
     """The M centroid coordinates, [BT, N] each, of groups C0 ... C0 + N - 1 in rows at
@@ -1238,16 +1313,23 @@ def _vq_centroids(row, C0: tl.constexpr, N: tl.constexpr, ok, cb, M: tl.constexp
 def _rope_vq_chunk(scores, rq, rk, row, ok, j, tab, trow, p0, run, C0: tl.constexpr,
                    KP: tl.constexpr, D: tl.constexpr, OP: tl.constexpr,
                    PRECISION: tl.constexpr, M: tl.constexpr, BITS: tl.constexpr,
-                   cb):  # fmt: skip
+                   cb, TRN: tl.constexpr = 0):  # fmt: skip
     """`_rope_chunk` of vector-codebook keys over RoPE-pair groups j (C0 ...; see
     `_vq_index`): the groups' centroids with the static per-channel normaliser applied
     (coordinate x scale + centre) before they rotate. M 2 (KP 1): coordinates 0 and 1 are
     the pair's two halves; M 4 (KP 2): 0, 1 the even and odd plane of half 0, 2, 3 of
-    half 1."""
+    half 1. TRN: trellis keys (M 2; `_trellis_run`), the channels C0 ... of each half."""
     HW: tl.constexpr = D // KP // 2
     qa_lo1, qa_lo2, qa_hi1, qa_hi2 = rq
     s_lo1, b_lo1, s_lo2, b_lo2, s_hi1, b_hi1, s_hi2, b_hi2 = rk
-    c0, c1, c2, c3 = _vq_centroids(row, C0, j.shape[0], ok, cb, M, BITS)
+    if TRN:  # both halves in one gather (two: the same instructions and registers)
+        s0 = _trellis_states(row, C0, j.shape[0], ok, BITS, TRN)
+        s1 = _trellis_states(row, HW + C0, j.shape[0], ok, BITS, TRN)
+        c0, c1 = tl.split(_trellis_gather(tl.join(s0, s1), cb, BITS * TRN))
+        c2 = c0
+        c3 = c1
+    else:
+        c0, c1, c2, c3 = _vq_centroids(row, C0, j.shape[0], ok, cb, M, BITS)
     if M == 2:  # (c0, c1): the pair's halves
         k1 = c0.to(OP) * s_lo1[None, :] + b_lo1[None, :]
         k2 = c1.to(OP) * s_lo2[None, :] + b_lo2[None, :]
@@ -1325,16 +1407,23 @@ def _vq_patched_values(row, G: tl.constexpr, ok, cb, M: tl.constexpr, BITS: tl.c
 @triton.jit
 def _vq_value_planes(ptr, rows, row_ok, stride_t, vs_ptr, vo_ptr, vq_t, M: tl.constexpr,
                      BITS: tl.constexpr, D: tl.constexpr, V_HAS_OFF: tl.constexpr,
-                     OP: tl.constexpr, cb, PATCH: tl.constexpr = 0, nuq=None):  # fmt: skip
+                     OP: tl.constexpr, cb, PATCH: tl.constexpr = 0, nuq=None,
+                     TRN: tl.constexpr = 0):  # fmt: skip
     """A vector-codebook value tile in plane order (even channels, odd channels) [BT, D / 2]
     in OP: groups of M neighbouring channels (M 2: coordinates 0, 1 are the planes' column
     g; M 4: group g's coordinates 0, 2 are the even plane's columns 2g, 2g + 1, 1, 3 the
     odd plane's), then the row's scale and centre. PATCH: that many value slots patched
-    into the centroid words (`_vq_slot_words`; an fp16 codebook and fp16 dots)."""
+    into the centroid words (`_vq_slot_words`; an fp16 codebook and fp16 dots). TRN:
+    trellis values (M 2: even and odd channels of `_trellis_run`'s row)."""
     BT: tl.constexpr = rows.shape[0]
     G: tl.constexpr = D // M
     ok = row_ok[:, None]
-    if PATCH:
+    if TRN:
+        levels = _trellis_run(ptr + rows[:, None] * stride_t, 0, D, ok, cb, BITS, TRN)
+        c0, c1 = tl.split(tl.reshape(levels, (BT, G, 2)))
+        c2 = c0
+        c3 = c1
+    elif PATCH:
         c0, c1, c2, c3 = _vq_patched_values(ptr + rows[:, None] * stride_t, G, ok, cb, M, BITS,
                                             rows, row_ok, nuq, vs_ptr, vo_ptr, vq_t, V_HAS_OFF,
                                             PATCH)  # fmt: skip
@@ -1359,9 +1448,12 @@ def _vq_value_planes(ptr, rows, row_ok, stride_t, vs_ptr, vo_ptr, vq_t, M: tl.co
 
 @triton.jit
 def _vq_key_coordinate(row, idx, has, cb, D: tl.constexpr, M: tl.constexpr,
-                       BITS: tl.constexpr):  # fmt: skip
+                       BITS: tl.constexpr, TRN: tl.constexpr = 0):  # fmt: skip
     """float32 [BT] decoded coordinate (before the normaliser) of channel idx [BT] of
-    RoPE-pair vector keys, rows at `row` [BT]: its group's centroid coordinate."""
+    RoPE-pair vector keys, rows at `row` [BT]: its group's centroid coordinate (TRN:
+    the channel's trellis level)."""
+    if TRN:
+        return _trellis_level(row, idx, has, cb, BITS, TRN)
     H: tl.constexpr = D // 2
     half = idx // H
     c = idx % H
@@ -1410,7 +1502,7 @@ def _rope_scores(rq, rk, k_ptr, k_t, ks_ptr, ko_ptr, kq_t, t, t_ok, tile, pos_pt
                  K_FACTOR: tl.constexpr, K_WORDS: tl.constexpr,
                  NC: tl.constexpr, K_LUT: tl.constexpr = 0, K_FLAT: tl.constexpr = False,
                  nuq=None, amp=None, K_VQ: tl.constexpr = 0,
-                 K_VQB: tl.constexpr = 0, live=None):  # fmt: skip
+                 K_VQB: tl.constexpr = 0, live=None, K_TRN: tl.constexpr = 0):  # fmt: skip
     """Scores [R, BT] of a tile of pre-RoPE keys, each rotated at its row's position. A
     tile whose rows sit at one run of positions p0, p0 + 1, ... (a sequence's rows, the
     usual case) is rotated by angle addition: R(p0 + i) = R(p0) R(i), R(p0) taken onto the
@@ -1442,7 +1534,7 @@ def _rope_scores(rq, rk, k_ptr, k_t, ks_ptr, ko_ptr, kq_t, t, t_ok, tile, pos_pt
         for c in tl.static_range(NC):
             scores = _rope_vq_chunk(scores, rq[c], rk[c], vrow, vok, c * VW + tl.arange(0, VW),
                                     tab, trow, p0, run, c * VW, KP, D, OP, PRECISION, K_VQ,
-                                    K_VQB, nuq[0])  # fmt: skip
+                                    K_VQB, nuq[0], K_TRN)  # fmt: skip
     elif K_LUT == 3 and not FULL:  # NUQ keys in channel order: one gather for the tile
         # (the gather stores its table to shared memory each call: one per tile, where one
         # per chunk and half cost 77.1 warp-instructions per row against 71.8, Llama-like;
@@ -1477,7 +1569,7 @@ def _rope_scores(rq, rk, k_ptr, k_t, ks_ptr, ko_ptr, kq_t, t, t_ok, tile, pos_pt
                                  K_FP8, LUT, ltab, lut)  # fmt: skip
     if K_FLAT and not FULL:  # NUQ keys' exact exceptions, rotated at each row's position
         scores = _key_exceptions(scores, t, t_ok, k_ptr, k_t, nuq, OP, PRECISION, True,
-                                 (pos, tab, amp), D, KP, K_VQ, K_VQB)  # fmt: skip
+                                 (pos, tab, amp), D, KP, K_VQ, K_VQB, K_TRN)  # fmt: skip
     return scores
 
 
@@ -1563,6 +1655,7 @@ def _segment_loop(
     V_SLOTS: tl.constexpr = 0, nuq=None, tab1=None, amp1=None, K_VQ: tl.constexpr = 0,
     K_VQB: tl.constexpr = 0, V_VQ: tl.constexpr = 0, V_VQB: tl.constexpr = 0,
     PREFETCH: tl.constexpr = False, VT: tl.constexpr = False, VCH: tl.constexpr = False,
+    K_TRN: tl.constexpr = 0, V_TRN: tl.constexpr = 0,
 ):  # fmt: skip
     """Folds tiles [first, last) of one segment into the online-softmax state (m, l,
     acc_lo, acc_hi: the numerator's planes; VT: transposed, [D / VP, R]). FULL: a full-precision segment (keys
@@ -1621,7 +1714,7 @@ def _segment_loop(
                                   pos_ptr, pos_t, rtab, tab_rows, R, K_ZERO, BT, FULL, KPR,
                                   D, OP, PRECISION, ASM, K_ROWQ, K_NG, K_HAS_OFF, K_FP8,
                                   K_FACTOR, K_WORDS, NCS, K_LUT, K_FLAT, nuq,
-                                  rope_q[3], K_VQ, K_VQB, t_ok)  # fmt: skip
+                                  rope_q[3], K_VQ, K_VQB, t_ok, K_TRN)  # fmt: skip
         else:
             if K_ROWQ and not FULL:
                 k_lo, k_hi = _value_planes(k_ptr, tr, tr_ok, k_t, ks_ptr, ko_ptr, kq_t, K_ZERO,
@@ -1658,7 +1751,7 @@ def _segment_loop(
         if V_VQ and not FULL:
             v_lo, v_hi = _vq_value_planes(v_ptr, tr, tr_ok, v_t, vs_ptr, vo_ptr, vq_t, V_VQ,
                                           V_VQB, D, V_HAS_OFF, OP, nuq[14], VQ_PATCH,
-                                          nuq)  # fmt: skip
+                                          nuq, V_TRN)  # fmt: skip
         elif VCH and not FULL:  # NUQ4 values in channel order, slots in the gather
             v_lo = _pair_values(v_ptr, tr, tr_ok, v_t, vs_ptr, vo_ptr, vq_t, nuq[16], nuq, D,
                                 V_HAS_OFF, OP, V_SLOTS, ASM, (tile * BT, rows_seg - 1))  # fmt: skip
@@ -1712,7 +1805,8 @@ def decode_splits_kernel(
     k_first=None, kf_b=0, kf_h=0, kf_t=0, k_eidx=None, k_eval=None, v_sidx=None, v_sval=None,
     vs_b=0, vs_h=0, vs_t=0, RQ: tl.constexpr = 16, rope_tab1=None, rope_amp1=None,
     K_VQ: tl.constexpr = 0, K_VQB: tl.constexpr = 0, V_VQ: tl.constexpr = 0,
-    V_VQB: tl.constexpr = 0, PREFETCH: tl.constexpr = False,
+    V_VQB: tl.constexpr = 0, PREFETCH: tl.constexpr = False, K_TRN: tl.constexpr = 0,
+    V_TRN: tl.constexpr = 0,
 ):  # fmt: skip
     """Segments 0, 1, 2 (KIND 0: absent, 1: full precision, 2: packed; one packed at
     most): key and value data with their batch, head and row strides (elements of the
@@ -1739,6 +1833,10 @@ def decode_splits_kernel(
     codes (`_vq_index`), groups of that many channels (0: none), digits of K_VQB, V_VQB
     bits, centroids from k_tab, v_tab ([2^(bits M), M] in the dots' dtype); keys pre-RoPE
     over RoPE pairs in KP = M / 2 planes, values over neighbouring channels in VP = 2.
+    K_TRN, V_TRN: trellis codes (`_trellis_run`) of that many digits per state, read as
+    vq codes of 2-D groups (K_VQ, V_VQ 2; K_VQB, V_VQB: digit bits) in channel order (keys:
+    the channels of each RoPE half, values: even and odd channels), levels from k_tab,
+    v_tab ([2^(bits x digits)], `planned_decode.trellis_table`).
     PREFETCH: the packed segment's loop asks L2 for the next tile's rows
     (`_prefetch_tile`), where its loads are not staged.
 
@@ -1966,7 +2064,7 @@ def decode_splits_kernel(
             m_row, HAS_MASK, K_FP8, V_FP8, K_FACTOR, V_FACTOR, K_WORDS, V_WORDS,
             ROPE0, rope_q, pos0 + b * pos0_b, pos0_t, rope_tab, rope_rows, D, NC,
             K_MODE, V_MODE, K_FLAT, V_SLOTS, nuq, rope_tab1, rope_amp1,
-            K_VQ, K_VQB, V_VQ, V_VQB, PREFETCH, VT, VCH,
+            K_VQ, K_VQB, V_VQ, V_VQB, PREFETCH, VT, VCH, K_TRN, V_TRN,
         )  # fmt: skip
     if KIND1 != 0:
         k1_t = (D if KIND1 == 1 else KRB) if k1_t is None else k1_t
@@ -1998,7 +2096,7 @@ def decode_splits_kernel(
                 K_HAS_OFF, m_row, HAS_MASK, K_FP8, V_FP8, K_FACTOR, V_FACTOR, K_WORDS, V_WORDS,
                 ROPE1, rope_q, pos1 + b * pos1_b, pos1_t, rope_tab, rope_rows, D, NC,
                 K_MODE, V_MODE, K_FLAT, V_SLOTS, nuq, rope_tab1, rope_amp1,
-                K_VQ, K_VQB, V_VQ, V_VQB, PREFETCH, VT, VCH,
+                K_VQ, K_VQB, V_VQ, V_VQB, PREFETCH, VT, VCH, K_TRN, V_TRN,
             )  # fmt: skip
         if KIND2 != 0 and step == 1:
             kp = k2 + b * k2_b + h * k2_h
@@ -2013,7 +2111,7 @@ def decode_splits_kernel(
                 K_WORDS, V_WORDS,
                 ROPE2, rope_q, pos2 + b * pos2_b, pos2_t, rope_tab, rope_rows, D, NC,
                 K_MODE, V_MODE, K_FLAT, V_SLOTS, nuq, rope_tab1, rope_amp1,
-                K_VQ, K_VQB, V_VQ, V_VQB, PREFETCH, VT, VCH,
+                K_VQ, K_VQB, V_VQ, V_VQB, PREFETCH, VT, VCH, K_TRN, V_TRN,
             )  # fmt: skip
     m_i, l_i, acc_lo, acc_hi = state
     if VT:

@@ -7,7 +7,9 @@ fp8 codes (E4M3 / E5M2, decoded from their bits, `fp8.fp16_placement`) or 4-bit
 codebook codes (KVQuant's NUQ4: 16 levels, `nuq_table`) or vector-codebook codes (the
 layouts of `kvq calibrate vq` and `auto --bits 2 | 3`: RoPE-pair key groups stored before
 RoPE, neighbouring-channel value groups, 16, 64 or 256 centroids, `vq_table`,
-`_vq_unsupported`) with static per-channel (or
+`_vq_unsupported`) or trellis codes (`kvq calibrate trellis`, what `auto` stores: 1- to
+4-bit digits read as vq codes in channel order, `trellis_table`, `_trellis_unsupported`)
+with static per-channel (or
 per-head) or per-row grouped key qparams and per-row grouped or per-head value qparams,
 NUQ's exact exceptions (the keys' flat entries, the values' slots), keys stored after RoPE
 or before it (rotated in the tile loop at each row's position,
@@ -43,7 +45,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from kvq.quant import packing, vq
+from kvq.quant import packing, trellis, vq
 from kvq.quant.fp8 import fp16_placement
 from kvq.runtime.fp8_codecs import fp8_format_of
 from kvq.runtime.kernels.backend import interpreting, next_pow2
@@ -76,7 +78,7 @@ class KernelConfig:
 
 def kernel_config(head_dim: int, bits: int, key_rows: bool = False,
                   rope_lut: bool = False, vector: int = 0,
-                  key_entries: bool = False) -> KernelConfig:  # fmt: skip
+                  key_entries: bool = False, trellis: bool = False) -> KernelConfig:  # fmt: skip
     """Launch configuration per shape bucket (head_dim, code bits; `key_rows`, whether key
     qparams are per row, no longer changes it): 64-row tiles, 4 warps, 2 tiles of raw codes
     in flight, where that compiles without spilling. Picked from the sm_90 compile
@@ -110,9 +112,15 @@ def kernel_config(head_dim: int, bits: int, key_rows: bool = False,
     at 256 (the key entries' loop leaves the packed codes unstaged anyway; the staged sink
     and residual loops of Gemma 3's layer call spilled 88 B for 2 x 4 codes with 2 stages,
     8 B with 1: 261 per row against 248) and for 2-D groups without key entries (staged
-    codes spilled 64 B Llama-like, 248 B Gemma 3; one stage: none, 109 and 223 per row)."""
+    codes spilled 64 B Llama-like, 248 B Gemma 3; one stage: none, 109 and 223 per row).
+    `trellis` (the codes read as 2-D groups, `_trellis_states`): the same, but two stages
+    without key entries at head_dim 128 (auto's 2-bit rows: staged codes, 17 KB in flight
+    per SM at 70 per row, no spill; at 256 two stages spilled 24 B). Without spills, at
+    8 warps per SM: Llama-like 100 per row at 4 bits (1% key entries, 0.5% value slots),
+    101 at 3 (1% key entries), 70 at 2; Gemma 3 221, 200, 143."""
     if vector:
-        one = (vector == 4 and head_dim >= 256) or (vector == 2 and not key_entries)
+        staged = trellis and head_dim < 256  # trellis rows at 128: staged, no spill
+        one = (vector == 4 and head_dim >= 256) or (vector == 2 and not key_entries and not staged)
         stages = 1 if one else 2
         warps = 8 if head_dim >= 256 else 4
         return KernelConfig(64, warps, stages, prefetch=key_entries)
@@ -179,17 +187,22 @@ def _packed_unsupported(seg, d: int) -> str | None:
     k, v = seg.key, seg.value
     for p in (k, v):
         fp8 = p.kind == "lookup" and p.bits == 8 and fp8_format_of(p.table) is not None
-        vector = p.kind == "vector"
-        if not fp8 and not _nuq(p) and not vector and (p.kind != "affine" or p.bits not in (4, 8)):
-            return "codes other than 4- or 8-bit affine, fp8, 4-bit NUQ or vector codebooks"
+        vector, tcq = p.kind == "vector", p.kind == "trellis"
+        if (not fp8 and not _nuq(p) and not vector and not tcq
+                and (p.kind != "affine" or p.bits not in (4, 8))):  # fmt: skip
+            return ("codes other than 4- or 8-bit affine, fp8, 4-bit NUQ, vector codebooks or "
+                    "trellis codes")  # fmt: skip
         reason = _vq_unsupported(p, p is k, d) if vector else None
+        reason = _trellis_unsupported(p, p is k, d) if tcq else reason
         if reason:
             return reason
+    if (k.kind == "trellis") != (v.kind == "trellis"):
+        return "trellis codes on one side only"
     # NUQ exceptions: the keys' flat entries, the values' slots (`_key_exceptions`,
     # `_value_slots`)
-    if k.slot_index is not None or (k.sparse_count is not None and not _nuq(k) and not _vq(k)):
+    if k.slot_index is not None or (k.sparse_count is not None and not _nuq(k) and not _coded(k)):
         return "key exceptions other than NUQ's flat entries"
-    if v.sparse_count is not None or (v.slot_index is not None and not _nuq(v) and not _vq(v)):
+    if v.sparse_count is not None or (v.slot_index is not None and not _nuq(v) and not _coded(v)):
         return "value exceptions other than NUQ's slots"
     if v.slot_index is not None and v.slot_value.stride() != v.slot_index.stride():
         return "value slots: values must share the channels' layout"
@@ -199,7 +212,7 @@ def _packed_unsupported(seg, d: int) -> str | None:
         reason = _row_groups_unsupported(k, d)
         if reason:
             return f"keys: {reason}"
-    if _vq(v):  # per-row normaliser, checked by _vq_unsupported
+    if _coded(v):  # per-row normaliser, checked by _vq_unsupported, _trellis_unsupported
         return None
     if v.qaxis == "head":  # a static scale per head: read per row with a zero row stride
         return "values: per-head zero points" if v.zero_point is not None else None
@@ -216,6 +229,56 @@ def _nuq(p) -> bool:
 def _vq(p) -> bool:
     """Whether `p` holds vector-codebook codes (`kvq.quant.vq`)."""
     return p.kind == "vector"
+
+
+def _coded(p) -> bool:
+    """Whether the kernel reads `p` as vq codes: vector codebooks or trellis codes (2-D
+    groups in channel order, `_trellis_states`)."""
+    return p.kind in ("vector", "trellis")
+
+
+def _coded_dim(p) -> int:
+    """The kernel's vq group size for `p` (K_VQ, V_VQ): the codebook's, 2 for trellis
+    codes, 0 for other codes."""
+    return {"vector": p.vector_dim, "trellis": 2}.get(p.kind, 0)
+
+
+# trellis digits the kernel reads (`_trellis_states`): whole digits per 32-bit word, or 8
+# per 3-byte unit
+TRELLIS_BITS = (1, 2, 3, 4)
+# the largest state the kernel reads: its table passes through registers into shared
+# memory once per tile (4096 fp16 levels: 32 per thread at 4 warps, 8 KB)
+TRELLIS_MAX_WINDOW = 12
+
+
+def _trellis_unsupported(p, key: bool, d: int) -> str | None:
+    """Trellis codes the planned kernel reads: 1- to 4-bit digits, each RoPE half of the
+    keys (and the values' row) whole units (32-bit words on 4-byte boundaries, 3-byte
+    units of 3-bit digits); the keys stored before RoPE with a static per-channel
+    normaliser, the values with a per-row one (the calibrator's layout)."""
+    if p.bits not in TRELLIS_BITS:
+        return f"trellis codes of {p.bits}-bit digits (1 to 4 decode planned)"
+    if p.window > TRELLIS_MAX_WINDOW:
+        return f"trellis states of {p.window} bits (up to {TRELLIS_MAX_WINDOW} decode planned)"
+    unit = 8 if p.bits == 3 else 32 // p.bits  # digits per unit
+    if (d // 2) % unit or (p.bits != 3 and not _aligned_words(p)):
+        return "trellis rows not in whole units (32-bit words, 3-byte units) per RoPE half"
+    if key:
+        if not p.pre_rope:
+            return "trellis keys after RoPE (the calibrator stores them before)"
+        if p.qaxis not in ("channel", "head") or p.zero_point is not None:
+            return "trellis keys without a static per-channel normaliser"
+        return None
+    if p.qaxis != "row" or p.scale.shape[-1] != 1 or p.zero_point is not None:
+        return "trellis values without a per-row normaliser"
+    if p.offset is not None and p.offset.stride() != p.scale.stride():
+        return "offsets must share the scales' layout"
+    return None
+
+
+def _aligned_words(p) -> bool:
+    """Whether `p`'s rows start on 4-byte boundaries (read as 32-bit words)."""
+    return p.data.data_ptr() % 4 == 0 and all(s % 4 == 0 for s in p.data.stride()[:3])
 
 
 # the group index widths the kernel reads (`_decode_splits_triton._vq_index`): a nibble, a
@@ -266,14 +329,14 @@ _GROUPS_VALUE: Memo = {}
 def _key_planes(p) -> int:
     """Planes of a packed key tile: 2 for 4-bit codes (even, odd channels) and 4-D vector
     groups (RoPE pairs of neighbouring channels), else 1."""
-    if _vq(p):
-        return p.vector_dim // 2
+    if _coded(p):
+        return _coded_dim(p) // 2
     return 2 if p.bits == 4 else 1
 
 
 def _value_planes_of(p) -> int:
     """Planes of a packed value tile: 2 for 4-bit codes and vector groups, else 1."""
-    return 2 if p.bits == 4 or _vq(p) else 1
+    return 2 if p.bits == 4 or _coded(p) else 1
 
 
 def vq_table(table: Tensor, half: bool) -> Tensor:
@@ -297,7 +360,29 @@ def _table(p, half: bool) -> Tensor | None:
     (`vq_table`), else None."""
     if _nuq(p):
         return nuq_table(p.table)
+    if p.kind == "trellis":
+        return trellis_table(p.table, p.bits, p.window, half)
     return vq_table(p.table, half) if _vq(p) else None
+
+
+def trellis_table(table: Tensor, bits: int, window: int, half: bool) -> Tensor:
+    """[2^window] levels as the kernel indexes them (`_trellis_states`: a state's digits
+    oldest lowest, where `kvq.quant.trellis` puts the newest lowest), in the dots' dtype
+    (float16, or float32 where calibration's fp16 levels are not exact), cached per
+    table."""
+    cached = memoised(_TRELLIS_TABLES, table, dict)
+    if half not in cached:
+        n = trellis.check_window(bits, window)
+        field = torch.arange(1 << window, device=table.device)
+        digit = (1 << bits) - 1
+        state = sum(((field >> (bits * j)) & digit) << (bits * (n - 1 - j)) for j in range(n))
+        exact = bool(torch.equal(table.half().to(table.dtype), table))
+        dtype = torch.float16 if half or exact else torch.float32
+        cached[half] = table.reshape(-1)[state].to(dtype).contiguous()
+    return cached[half]
+
+
+_TRELLIS_TABLES: Memo = {}
 
 
 def nuq_table(table: Tensor) -> Tensor:
@@ -619,7 +704,7 @@ def _layout_key(query: Tensor, segments, rows: list, src: list, scaling: float, 
             slots = None if v.slot_index is None else v.slot_index.shape[-1]
             key.append((k.scale.shape[-1], v.scale.shape[-1], k.scale.dim(), v.scale.dim(),
                         _fp8(k), _fp8(v), _nuq(k), _nuq(v), slots, k.vector_dim,
-                        v.vector_dim))  # fmt: skip
+                        v.vector_dim, k.window, v.window))  # fmt: skip
     if src[SRC_MASK] is not None:
         key.append(src[SRC_MASK].shape[0])
     if src[SRC_ROPE] is not None:
@@ -668,8 +753,9 @@ def _site(query: Tensor, segments, src: list, *, scaling: float, softcap: float 
         k_fp8 = v_fp8 = (0, 1.0)
     cfg = kernel_config(d, bits, k_rowq, packed is not None and packed.key.pre_rope
                         and _nuq(packed.key),
-                        packed.key.vector_dim if packed is not None and _vq(packed.key) else 0,
-                        src[SRC_PACKED + 6] is not None)  # fmt: skip
+                        _coded_dim(packed.key) if packed is not None else 0,
+                        src[SRC_PACKED + 6] is not None,
+                        packed is not None and packed.key.kind == "trellis")  # fmt: skip
     sq_b, sq_h, sq_q = query.stride()[:3]
     args = dict(q=_Src(SRC_Q), sq_b=None if sq_b == hq * q_len * d else sq_b,
                 sq_h=None if sq_h == d else sq_h,
@@ -712,7 +798,7 @@ def _site(query: Tensor, segments, src: list, *, scaling: float, softcap: float 
         VP=vp, NG=ng, V_HAS_OFF=v_off is not None, K_FP8=k_fp8[0], V_FP8=v_fp8[0],
         K_FACTOR=k_fp8[1] if k_rowq else 1.0, V_FACTOR=v_fp8[1],
         K_WORDS=k_rowq and _words(packed.key),
-        V_WORDS=packed is not None and _words(packed.value) and not _vq(packed.value),
+        V_WORDS=packed is not None and _words(packed.value) and not _coded(packed.value),
         HAS_SOFTCAP=bool(softcap), CAUSAL=q_len > 1, HALF=half, DIRECT=False,
         HAS_MASK=mask is not None,
         NUM_STAGES=cfg.num_stages, PREFETCH=cfg.prefetch and not interpreting(),
@@ -835,11 +921,14 @@ def _nuq_args(packed, src: list, hkv: int) -> dict:
 def _vq_args(packed) -> dict:
     """The kernel's vector-codebook constexprs: group size and digit bits per side (0:
     other codes; the codebooks travel as k_tab, v_tab, `_nuq_args`)."""
-    out = dict(K_VQ=0, K_VQB=0, V_VQ=0, V_VQB=0)
-    if packed is not None and _vq(packed.key):
-        out.update(K_VQ=packed.key.vector_dim, K_VQB=packed.key.bits)
-    if packed is not None and _vq(packed.value):
-        out.update(V_VQ=packed.value.vector_dim, V_VQB=packed.value.bits)
+    out = dict(K_VQ=0, K_VQB=0, V_VQ=0, V_VQB=0, K_TRN=0, V_TRN=0)
+    if packed is None:
+        return out
+    k, v = packed.key, packed.value
+    if _coded(k):
+        out.update(K_VQ=_coded_dim(k), K_VQB=k.bits, K_TRN=k.window // k.bits)
+    if _coded(v):
+        out.update(V_VQ=_coded_dim(v), V_VQB=v.bits, V_TRN=v.window // v.bits)
     return out
 
 

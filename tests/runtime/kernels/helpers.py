@@ -191,9 +191,11 @@ def greedy(monkeypatch, model, policy, tensors, adapter, ids, backend, **kw):
 
 
 def calibrated_vq(options, **config):
-    """A tiny Gemma 3 (`config`: its overrides) and a mixed-precision vq policy calibrated
-    on it (random windows; a Fisher stand-in with one sensitive key side, so the allocator
-    moves bits to it): model, adapter, policy, tensors, and the generator drawn from."""
+    """A tiny Gemma 3 (`config`: its overrides) and a mixed-precision vq (or, for trellis
+    options, trellis) policy calibrated on it (random windows; a Fisher stand-in with one
+    sensitive key side, so the allocator moves bits to it): model, adapter, policy,
+    tensors, and the generator drawn from."""
+    from kvq.calibrators.trellis import calibrate_trellis
     from kvq.calibrators.vq import calibrate_vq
     from kvq.models.adapters import get_adapter
     from kvq.progress import Progress
@@ -206,5 +208,6 @@ def calibrated_vq(options, **config):
     shape = (ad.info.num_layers, ad.info.num_kv_heads, ad.info.head_dim)
     fk, fv = torch.rand(shape, generator=g) ** 4, torch.rand(shape, generator=g) ** 4
     fk[1] *= 1e4
-    policy, tensors = calibrate_vq(model, ad, windows, options, Progress(), (fk, fv))
+    calibrate = calibrate_trellis if options.NAME == "trellis" else calibrate_vq
+    policy, tensors = calibrate(model, ad, windows, options, Progress(), (fk, fv))
     return model, ad, policy, tensors, g

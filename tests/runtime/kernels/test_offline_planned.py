@@ -47,6 +47,12 @@ CASES = {  # name -> (batch, KV heads, head_dim, query heads)
     "vq2-pre-llama": (16, 8, 128, 32),
     "vq2-pre-gemma": (16, 1, 256, 4),
     "vq3-dense-pre-gemma": (16, 1, 256, 4),  # without exceptions (`kvq calibrate vq --outliers 0`)
+    # trellis codes as `kvq calibrate auto` stores them: 4-bit digits with key entries and
+    # value slots, 3-bit with key entries (3-byte units), 2-bit without exceptions
+    "tr4-pre-llama": (16, 8, 128, 32),
+    "tr4-pre-gemma": (16, 1, 256, 4),
+    "tr3-pre-llama": (16, 8, 128, 32),
+    "tr2-pre-llama": (16, 8, 128, 32),
 }
 # the NUQ4 keys' exceptions run a loop over each row's entries inside the tile loop, which
 # Triton's pipeliner does not stage: their codes load in the iteration that uses them
@@ -54,7 +60,7 @@ CASES = {  # name -> (batch, KV heads, head_dim, query heads)
 # (pre-RoPE NUQ4 at head_dim 256 without entries: one stage, two spilled, `kernel_config`)
 UNSTAGED = ("nuq4-llama", "nuq4-pre-llama", "nuq4-pre-gemma", "nuq4-pre-gemma-layer",
             "nuq4-dense-pre-gemma", "vq3-pre-llama", "vq2-pre-llama", "vq2-pre-gemma",
-            "vq3-dense-pre-gemma")  # fmt: skip
+            "vq3-dense-pre-gemma", "tr4-pre-llama", "tr4-pre-gemma", "tr3-pre-llama")  # fmt: skip
 # the pre-RoPE layouts with key entries (unstaged, 8 resident warps) prefetch the next
 # tile's rows into L2 (`kernel_config`'s prefetch): two tiles in flight, pre-RoPE NUQ4 36.3
 # KB per SM (Llama-like), 34.5 (Gemma 3; 18.1 and 17.3 unprefetched); below the 20 KB per
@@ -62,8 +68,11 @@ UNSTAGED = ("nuq4-llama", "nuq4-pre-llama", "nuq4-pre-gemma", "nuq4-pre-gemma-la
 # (18.5 KB per SM for Gemma 3's 2 x 4, 20.2 Llama-like) and 3-bit ones without entries
 NUQ_IN_FLIGHT_KB = {"nuq4-dense-pre-gemma": 16}
 VQ_IN_FLIGHT_KB = {"vq2-pre-llama": 19.5, "vq2-pre-gemma": 18, "vq3-dense-pre-gemma": 10}
+# 2-bit trellis rows without exceptions: two staged tiles of 64 x 68 B per program
+TRELLIS_IN_FLIGHT_KB = {"tr2-pre-llama": 17}
 PREFETCHED = ("nuq4-pre-llama", "nuq4-pre-gemma", "nuq4-pre-gemma-layer", "vq3-pre-llama",
-              "vq2-pre-llama", "vq2-pre-gemma")  # fmt: skip
+              "vq2-pre-llama", "vq2-pre-gemma", "tr4-pre-llama", "tr4-pre-gemma",
+              "tr3-pre-llama")  # fmt: skip
 
 
 def _fp8_segment(b, hkv, t, d):
@@ -128,6 +137,36 @@ def _vq_segment(b, hkv, t, d, bits: int, m: int, exceptions: bool = True):
     )  # fmt: skip
 
 
+def _trellis_segment(b, hkv, t, d, bits: int):
+    """What `kvq calibrate auto` stores at 4, 3 and 2 bits: trellis codes (random) with
+    12-bit states, a random fp16 table, keys before RoPE with the static normaliser, values
+    with their row normaliser; 2 flat key exceptions per row at 3 and 4 bits, 1 value slot
+    at 4."""
+    from kvq.quant import packing
+
+    g = torch.Generator().manual_seed(0)
+    n_bytes = packing.packed_len(d, bits)
+    codes = torch.randint(0, 256, (2, b, hkv, t, n_bytes), generator=g, dtype=torch.uint8)
+    table = (torch.rand(4096, generator=g) * 2 - 1).half()
+    key = dict(scale=torch.rand(hkv, d) + 0.5, offset=torch.rand(hkv, d))
+    value = dict(
+        scale=torch.rand(b, hkv, t, 1).half() + 0.5, offset=torch.rand(b, hkv, t, 1).half()
+    )
+    if bits >= 3:
+        n = b * hkv * t * 2
+        key |= dict(sparse_count=torch.full((b, hkv, t), 2, dtype=torch.uint8),
+                    sparse_index=torch.randint(0, d, (n,), generator=g).to(torch.uint8),
+                    sparse_value=torch.randn(n).half())  # fmt: skip
+    if bits == 4:
+        value |= dict(slot_index=torch.randint(0, d, (b, hkv, t, 1), generator=g).to(torch.uint8),
+                      slot_value=torch.randn(b, hkv, t, 1).half())  # fmt: skip
+    return Segment(
+        PackedRows("trellis", d, codes[0], bits, table=table, window=12, pre_rope=True, **key),
+        PackedRows("trellis", d, codes[1], bits, table=table, window=12, **value),
+        torch.arange(t).expand(b, t),
+    )
+
+
 def _row_bytes(seg: Segment) -> float:
     """Bytes per cached row of one KV head: per-row tensors and flat entries of K and V."""
     b, hkv, t = seg.key.data.shape[:3]
@@ -170,6 +209,9 @@ def _compile(case: str) -> dict:
     if case.startswith("fp8"):
         seg = _fp8_segment(b, hkv, 256, d)
         row_bytes = 2 * d  # K and V codes
+    elif case.startswith("tr"):
+        seg = _trellis_segment(b, hkv, 256, d, int(case[2]))
+        row_bytes = _row_bytes(seg)
     elif case.startswith("vq"):
         bits = int(case[2])
         seg = _vq_segment(b, hkv, 256, d, bits, 4 if bits == 2 else 2, "dense" not in case)
@@ -262,7 +304,7 @@ def test_enough_bytes_in_flight_per_sm(compiled, case):
     res, r = compiled[case]
     stages = r["num_stages"] if case not in UNSTAGED else 2 if res.loop_prefetches else 1
     in_flight = stages * r["block_t"] * r["row_bytes"] * res.programs_per_sm
-    below = NUQ_IN_FLIGHT_KB | VQ_IN_FLIGHT_KB
+    below = NUQ_IN_FLIGHT_KB | VQ_IN_FLIGHT_KB | TRELLIS_IN_FLIGHT_KB
     want = int(below[case] * 1024) if case in below else 20 * 1024
     assert in_flight >= want, (in_flight, res.as_dict())
 
@@ -320,6 +362,21 @@ def test_vq_loops_per_row(compiled):
     _assert_loop(compiled, "vq2-pre-gemma", per_row=290, warps_per_sm=8)
 
 
+def test_trellis_loops_per_row(compiled):
+    """Trellis codes as `kvq calibrate auto` stores them: each channel's state cut from its
+    unit and the one before it (one 64-bit funnel; the units loaded in the layout of
+    their broadcast over the unit's digits: 130 -> 100 per row where they went through
+    shared memory), its level gathered from the table in shared memory, normalised and
+    rotated as vq's coordinates. 4-bit digits with key entries and value slots:
+    Llama-like 100 per row at 8 warps per SM (the general kernel: 351), Gemma 3 221
+    (681); 3-bit digits (3-byte units) with key entries 101 (564 and a 176 B spill);
+    2-bit digits: 70 (568 and 1184 B)."""
+    _assert_loop(compiled, "tr4-pre-llama", per_row=105, warps_per_sm=8)
+    _assert_loop(compiled, "tr4-pre-gemma", per_row=230, warps_per_sm=8)
+    _assert_loop(compiled, "tr3-pre-llama", per_row=105, warps_per_sm=8)
+    _assert_loop(compiled, "tr2-pre-llama", per_row=75, warps_per_sm=8)
+
+
 def test_gemma_pre_rope_layer_call_keeps_the_packed_loop(compiled):
     """The whole-layer call (pre-RoPE sink and residual rows around KV4) compiles without
     spilling (it spilled 472 B) and its packed loop (the one with the most MMAs) issues what
@@ -351,10 +408,10 @@ def test_a_layer_call_binds_few_runtime_arguments(compiled):
     segments and features are None, which Triton binds as constexprs), at most 32 with
     pre-RoPE keys or NUQ exceptions (positions, tables, exception arrays), at most 44 with
     both (KVQuant's layout: positions and two unit tables, NUQ tables and exceptions; vq:
-    the same with codebooks)."""
+    the same with codebooks; trellis codes: with their tables)."""
     for case, (_, r) in compiled.items():
         limit = 25 if case in ("kv4-llama", "kv4-gemma", "fp8-llama") else 32
-        limit = 44 if case.startswith(("nuq4-pre", "nuq4-dense-pre", "vq")) else limit
+        limit = 44 if case.startswith(("nuq4-pre", "nuq4-dense-pre", "vq", "tr")) else limit
         assert r["runtime_args_layer"] <= limit, (case, r["runtime_args_layer"])
 
 
