@@ -210,6 +210,18 @@ class _SideExceptions:
         return self.outliers_of("value")
 
 
+def _side_outliers_option(part: str):
+    """--v-outliers / --k-outliers of the passes whose --mixed widths take the bits a
+    side's exceptions save (vq, trellis)."""
+    what = "each value row" if part == "value" else "key entries"
+    return option(
+        None,
+        f"fraction of {what} kept exactly (default: --outliers); with --mixed the bits it "
+        f"saves widen {part} layers",
+        flag=f"--{part[0]}-outliers",
+    )
+
+
 @dataclass(frozen=True)
 class KVQuantOptions(_SideExceptions, PassOptions):
     NAME: ClassVar[str] = "kvquant"
@@ -435,18 +447,8 @@ class VQOptions(_SideExceptions, PassOptions):
     mixed: str = option("none", MIXED_HELP)
     # values' exceptions apart: rotated values (`rotate`) have no outlier channel left, and
     # with --mixed the bytes their exceptions would take go to wider value layers
-    v_outliers: float | None = option(
-        None,
-        "fraction of each value row kept exactly (default: --outliers); with --mixed the "
-        "bits it saves widen value layers",
-        flag="--v-outliers",
-    )
-    k_outliers: float | None = option(
-        None,
-        "fraction of key entries kept exactly (default: --outliers); with --mixed the bits "
-        "it saves widen key layers",
-        flag="--k-outliers",
-    )
+    v_outliers: float | None = _side_outliers_option("value")
+    k_outliers: float | None = _side_outliers_option("key")
     seed: int = 0  # k-means; the command line passes its --seed
 
     def __post_init__(self) -> None:
@@ -489,18 +491,8 @@ class TrellisOptions(_SideExceptions, PassOptions):
         "--seqlen; 0: code bits only)",
         flag="--static-tokens",
     )
-    v_outliers: float | None = option(
-        None,
-        "fraction of each value row kept exactly (default: --outliers); with --mixed the "
-        "bits it saves widen value layers",
-        flag="--v-outliers",
-    )
-    k_outliers: float | None = option(
-        None,
-        "fraction of key entries kept exactly (default: --outliers); with --mixed the bits "
-        "it saves widen key layers",
-        flag="--k-outliers",
-    )
+    v_outliers: float | None = _side_outliers_option("value")
+    k_outliers: float | None = _side_outliers_option("key")
     seed: int = 0  # table initialisation and subsample; the command line passes its --seed
 
     def __post_init__(self) -> None:

@@ -33,11 +33,18 @@ from torch import Tensor
 from kvq.calibrators.base import FitContext, PassResult
 from kvq.calibrators.kvquant import capture_kv, spare_bits
 from kvq.calibrators.options import KVQuantOptions, TrellisOptions
-from kvq.calibrators.vq import _key_side, _Side, _value_side, allocate_bits, fit_with
+from kvq.calibrators.vq import (
+    _key_side,
+    _Side,
+    _value_side,
+    allocate_bits,
+    fit_with,
+    pre_rope_layers,
+)
 from kvq.errors import KvqError
 from kvq.progress import Progress
 from kvq.quant import trellis
-from kvq.quant.schemes import CachePolicy, LayerPolicy, QuantScheme
+from kvq.quant.schemes import CachePolicy, QuantScheme
 
 POOLED_ROWS = 4096  # rows of a table's fit (pooled over layers for shared tables)
 ERROR_ROWS = 512  # rows of a side on which --mixed fisher measures its error
@@ -198,15 +205,7 @@ def calibrate_trellis(
         }
         for n, t in state.items():
             tensors[f"layers.{layer}.{part}.{n}"] = t.contiguous()
-    layers = tuple(
-        LayerPolicy(
-            key=schemes[(i, "key")],
-            value=schemes[(i, "value")],
-            key_stage="pre-rope",
-            sink_tokens=opts.sink,
-        )  # fmt: skip
-        for i in range(n_layers)
-    )
+    layers = pre_rope_layers(schemes, n_layers, opts.sink)
     suffix = "-mixed" if opts.mixed == "fisher" else ""
     default = f"trellis{opts.bits}-w{opts.window}-{opts.tables}{suffix}"
     return CachePolicy(name or default, layers), tensors

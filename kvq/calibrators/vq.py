@@ -286,15 +286,7 @@ def calibrate_vq(
         schemes[(layer, part)] = _scheme(bits, m, part, opts)
         for n, t in state.items():
             tensors[f"layers.{layer}.{part}.{n}"] = t.contiguous()
-    layers = tuple(
-        LayerPolicy(
-            key=schemes[(i, "key")],
-            value=schemes[(i, "value")],
-            key_stage="pre-rope",
-            sink_tokens=opts.sink,
-        )  # fmt: skip
-        for i in range(n_layers)
-    )
+    layers = pre_rope_layers(schemes, n_layers, opts.sink)
     suffix = {"none": "", "fisher": "-mixed", "loss": "-mixed-loss"}[opts.mixed]
     dim = vector_dim(opts.bits, opts.dim)
     return CachePolicy(name or f"vq{opts.bits}-d{dim}{suffix}", layers), tensors | extra
@@ -326,3 +318,13 @@ def fit_with(ctx: FitContext, calibrate) -> PassResult:
 def fit(ctx: FitContext) -> PassResult:
     """The registered `vq` pass."""
     return fit_with(ctx, calibrate_vq)
+
+
+def pre_rope_layers(schemes: dict[tuple[int, str], QuantScheme], n_layers: int,
+                    sink: int) -> tuple[LayerPolicy, ...]:  # fmt: skip
+    """Per-layer policies of KVQuant's layout (keys before RoPE, `sink` full-precision
+    tokens) from schemes keyed by (layer, "key" | "value")."""
+    return tuple(
+        LayerPolicy(schemes[(i, "key")], schemes[(i, "value")], "pre-rope", sink_tokens=sink)
+        for i in range(n_layers)
+    )

@@ -26,13 +26,12 @@ from torch import Tensor
 
 from kvq.errors import KvqError
 from kvq.quant import packing, trellis
-from kvq.quant.qparams import check_finite
 from kvq.quant.schemes import QuantScheme
 from kvq.runtime.codecs import Codec
 from kvq.runtime.kernels.trellis_encode import trellis_encode
 from kvq.runtime.nuq_codecs import _index_dtype
 from kvq.runtime.packed import PackedRows
-from kvq.runtime.vq_codecs import VqKeyCodec, VqValueCodec
+from kvq.runtime.vq_codecs import VqKeyCodec, VqValueCodec, check_search_weight
 
 TRELLIS_STATE = ("trellis_table", "trellis_weight")
 
@@ -46,11 +45,7 @@ class _TrellisMixin:
                 raise KvqError(f"{where}: the artifact has no {where}.{name}")
         trellis.check_table(state["trellis_table"], scheme.window, where)
         weight = state["trellis_weight"]
-        if weight.dim() != 2 or weight.shape[-1] != head_dim:
-            raise KvqError(f"{where}.trellis_weight: expected [H_kv, {head_dim}]")
-        check_finite(weight.float(), f"{where}.trellis_weight")
-        if not bool((weight >= 0).all()):
-            raise KvqError(f"{where}.trellis_weight: weights must be non-negative")
+        check_search_weight(weight, head_dim, f"{where}.trellis_weight")
         Codec.__init__(self, head_dim, torch.float32)
         self.bits, self.window = scheme.bits, scheme.window
         self.fraction = scheme.outlier_fraction

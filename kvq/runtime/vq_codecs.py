@@ -46,12 +46,16 @@ def _vq_state(scheme: QuantScheme, head_dim: int, state: dict[str, Tensor], wher
         raise KvqError(f"{where}.vq_groups: expected int16 [{head_dim // m}, {m}]")
     if not torch.equal(groups.long().reshape(-1).sort().values, torch.arange(head_dim)):
         raise KvqError(f"{where}.vq_groups: not a permutation of the {head_dim} channels")
-    weight = state["vq_weight"]
+    check_search_weight(state["vq_weight"], head_dim, f"{where}.vq_weight")
+
+
+def check_search_weight(weight: Tensor, head_dim: int, name: str) -> None:
+    """A codec's channel weights of its encode search: [H_kv, head_dim], finite, >= 0."""
     if weight.dim() != 2 or weight.shape[-1] != head_dim:
-        raise KvqError(f"{where}.vq_weight: expected [H_kv, {head_dim}]")
-    check_finite(weight.float(), f"{where}.vq_weight")
+        raise KvqError(f"{name}: expected [H_kv, {head_dim}]")
+    check_finite(weight.float(), name)
     if not bool((weight >= 0).all()):
-        raise KvqError(f"{where}.vq_weight: weights must be non-negative")
+        raise KvqError(f"{name}: weights must be non-negative")
 
 
 class _VqMixin:

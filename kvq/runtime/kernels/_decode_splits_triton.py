@@ -1222,6 +1222,20 @@ def _trellis_units(row, u, ok, BITS: tl.constexpr):
 
 
 @triton.jit
+def _trellis_cut(row, u, ok, m, BITS: tl.constexpr, TRN: tl.constexpr):
+    """int32 state of digit m (broadcast against u) of units u in rows at `row`: the
+    BITS x TRN bits that end with the digit, from its unit and the unit before it (zeros
+    before the row) as one 64-bit funnel, oldest digit lowest."""
+    UB: tl.constexpr = 3 if BITS == 3 else 4  # bytes per unit
+    W: tl.constexpr = BITS * TRN  # state bits
+    cur = _trellis_units(row, u, ok, BITS)
+    prev = _trellis_units(row, u - 1, ok & (u > 0), BITS)
+    x = (cur << (8 * UB)) | prev
+    shift = (8 * UB + BITS - W + BITS * m).to(tl.uint64)
+    return ((x >> shift) & ((1 << W) - 1)).to(tl.int32)
+
+
+@triton.jit
 def _trellis_states(row, C0: tl.constexpr, N: tl.constexpr, ok, BITS: tl.constexpr,
                     TRN: tl.constexpr):  # fmt: skip
     """int32 trellis states [BT, N] of channels C0 ... C0 + N - 1 in rows at `row` [BT, 1]
@@ -1230,20 +1244,13 @@ def _trellis_states(row, C0: tl.constexpr, N: tl.constexpr, ok, BITS: tl.constex
     end with its digit, read from its unit and the unit before it (zeros before the row)
     as one 64-bit funnel per channel, oldest digit lowest, so the table is indexed that
     way (`planned_decode.trellis_table`): no digit reversal here."""
-    UB: tl.constexpr = 3 if BITS == 3 else 4  # bytes per unit
-    P: tl.constexpr = UB * 8 // BITS  # digits per unit
-    W: tl.constexpr = BITS * TRN  # state bits
+    P: tl.constexpr = (24 if BITS == 3 else 32) // BITS  # digits per unit
     BT: tl.constexpr = row.shape[0]
-    # loaded as [BT, N / P, 1]: the units arrive in the layout their broadcast over the P
-    # digits takes (loaded [BT, N / P], each went through shared memory to get there)
+    # units [BT, N / P, 1]: they arrive in the layout their broadcast over the P digits
+    # takes (loaded [BT, N / P], each went through shared memory to get there)
     ui = C0 // P + tl.arange(0, N // P)[None, :, None]
-    at = row[:, :, None]
-    ok3 = ok[:, :, None]
-    cur = _trellis_units(at, ui, ok3, BITS)  # [BT, N / P, 1]
-    prev = _trellis_units(at, ui - 1, ok3 & (ui > 0), BITS)
-    x = (cur << (8 * UB)) | prev
-    shift = (8 * UB + BITS - W + BITS * tl.arange(0, P)).to(tl.uint64)  # digit m's state
-    state = ((x >> shift[None, None, :]) & ((1 << W) - 1)).to(tl.int32)
+    m = tl.arange(0, P)[None, None, :]
+    state = _trellis_cut(row[:, :, None], ui, ok[:, :, None], m, BITS, TRN)
     return tl.reshape(state, (BT, N))
 
 
@@ -1267,15 +1274,8 @@ def _trellis_run(row, C0: tl.constexpr, N: tl.constexpr, ok, cb, BITS: tl.conste
 def _trellis_level(row, idx, has, cb, BITS: tl.constexpr, TRN: tl.constexpr):
     """float32 [BT] trellis level of channel idx [BT] in rows at `row` [BT] (as
     `_trellis_states`, one channel per row)."""
-    UB: tl.constexpr = 3 if BITS == 3 else 4
-    P: tl.constexpr = UB * 8 // BITS
-    W: tl.constexpr = BITS * TRN
-    u = idx // P
-    cur = _trellis_units(row, u, has, BITS)
-    prev = _trellis_units(row, u - 1, has & (u > 0), BITS)
-    x = (cur << (8 * UB)) | prev
-    shift = (8 * UB + BITS - W + BITS * (idx % P)).to(tl.uint64)
-    state = ((x >> shift) & ((1 << W) - 1)).to(tl.int32)
+    P: tl.constexpr = (24 if BITS == 3 else 32) // BITS  # digits per unit
+    state = _trellis_cut(row, idx // P, has, idx % P, BITS, TRN)
     return tl.load(cb + state, mask=has, other=0.0).to(tl.float32)
 
 

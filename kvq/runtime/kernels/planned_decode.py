@@ -263,14 +263,20 @@ def _trellis_unsupported(p, key: bool, d: int) -> str | None:
     unit = 8 if p.bits == 3 else 32 // p.bits  # digits per unit
     if (d // 2) % unit or (p.bits != 3 and not _aligned_words(p)):
         return "trellis rows not in whole units (32-bit words, 3-byte units) per RoPE half"
+    return _normalisers_unsupported(p, key, "trellis")
+
+
+def _normalisers_unsupported(p, key: bool, what: str) -> str | None:
+    """KVQuant's layout, as the vq and trellis calibrators store it: keys before RoPE with a
+    static per-channel normaliser, values with a per-row one (None when `p` is so)."""
     if key:
         if not p.pre_rope:
-            return "trellis keys after RoPE (the calibrator stores them before)"
+            return f"{what} keys after RoPE (the calibrator stores them before)"
         if p.qaxis not in ("channel", "head") or p.zero_point is not None:
-            return "trellis keys without a static per-channel normaliser"
+            return f"{what} keys without a static per-channel normaliser"
         return None
     if p.qaxis != "row" or p.scale.shape[-1] != 1 or p.zero_point is not None:
-        return "trellis values without a per-row normaliser"
+        return f"{what} values without a per-row normaliser"
     if p.offset is not None and p.offset.stride() != p.scale.stride():
         return "offsets must share the scales' layout"
     return None
@@ -298,17 +304,7 @@ def _vq_unsupported(p, key: bool, d: int) -> str | None:
     if not _canonical_groups(p.groups, d, key):
         side = "keys over RoPE pairs" if key else "values over neighbouring channels"
         return f"vector groups other than the calibrator's ({side})"
-    if key:
-        if not p.pre_rope:
-            return "vector keys after RoPE (the calibrator stores them before)"
-        if p.qaxis not in ("channel", "head") or p.zero_point is not None:
-            return "vector keys without a static per-channel normaliser"
-        return None
-    if p.qaxis != "row" or p.scale.shape[-1] != 1 or p.zero_point is not None:
-        return "vector values without a per-row normaliser"
-    if p.offset is not None and p.offset.stride() != p.scale.stride():
-        return "offsets must share the scales' layout"
-    return None
+    return _normalisers_unsupported(p, key, "vector")
 
 
 def _canonical_groups(groups: Tensor, d: int, key: bool) -> bool:
@@ -436,9 +432,7 @@ def _words(p) -> bool:
     `_word_bytes`): codes with qparams read per row (per-row groups, or one scale per
     head), rows on 4-byte boundaries (11 fewer instructions per cached row of Llama-like
     KV4 at sm_90, bench/kernel_resources.py)."""
-    if p.kind == "full" or p.qaxis not in ("row", "head"):
-        return False
-    return p.data.data_ptr() % 4 == 0 and all(s % 4 == 0 for s in p.data.stride()[:3])
+    return p.kind != "full" and p.qaxis in ("row", "head") and _aligned_words(p)
 
 
 def _fp8(p) -> tuple[int, float]:

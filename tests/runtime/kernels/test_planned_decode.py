@@ -313,6 +313,30 @@ def _strip_exceptions(seg: Segment) -> Segment:
     return replace(seg, key=key, value=replace(seg.value, slot_index=None, slot_value=None))
 
 
+def _moved_by_exceptions(q, segs, out, rope) -> float:
+    """How far the exceptions of the main rows (segment 1 of a layer's three) move `out`,
+    the triton result with them: the largest difference from the same call without."""
+    bare = [segs[0], _strip_exceptions(segs[1]), segs[2]]
+    q, bare, rope = _to((q, bare, rope), DEVICE)
+    without = decode_attention_triton(q, bare, scaling=q.shape[-1] ** -0.5, rope=rope).cpu()
+    return (out - without).abs().max().item()
+
+
+def _check_masks_and_scattered_rows(segs, q_len: int, heads: int) -> None:
+    """A layer's pre-RoPE segments against the reference under a sliding-window mask with
+    padding, causal without a mask, and with the rows at scattered positions (each tile
+    then gathers its rows' own RoPE table rows): three calls."""
+    b, d = segs[0].key.data.shape[0], segs[0].key.head_dim
+    total = sum(s.rows for s in segs)
+    mask = _window_mask(b, q_len, total, window=100, pad=9)
+    _check(torch.randn(b, heads, q_len, d), segs, rope=_rope(d), mask=mask)
+    _check(torch.randn(b, heads, q_len, d), segs, rope=_rope(d))
+    scattered = torch.randint(0, 3000, (b, total), generator=torch.Generator().manual_seed(6))
+    moved = [Segment(s.key, s.value, p) for s, p in
+             zip(segs, scattered.split([s.rows for s in segs], 1), strict=True)]  # fmt: skip
+    _check(torch.randn(b, heads, q_len, d), moved, rope=_rope(d))
+
+
 @pytest.mark.parametrize("kind", ["nuq4-dense", "nuq4"])
 @pytest.mark.parametrize("d, hq, hkv", [(64, 8, 2), (128, 4, 1)])
 def test_nuq4_codes_and_exceptions_in_one_launch_match_reference(kind, d, hq, hkv,

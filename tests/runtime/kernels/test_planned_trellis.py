@@ -31,9 +31,10 @@ from tests.runtime.kernels.test_decode_attention import (
     _trellis_state,
 )
 from tests.runtime.kernels.test_planned_decode import (
+    _check_masks_and_scattered_rows,
     _full,
+    _moved_by_exceptions,
     _positions,
-    _strip_exceptions,
     _window_mask,
 )
 
@@ -116,10 +117,7 @@ def test_trellis_layer_call_matches_reference_mqa_256(layout, planned_calls):
     q = torch.randn(b, 4, 1, d) * 2
     out = _check(q, segs, rope=_rope(d))
     assert len(planned_calls) == 1
-    bare = [segs[0], _strip_exceptions(segs[1]), segs[2]]
-    q, bare, rope = _to((q, bare, _rope(d)), DEVICE)
-    without = decode_attention_triton(q, bare, scaling=d**-0.5, rope=rope).cpu()
-    assert (out - without).abs().max().item() > 100 * ATOL
+    assert _moved_by_exceptions(q, segs, out, _rope(d)) > 100 * ATOL
 
 
 @pytest.mark.parametrize("q_len", [1, 2])
@@ -127,15 +125,11 @@ def test_trellis_with_masks_and_query_blocks(q_len, planned_calls):
     """Sliding-window mask with padding, causal without a mask (Q = 1 and 2), and rows at
     scattered positions (each tile gathers its rows' own table rows)."""
     b, d = 2, 64
-    segs = _trellis_layer(4, 12, b, 2, d, rows=140, fraction=0.05, start=5, pad=(0,), seed=5)
-    total = sum(s.rows for s in segs)
-    mask = _window_mask(b, q_len, total, window=100, pad=9)
-    _check(torch.randn(b, 4, q_len, d), segs, rope=_rope(d), mask=mask)
-    _check(torch.randn(b, 4, q_len, d), segs, rope=_rope(d))
-    scattered = torch.randint(0, 3000, (b, total), generator=torch.Generator().manual_seed(6))
-    moved = [Segment(s.key, s.value, p) for s, p in
-             zip(segs, scattered.split([s.rows for s in segs], 1), strict=True)]  # fmt: skip
-    _check(torch.randn(b, 4, q_len, d), moved, rope=_rope(d))
+    _check_masks_and_scattered_rows(
+        _trellis_layer(4, 12, b, 2, d, rows=140, fraction=0.05, start=5, pad=(0,), seed=5),
+        q_len,
+        heads=4,
+    )
     assert len(planned_calls) == 3
 
 
