@@ -27,6 +27,16 @@ passes at run time (parameters Triton does not bind as constexprs), for the trac
 packed rows, a residual window: `layer_segments`). `--survey` also prints the general
 kernel's whole tuner table.
 
+Formats whose keys keep flat exceptions (nuq4, vq*, tr4, tr3) run a pass over each tile's
+entries inside the loop, as many steps as the tile's longest row needs: the static count
+above takes one step. `--entry-counts FILE` (real rows' counts, `bench/key_entry_counts.py`)
+adds `loop_instructions_per_row_at_counts`, the loop with that pass's body taken as often as
+those rows' 64-row tiles need on average (`entry_steps_per_tile`), for the packed call of
+each shape: at the file's head_dim as measured, at a smaller one with each entry kept with
+probability head_dim / the file's (outliers are per-channel thresholds at one rate).
+`--entries-per-step N` sets that pass's entries of each row per step (an ablation: the
+launcher's choice is `planned_decode._per_step`).
+
 The pre-RoPE layouts (LAYER_FORMATS: KV4 of a channel-scales artifact, KVQuant's NUQ4
 and the vq layouts)
 are also compiled as a whole-layer call (`call` "layer": full-precision pre-RoPE sink and
@@ -42,6 +52,7 @@ import argparse
 import dataclasses
 import json
 import math
+from pathlib import Path
 
 import gpu_decode
 import torch
@@ -174,7 +185,7 @@ def _stages(res, cfg: dict) -> int:
     return 2 if cfg.get("PREFETCH") or res.loop_prefetches else 1
 
 
-def targets(shapes, formats) -> list[dict]:
+def targets(shapes, formats, entry_counts=None) -> list[dict]:
     """Item-5 figures per (format, shape) for the configuration the launcher picks at
     TARGET_BATCH x TARGET_CONTEXT: the planned path's fixed configuration where it takes
     the layout; else the best predicted of the general kernel's autotuner configurations
@@ -188,7 +199,8 @@ def targets(shapes, formats) -> list[dict]:
             query = torch.randn(BATCH, hq, 1, d)
             calls = []  # (call, figures, configuration)
             if planned is not None and planned.planned_unsupported(query, [seg], None) is None:
-                row, picked, alone = planned_row(query, [seg], hkv, row_bytes)
+                row, picked, alone = planned_row(query, [seg], hkv, row_bytes,
+                                                 entry_counts=entry_counts)  # fmt: skip
                 calls.append(("packed", row, picked))
                 if fmt in LAYER_FORMATS:
                     segs = layer_segments(seg)
@@ -231,7 +243,42 @@ def layer_segments(seg) -> list:
     return [full(SINK_ROWS, 0), main, full(RESIDUAL_ROWS, SINK_ROWS + t)]
 
 
-def planned_row(query, segs, hkv: int, row_bytes: float, alone=None) -> tuple:
+def entry_steps(counts: list[list[int]], block_t: int, per_step: int) -> float:
+    """Mean steps of the key-entry pass per tile of block_t rows: ceil(the tile's longest
+    row's count / per_step), over every whole tile of each layer's rows."""
+    steps = [
+        -(-max(c[i : i + block_t]) // per_step)
+        for c in counts
+        for i in range(0, len(c) - block_t + 1, block_t)
+    ]
+    return sum(steps) / len(steps)
+
+
+def counts_for(entry_counts: dict, head_dim: int) -> list[list[int]] | None:
+    """The file's counts at `head_dim`: as measured at its own, thinned below it (each
+    entry kept with probability head_dim / its head_dim, seeded), None above it."""
+    own = entry_counts["head_dim"]
+    if head_dim > own:
+        return None
+    if head_dim == own:
+        return entry_counts["counts"]
+    g = torch.Generator().manual_seed(0)
+    p = head_dim / own
+    return [torch.binomial(torch.tensor(c, dtype=torch.float), torch.full((len(c),), p),
+                           generator=g).long().tolist() for c in entry_counts["counts"]]  # fmt: skip
+
+
+def at_counts(res, cfg, counts: list[list[int]]) -> dict:
+    """`loop_instructions_per_row_at_counts` and `entry_steps_per_tile` of a compile whose
+    main loop holds the key-entry pass (`offline.inner_loop`) for rows with these counts."""
+    steps = entry_steps(counts, cfg.block_t, cfg.key_entries_per_step)
+    inner = sum(res.inner.values())
+    per_row = (res.loop_instructions + inner * (steps - 1)) * cfg.num_warps / cfg.block_t
+    return {"loop_instructions_per_row_at_counts": round(per_row, 1),
+            "entry_steps_per_tile": round(steps, 2)}  # fmt: skip
+
+
+def planned_row(query, segs, hkv: int, row_bytes: float, alone=None, entry_counts=None) -> tuple:
     """(figures, configuration, resources) of the planned path's launch
     (`planned_decode`) over `segs`, compiled for sm_90, and its plan at TARGET_BATCH x
     TARGET_CONTEXT with the occupancy that compile achieves. `alone`: the resources of the
@@ -261,6 +308,9 @@ def planned_row(query, segs, hkv: int, row_bytes: float, alone=None) -> tuple:
     row = model(res, call.config.block_t, opts["num_warps"], _stages(res, opts), row_bytes,
                 plan.fill)  # fmt: skip
     row["runtime_args"] = runtime_arguments(fn, args)
+    counts = None if entry_counts is None else counts_for(entry_counts, d)
+    if alone is None and res.inner and counts is not None:
+        row.update(at_counts(res, call.config, counts))
     if len(segs) == 1:  # the same packed rows in a layer's call: its runtime arguments
         around = layer_segments(segs[0])
         rope = gpu_decode.rope_tables(sum(s.rows for s in around), "cpu") if pre else None
@@ -295,10 +345,18 @@ def main() -> None:
     ap.add_argument("--dots", default="tf32", choices=da.DOT_MODES)
     ap.add_argument("--json", help="write the item-5 targets per (format, shape) here")
     ap.add_argument("--md", help="write them as a markdown table here")
+    ap.add_argument("--entry-counts", type=Path,
+                    help="real rows' key-entry counts (bench/key_entry_counts.py --json)")  # fmt: skip
+    ap.add_argument("--entries-per-step", type=int,
+                    help="ablation: pre-RoPE key entries of each row per step of their pass, "
+                    "instead of the launcher's (planned_decode._per_step)")  # fmt: skip
     ap.add_argument("--survey", action="store_true",
                     help="also compile every autotuner configuration (the table)")  # fmt: skip
     args = ap.parse_args()
-    rows = targets(args.shapes, args.formats)
+    entry_counts = json.loads(args.entry_counts.read_text()) if args.entry_counts else None
+    if args.entries_per_step:
+        planned._per_step = lambda warps, key_entries: args.entries_per_step if key_entries else 1
+    rows = targets(args.shapes, args.formats, entry_counts)
     survey_rows = survey(args.shapes, args.formats, args.dots) if args.survey else []
     if args.json:
         with open(args.json, "w") as f:
@@ -313,21 +371,27 @@ def main() -> None:
 
 def markdown(rows: list[dict]) -> str:
     """The targets as a markdown table, one line per (shape, format, call)."""
-    head = ("| shape | format | call | spill B | registers | warps/SM | instr/row | I2F in loop "
+    head = ("| shape | format | call | spill B | registers | warps/SM | instr/row "
+            "| instr/row at real counts (steps/tile) | I2F in loop "
             "| MMA | KB in flight/SM | predicted HBM share | path |")  # fmt: skip
     lines = ["# Decode launch at batch 16 x 32K, sm_90 compile (no GPU)", "",
              "`PYTHONPATH=$PWD:$PWD/bench python bench/kernel_resources.py --json F --md F` "
              "(static model in the module doc). call: `packed`, the packed segment alone; "
              "`layer`, the whole-layer call of a pre-RoPE layout (sink + packed + residual "
              "rows; instr/row of its packed loop). nuq4: KVQuant NUQ4 as stored (pre-RoPE "
-             "keys, ~1% exceptions, value slots); nuq4-post: the same with post-RoPE keys.",
-             "", head, "|" + "---|" * 12]  # fmt: skip
+             "keys, ~1% exceptions, value slots); nuq4-post: the same with post-RoPE keys. "
+             "At real counts: with `--entry-counts`, the key-entry pass taken as often as "
+             "real rows' tiles need (module doc).",
+             "", head, "|" + "---|" * 13]  # fmt: skip
     for r in rows:
         path = "planned" if r["config"].get("plan") else "general"
+        real = "-"
+        if "loop_instructions_per_row_at_counts" in r:
+            real = f"{r['loop_instructions_per_row_at_counts']} ({r['entry_steps_per_tile']})"
         lines.append(
             f"| {r['shape']} | {r['format']} | {r.get('call', 'packed')} | {r['spill_bytes']} "
             f"| {r['config']['registers']} | {r['warps_per_sm']} "
-            f"| {r['loop_instructions_per_row']} | {r['int_to_float_in_loop']} "
+            f"| {r['loop_instructions_per_row']} | {real} | {r['int_to_float_in_loop']} "
             f"| {r['mma_instructions']} | {r['bytes_in_flight_per_sm'] / 1024:.1f} "
             f"| {r['predicted_hbm_share']} | {path} |"
         )

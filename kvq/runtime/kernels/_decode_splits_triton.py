@@ -20,7 +20,8 @@ codebook codes (NUQ4) become their fp16 levels with fp16 dots by one gather per 
 from a 256-entry table of level pairs held in shared memory (`_pair_levels`), values with
 exact slots by PRMT byte selection from the table held in 8 registers (`_LUT_ASM`), the
 slots patched in by the same lookup (`_slot_lut_asm`); the keys' exact entries correct the
-scores (`_key_exceptions`: query gathers per entry, added through an MMA). Codes with
+scores (`_key_corrections`: query gathers per entry, several entries of each row a step,
+added through an MMA, `_key_exceptions`). Codes with
 per-row or per-head qparams (values; per-token keys) load as 32-bit words: the value
 dot's operand layout pairs rows, and a byte tile carried that layout back to shared
 memory as one-byte reads plus PRMTs to regroup them (about 12 of 42 warp-instructions
@@ -589,17 +590,31 @@ def _word_levels(words, tab, lut, LUT: tl.constexpr):
 
 
 @triton.jit
-def _key_exceptions(scores, rows, row_ok, k_ptr, k_t, nuq, OP: tl.constexpr,
-                    PRECISION: tl.constexpr, ROPE: tl.constexpr = False, rope=None,
-                    D: tl.constexpr = 0, KP: tl.constexpr = 1, VQ: tl.constexpr = 0,
-                    VQB: tl.constexpr = 0, TRN: tl.constexpr = 0):  # fmt: skip
-    """Scores [R, BT] plus the flat key exceptions of the tile's rows (KVQuant's ~1% exact
-    keys): entry e of row t replaces channel idx, so its score moves by q[idx] x (exact -
-    decoded), decoded = level[code] x scale[idx] + offset[idx] as the dense dot saw it
-    (the clipped code at idx, read back from the row's codes). A small pass per tile over
-    the tile's most entries in a row: [BT] loads of the entries and the codes, one
-    [RQ, BT] gather of the real query rows per entry (RQ: G x Q padded). nuq: the kernel's
-    NUQ pointers (`decode_splits_kernel`).
+def _key_exceptions(scores, corr, PRECISION: tl.constexpr):
+    """Scores [R, BT] plus the key exceptions' corrections (`_key_corrections`), added
+    through the tensor cores (identity x corrections): the scores keep the dot's register
+    layout, where an elementwise add would move the softmax to the loads' one."""
+    R: tl.constexpr = scores.shape[0]
+    eye = (tl.arange(0, R)[:, None] == tl.arange(0, R)[None, :]).to(corr.dtype)
+    return tl.dot(eye, corr, acc=scores, input_precision=PRECISION)
+
+
+@triton.jit
+def _key_corrections(R: tl.constexpr, BT: tl.constexpr, rows, row_ok, k_ptr, k_t, nuq,
+                     OP: tl.constexpr, ROPE: tl.constexpr = False, rope=None,
+                     D: tl.constexpr = 0, KP: tl.constexpr = 1, VQ: tl.constexpr = 0,
+                     VQB: tl.constexpr = 0, TRN: tl.constexpr = 0,
+                     KE: tl.constexpr = 1):  # fmt: skip
+    """[R, BT] in OP: how far the flat key exceptions of the tile's rows (KVQuant's ~1%
+    exact keys) move its scores: entry e of row t replaces channel idx, so its score moves
+    by q[idx] x (exact - decoded), decoded = level[code] x scale[idx] + offset[idx] as the
+    dense dot saw it (the clipped code at idx, read back from the row's codes). A small
+    pass per tile, KE entries of every row a step ([BT, KE]: loads of the entries and the
+    codes, one [RQ, BT, KE] gather of the real query rows; RQ: G x Q padded) until the
+    tile's longest row is done: real rows' counts vary (Gemma 3 270M, NUQ4 at 1%,
+    wikitext: 2.9 per row, 9.8 in a 64-row tile's longest), and a step costs about the
+    same whatever share of the program's threads KE fills (`planned_decode._per_step`).
+    nuq: the kernel's NUQ pointers (`decode_splits_kernel`).
 
     ROPE: keys stored before RoPE (KVQuant's layout), rope = (positions [BT], unit table,
     amplitude; `planned_decode.rope_planes`): the correction delta at channel c rotates
@@ -610,42 +625,40 @@ def _key_exceptions(scores, rows, row_ok, k_ptr, k_t, nuq, OP: tl.constexpr,
     tab, cnt_ptr, cnt_t, first_ptr, first_t, e_idx, e_val = nuq[:7]
     fk, fkb, q_row, q_scale = nuq[7], nuq[8], nuq[9], nuq[10]
     cnt = tl.load(cnt_ptr + rows * cnt_t, mask=row_ok, other=0).to(tl.int32)  # [BT]
-    first = tl.load(first_ptr + rows * first_t, mask=row_ok, other=0)  # [BT]
+    first = tl.load(first_ptr + rows * first_t, mask=row_ok, other=0)[:, None]  # [BT, 1]
     RQ: tl.constexpr = q_row.shape[0]
-    corr = tl.zeros([RQ, scores.shape[1]], tl.float32)
+    corr = tl.zeros([RQ, BT], tl.float32)
+    row = k_ptr + rows[:, None] * k_t  # [BT, 1]
     if ROPE:
         pos, rope_tab, amp = rope
-        trow = rope_tab + pos * D  # [BT]: each row's table row (cos, then sin)
-    for e in range(0, tl.max(cnt, axis=0)):
-        has = e < cnt
+        trow = rope_tab + pos[:, None] * D  # [BT, 1]: each row's table row (cos, then sin)
+    k = tl.arange(0, KE)[None, :]
+    for e0 in range(0, tl.max(cnt, axis=0), KE):
+        e = e0 + k  # [BT, KE]
+        has = e < cnt[:, None]
         idx = tl.load(e_idx + first + e, mask=has, other=0).to(tl.int32)
-        exact = tl.load(e_val + first + e, mask=has, other=0.0).to(tl.float32)
+        exact = tl.load(e_val + first + e, mask=has, other=0).to(tl.float32)
         if VQ:  # vector codebook keys: the coordinate of the channel's group
-            level = _vq_key_coordinate(k_ptr + rows * k_t, idx, has, tab, D, VQ, VQB, TRN)
+            level = _vq_key_coordinate(row, idx, has, tab, D, VQ, VQB, TRN)
         else:
-            byte = tl.load(k_ptr + rows * k_t + (idx >> 1), mask=has, other=0).to(tl.int32)
+            byte = tl.load(row + (idx >> 1), mask=has, other=0).to(tl.int32)
             level = tl.load(tab + ((byte >> ((idx & 1) * 4)) & 15), mask=has, other=0.0)
         s = tl.load(fk + idx, mask=has, other=0.0)
         o = tl.load(fkb + idx, mask=has, other=0.0)
-        delta = tl.where(has, exact - (level * s + o), 0.0)  # [BT]
-        qv = tl.load(q_row[:, None] + idx[None, :], mask=has[None, :], other=0.0)
+        delta = tl.where(has, exact - (level * s + o), 0.0)  # [BT, KE]
+        qv = tl.load(q_row[:, None, None] + idx[None, :, :], mask=has[None, :, :], other=0.0)
         if ROPE:
             qv = _rotated_query(qv, idx, has, q_row, trow, amp, D, KP)
-        corr += qv.to(tl.float32) * delta[None, :]
-    # added through the tensor cores (identity x corrections): the scores keep the dot's
-    # register layout, where an elementwise add would move the softmax to the loads' one
-    R: tl.constexpr = scores.shape[0]
-    eye = (tl.arange(0, R)[:, None] == tl.arange(0, R)[None, :]).to(OP)
-    corr = _pad_rows(corr * q_scale, R).to(OP)
-    return tl.dot(eye, corr, acc=scores, input_precision=PRECISION)
+        corr += tl.sum(qv.to(tl.float32) * delta[None, :, :], axis=2)
+    return _pad_rows(corr * q_scale, R).to(OP)
 
 
 @triton.jit
 def _rotated_query(qv, idx, has, q_row, trow, amp, D: tl.constexpr, KP: tl.constexpr):
-    """[RQ, BT] the query's weight on a pre-RoPE key's channel idx [BT] once the key is
-    rotated: a_f (cos q[idx] + sin q[idx + D/2]) below D/2, a_f (cos q[idx] - sin
-    q[idx - D/2]) above, at table rows trow (f = idx mod D/2, its table column in plane
-    order: (f mod KP) x D / (2 KP) + f / KP). qv: q[idx]."""
+    """[RQ, BT, KE] the query's weight on a pre-RoPE key's channel idx [BT, KE] once the
+    key is rotated: a_f (cos q[idx] + sin q[idx + D/2]) below D/2, a_f (cos q[idx] - sin
+    q[idx - D/2]) above, at table rows trow [BT, 1] (f = idx mod D/2, its table column in
+    plane order: (f mod KP) x D / (2 KP) + f / KP). qv: q[idx]."""
     H: tl.constexpr = D // 2
     f = idx % H
     upper = idx >= H
@@ -655,8 +668,8 @@ def _rotated_query(qv, idx, has, q_row, trow, amp, D: tl.constexpr, KP: tl.const
     s = tl.load(trow + H + col, mask=has, other=0.0).to(tl.float32) * a
     s = tl.where(upper, -s, s)
     partner = tl.where(upper, idx - H, idx + H)
-    qp = tl.load(q_row[:, None] + partner[None, :], mask=has[None, :], other=0.0)
-    return qv.to(tl.float32) * c[None, :] + qp.to(tl.float32) * s[None, :]
+    qp = tl.load(q_row[:, None, None] + partner[None, :, :], mask=has[None, :, :], other=0.0)
+    return qv.to(tl.float32) * c[None, :, :] + qp.to(tl.float32) * s[None, :, :]
 
 
 @triton.jit
@@ -1500,7 +1513,7 @@ def _rope_scores(rq, rk, k_ptr, k_t, ks_ptr, ko_ptr, kq_t, t, t_ok, tile, pos_pt
                  PRECISION: tl.constexpr, ASM: tl.constexpr, K_ROWQ: tl.constexpr,
                  K_NG: tl.constexpr, K_HAS_OFF: tl.constexpr, K_FP8: tl.constexpr,
                  K_FACTOR: tl.constexpr, K_WORDS: tl.constexpr,
-                 NC: tl.constexpr, K_LUT: tl.constexpr = 0, K_FLAT: tl.constexpr = False,
+                 NC: tl.constexpr, K_LUT: tl.constexpr = 0, K_FLAT: tl.constexpr = 0,
                  nuq=None, amp=None, K_VQ: tl.constexpr = 0,
                  K_VQB: tl.constexpr = 0, live=None, K_TRN: tl.constexpr = 0):  # fmt: skip
     """Scores [R, BT] of a tile of pre-RoPE keys, each rotated at its row's position. A
@@ -1512,7 +1525,7 @@ def _rope_scores(rq, rk, k_ptr, k_t, ks_ptr, ko_ptr, kq_t, t, t_ok, tile, pos_pt
     halves), the query scaled by the table's amplitude per frequency (attention scaling:
     the unit table holds plain rotations) and the static key qparams (`_rope_setup`).
     K_LUT: 4-bit codebook (NUQ) codes; K_FLAT: with their flat exact exceptions, corrected
-    rotated (`_key_exceptions`; nuq: the kernel's NUQ pointers, amp: the table's
+    rotated (`_key_corrections`; nuq: the kernel's NUQ pointers, amp: the table's
     amplitude). K_VQ (M), K_VQB (bits): vector-codebook keys over RoPE pairs
     (`_rope_vq_chunk`, the codebook in nuq[0])."""
     pos = tl.load(pos_ptr + t * pos_t, mask=t_ok, other=0).to(tl.int32)
@@ -1568,8 +1581,10 @@ def _rope_scores(rq, rk, k_ptr, k_t, ks_ptr, ko_ptr, kq_t, t, t_ok, tile, pos_pt
                                  c * CW, CW, K_ZERO, FULL, KP, D, OP, PRECISION, ASM,
                                  K_FP8, LUT, ltab, lut)  # fmt: skip
     if K_FLAT and not FULL:  # NUQ keys' exact exceptions, rotated at each row's position
-        scores = _key_exceptions(scores, t, t_ok, k_ptr, k_t, nuq, OP, PRECISION, True,
-                                 (pos, tab, amp), D, KP, K_VQ, K_VQB, K_TRN)  # fmt: skip
+        # (taken before the dense codes instead: the same loop, spills moved between calls)
+        corr = _key_corrections(R, BLOCK_T, t, t_ok, k_ptr, k_t, nuq, OP, True,
+                                (pos, tab, amp), D, KP, K_VQ, K_VQB, K_TRN, K_FLAT)  # fmt: skip
+        scores = _key_exceptions(scores, corr, PRECISION)
     return scores
 
 
@@ -1651,7 +1666,7 @@ def _segment_loop(
     K_WORDS: tl.constexpr, V_WORDS: tl.constexpr,
     ROPE: tl.constexpr = False, rope_q=None, pos_ptr=None, pos_t=0, tab=None,
     tab_rows=0, D: tl.constexpr = 0, NC: tl.constexpr = 1,
-    K_LUT: tl.constexpr = 0, V_LUT: tl.constexpr = 0, K_FLAT: tl.constexpr = False,
+    K_LUT: tl.constexpr = 0, V_LUT: tl.constexpr = 0, K_FLAT: tl.constexpr = 0,
     V_SLOTS: tl.constexpr = 0, nuq=None, tab1=None, amp1=None, K_VQ: tl.constexpr = 0,
     K_VQB: tl.constexpr = 0, V_VQ: tl.constexpr = 0, V_VQB: tl.constexpr = 0,
     PREFETCH: tl.constexpr = False, VT: tl.constexpr = False, VCH: tl.constexpr = False,
@@ -1729,7 +1744,8 @@ def _segment_loop(
             if not FULL and not K_ROWQ:
                 scores += k_bias[:, None]
             if K_FLAT and not FULL:  # NUQ keys' exact exceptions (post-RoPE keys)
-                scores = _key_exceptions(scores, tr, tr_ok, k_ptr, k_t, nuq, OP, PRECISION)
+                corr = _key_corrections(R, BT, tr, tr_ok, k_ptr, k_t, nuq, OP, KE=K_FLAT)
+                scores = _key_exceptions(scores, corr, PRECISION)
         if HAS_SOFTCAP:  # softcap * tanh(s / softcap), tanh(x) = 2 sigmoid(2x) - 1, base 2
             scores = softcap * (2.0 * tl.sigmoid(2.0 * scores / softcap) - 1.0) * LOG2E
         allowed = r_ok[:, None] & t_ok[None, :]
@@ -1800,7 +1816,7 @@ def decode_splits_kernel(
     V_FACTOR: tl.constexpr = 1.0, K_WORDS: tl.constexpr = False, V_WORDS: tl.constexpr = False,
     ROPE0: tl.constexpr = False,
     ROPE1: tl.constexpr = False, ROPE2: tl.constexpr = False,
-    K_LUT: tl.constexpr = 0, V_LUT: tl.constexpr = 0, K_FLAT: tl.constexpr = False,
+    K_LUT: tl.constexpr = 0, V_LUT: tl.constexpr = 0, K_FLAT: tl.constexpr = 0,
     V_SLOTS: tl.constexpr = 0, k_tab=None, v_tab=None, k_cnt=None, kc_b=0, kc_h=0, kc_t=0,
     k_first=None, kf_b=0, kf_h=0, kf_t=0, k_eidx=None, k_eval=None, v_sidx=None, v_sval=None,
     vs_b=0, vs_h=0, vs_t=0, RQ: tl.constexpr = 16, rope_tab1=None, rope_amp1=None,
@@ -1828,10 +1844,10 @@ def decode_splits_kernel(
     k_tab, v_tab (fp32 [16]); the key scale and offset fold like affine ones (pre-RoPE:
     applied before rotation). K_FLAT: the keys' flat exact exceptions, count k_cnt [B, H_kv, T] and
     first entry k_first (strides kc_*, kf_*) of each row into k_eidx (channels) and k_eval
-    (values); V_SLOTS: the values' exceptions per row, slots v_sidx, v_sval
-    [B, H_kv, T, V_SLOTS] (strides vs_*; channel D: unused). K_VQ, V_VQ: vector-codebook
-    codes (`_vq_index`), groups of that many channels (0: none), digits of K_VQB, V_VQB
-    bits, centroids from k_tab, v_tab ([2^(bits M), M] in the dots' dtype); keys pre-RoPE
+    (values), K_FLAT of each row per step (0: none; `_key_corrections`); V_SLOTS: the
+    values' exceptions per row, slots v_sidx, v_sval [B, H_kv, T, V_SLOTS] (strides vs_*;
+    channel D: unused). K_VQ, V_VQ: vector-codebook codes (`_vq_index`), groups of that
+    many channels (0: none), digits of K_VQB, V_VQB bits, centroids from k_tab, v_tab ([2^(bits M), M] in the dots' dtype); keys pre-RoPE
     over RoPE pairs in KP = M / 2 planes, values over neighbouring channels in VP = 2.
     K_TRN, V_TRN: trellis codes (`_trellis_run`) of that many digits per state, read as
     vq codes of 2-D groups (K_VQ, V_VQ 2; K_VQB, V_VQB: digit bits) in channel order (keys:

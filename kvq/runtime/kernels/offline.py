@@ -53,6 +53,9 @@ class KernelResources:
     loop: Counter = field(default_factory=Counter)
     # every loop's body (`loops`), in address order: a kernel with one loop per segment
     loops: tuple = ()
+    # the largest loop inside the main loop's range (`inner_loop`): a data-dependent pass
+    # that one iteration of the main loop runs as often as its data says; empty if none
+    inner: Counter = field(default_factory=Counter)
 
     @property
     def programs_per_sm(self) -> int:
@@ -154,6 +157,7 @@ def compile_offline(
         sass=_opcodes(sass),
         loop=main_loop(sass),
         loops=tuple(loops(sass)),
+        inner=inner_loop(sass),
     )
 
 
@@ -218,19 +222,38 @@ def main_loop(sass: str) -> Counter:
     branch] closed by a backward branch, the one holding the most tensor-core
     instructions (the attention tile loop), the longest on a tie. Each instruction of the
     range counts once, as one iteration issues it; an inner loop's body counts once too."""
-    best: Counter = Counter()
-    best_key = (-1, -1)
-    for body in loops(sass):
-        key = (sum(body[op] for op in TENSOR_CORE_OPS), sum(body.values()))
-        if key > best_key:
-            best, best_key = body, key
-    return best
+    return _main(_bodies(sass))[1]
+
+
+def inner_loop(sass: str) -> Counter:
+    """Opcode -> count over the largest loop whose range lies inside the main loop's
+    (`main_loop`), as it counts there: empty when the main loop holds none."""
+    bodies = _bodies(sass)
+    (lo, hi), _ = _main(bodies)
+    inside = [body for (a, b), body in bodies if lo <= a and b <= hi and (a, b) != (lo, hi)]
+    return max(inside, key=lambda body: sum(body.values()), default=Counter())
 
 
 def loops(sass: str) -> list[Counter]:
     """Opcode -> count over each range [target, branch] closed by a backward branch, in
     address order (an inner loop's range is listed too, and counted in its outer one).
     Cache prefetches (CCTL with a .PF modifier) count as PREFETCH_OP."""
+    return [body for _, body in _bodies(sass)]
+
+
+def _main(bodies: list) -> tuple:
+    """((lo, hi), body) of the main loop among `_bodies`: ((0, -1), empty) if none."""
+    best = ((0, -1), Counter())
+    best_key = (-1, -1)
+    for rng, body in bodies:
+        key = (sum(body[op] for op in TENSOR_CORE_OPS), sum(body.values()))
+        if key > best_key:
+            best, best_key = (rng, body), key
+    return best
+
+
+def _bodies(sass: str) -> list[tuple]:
+    """((lo, hi), opcode -> count) of each loop range, in address order (`loops`)."""
     listing = []  # (address, opcode, operands)
     for line in sass.splitlines():
         m = _LINE.match(line)
@@ -247,6 +270,6 @@ def loops(sass: str) -> list[Counter]:
         if target and int(target.group(1), 16) < addr:
             ranges.append((int(target.group(1), 16), addr))
     return [
-        Counter(op for a, op, _ in listing if lo <= a <= hi and op != "NOP")
+        ((lo, hi), Counter(op for a, op, _ in listing if lo <= a <= hi and op != "NOP"))
         for lo, hi in sorted(ranges)
     ]

@@ -71,6 +71,9 @@ class KernelConfig:
     num_stages: int
     # the tile loop prefetches the next tile's rows into L2 (the kernel's PREFETCH)
     prefetch: bool = False
+    # flat key exceptions taken from each row per step of the tile's pass over them
+    # (`_key_corrections`, the kernel's K_FLAT; `kernel_config`)
+    key_entries_per_step: int = 1
 
     def options(self) -> dict:
         return {"num_warps": self.num_warps, "num_stages": self.num_stages}
@@ -123,14 +126,28 @@ def kernel_config(head_dim: int, bits: int, key_rows: bool = False,
         one = (vector == 4 and head_dim >= 256) or (vector == 2 and not key_entries and not staged)
         stages = 1 if one else 2
         warps = 8 if head_dim >= 256 else 4
-        return KernelConfig(64, warps, stages, prefetch=key_entries)
+        return KernelConfig(64, warps, stages, key_entries, _per_step(warps, key_entries))
     if rope_lut and head_dim >= 256:
-        return KernelConfig(64, 8, 1, prefetch=key_entries)
+        return KernelConfig(64, 8, 1, key_entries, _per_step(8, key_entries))
     if rope_lut:
-        return KernelConfig(64, 4, 2, prefetch=key_entries)
+        return KernelConfig(64, 4, 2, key_entries, _per_step(4, key_entries))
     if bits == 8 and head_dim >= 256:
         return KernelConfig(32, 4, 2)
     return KernelConfig(64, 4, 2)
+
+
+def _per_step(warps: int, key_entries: bool) -> int:
+    """Key entries of each row per step of a 64-row tile's pass over them, pre-RoPE keys:
+    one per thread. The pass takes as many steps as the tile's longest row needs, and a
+    step costs about the same for 1 to threads / 64 entries a row; real counts vary (Gemma
+    3 270M, NUQ4 at 1%, wikitext: 2.9 per row, 9.8 in a tile's longest), so one a step paid
+    for the longest row. sm_90, with those rows' tile maxima (bench/kernel_resources.py
+    --entry-counts; Llama-like: the counts thinned to 128 channels), warp-instructions per
+    row, one a step -> this: Gemma 3 at 8 warps NUQ4 210 -> 156 (2 a step: 173, 8: 167),
+    TR4 312 -> 257 (271, 269); Llama-like at 4 warps NUQ4 86 -> 79 (4 a step: 88), TR4
+    125 -> 118 (126). Post-RoPE NUQ keys keep one: two took 132 registers there, 12 warps
+    per SM where one leaves 16."""
+    return warps * 32 // 64 if key_entries else 1
 
 
 def planned_unsupported(query: Tensor, segments, mask: Tensor | None) -> str | None:
@@ -799,7 +816,7 @@ def _site(query: Tensor, segments, src: list, *, scaling: float, softcap: float 
         ASM=ASM and not interpreting() and query.device.type == "cuda",
     )  # fmt: skip
     args.update(_rope_args(segments, src))
-    args.update(_nuq_args(packed, src, hkv), RQ=next_pow2(group * q_len))
+    args.update(_nuq_args(packed, src, hkv, cfg), RQ=next_pow2(group * q_len))
     args.update(_vq_args(packed))
     # every parameter: the ones left out here take the kernel's defaults
     params = inspect.signature(kern.decode_splits_kernel.fn).parameters
@@ -882,13 +899,14 @@ def rope_planes(
 _ROPE_PLANES: Memo = {}
 
 
-def _nuq_args(packed, src: list, hkv: int) -> dict:
+def _nuq_args(packed, src: list, hkv: int, cfg: KernelConfig) -> dict:
     """The kernel's NUQ arguments (K_LUT ... vs_t): codebook tables, the keys' flat
-    exceptions (counts, first entries, channels, values) and the values' slots, from
+    exceptions (counts, first entries, channels, values; K_FLAT: entries of each row per
+    step of their pass, `KernelConfig.key_entries_per_step`) and the values' slots, from
     `src`; None where absent (and for strides the layout fixes, `_layout_strides`)."""
     names = ("k_tab", "v_tab", "k_cnt", "kc_b", "kc_h", "kc_t", "k_first", "kf_b", "kf_h",
              "kf_t", "k_eidx", "k_eval", "v_sidx", "v_sval", "vs_b", "vs_h", "vs_t")  # fmt: skip
-    out = dict(K_LUT=0, V_LUT=0, K_FLAT=False, V_SLOTS=0, **dict.fromkeys(names))
+    out = dict(K_LUT=0, V_LUT=0, K_FLAT=0, V_SLOTS=0, **dict.fromkeys(names))
     if packed is None:
         return out
     at = SRC_PACKED + 4  # k_tab, v_tab, k_cnt, k_first, k_eidx, k_eval, v_sidx, v_sval
@@ -898,8 +916,8 @@ def _nuq_args(packed, src: list, hkv: int) -> dict:
         k_tab=None if k_tab is None else _Src(at), v_tab=None if v_tab is None else _Src(at + 1)
     )
     if count is not None:
-        out.update(K_FLAT=True, k_cnt=_Src(at + 2), k_first=_Src(at + 3), k_eidx=_Src(at + 4),
-                   k_eval=_Src(at + 5))  # fmt: skip
+        out.update(K_FLAT=cfg.key_entries_per_step, k_cnt=_Src(at + 2), k_first=_Src(at + 3),
+                   k_eidx=_Src(at + 4), k_eval=_Src(at + 5))  # fmt: skip
         out.update(zip(("kc_b", "kc_h", "kc_t"), _layout_strides(count.stride(), hkv, 1),
                        strict=True))  # fmt: skip
         out.update(zip(("kf_b", "kf_h", "kf_t"), _layout_strides(first.stride(), hkv, 1),

@@ -20,7 +20,7 @@ import torch
 from kvq.runtime.fp8_codecs import fp8_table
 from kvq.runtime.kernels.decode_attention import Segment
 from kvq.runtime.kernels.launch_plan import plan_splits
-from kvq.runtime.kernels.offline import PREFETCH_OP, KernelResources, main_loop
+from kvq.runtime.kernels.offline import PREFETCH_OP, KernelResources, inner_loop, main_loop
 from kvq.runtime.packed import PackedRows
 from tests.runtime.kernels.helpers import compile_in_child, resources
 from tests.runtime.kernels.test_decode_attention import _rope
@@ -275,12 +275,13 @@ def _assert_loop(compiled, case: str, per_row: float, warps_per_sm: int) -> None
     assert res.warps_per_sm >= warps_per_sm, (case, res.as_dict())
 
 
-# spilled outside every loop (bytes): Gemma 3's NUQ4 with its value slots redirected in the
-# pair table's gather keeps one lane index of the epilogue's layout conversion in local
-# memory across the tile loop, one store before it and one load after it per program
-# (the loop itself, 123.6 warp-instructions per row against 140.4 with the PRMT lookup,
-# touches none); its whole-layer call spills nothing
-OUTSIDE_LOOP_SPILL = {"nuq4-pre-gemma": 8}
+# spilled outside every loop (bytes): Gemma 3's NUQ4 whole-layer call (sink, packed and
+# residual loops in one kernel, at the 255-register cap) keeps a few values in local
+# memory across its loops, a store before and a load after per program; the loops
+# themselves touch none. Its packed call alone spills nothing since the key entries' pass
+# takes 4 of each row a step (it spilled 8 B taking one; the entries before the dense codes
+# moved 16 B there instead)
+OUTSIDE_LOOP_SPILL = {"nuq4-pre-gemma-layer": 16}
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -336,17 +337,19 @@ def test_pre_rope_nuq4_loops_per_row(compiled):
     """KVQuant's stored layout (NUQ4 keys before RoPE, their exceptions corrected rotated,
     value slots): levels from the byte-pair table (one gather per tile) x per-channel scale
     + centre, rotated in channel order in the loop (the query rotated per tile by one table
-    row), the next tile prefetched into L2. Llama-like 62 per row at 8 warps per SM, the
-    values from the pair table too, their slots redirected in its gather (PRMT values:
-    66; PRMT keys in planes: 79; the general kernel: 252); Gemma 3, 8 warps per program,
-    its values the same way: 124 (PRMT values: 140; PRMT keys: 162; 426), nothing spilled
-    in the loop; Gemma 3's whole-layer call spills nothing and keeps the packed loop
-    within 5%."""
-    _assert_loop(compiled, "nuq4-pre-llama", per_row=62.5, warps_per_sm=8)
-    _assert_loop(compiled, "nuq4-pre-gemma", per_row=125, warps_per_sm=8)
+    row), the next tile prefetched into L2, the values from the pair table too, their slots
+    redirected in its gather. Llama-like 65 per row at 8 warps per SM, Gemma 3 (8 warps per
+    program) 130, nothing spilled in the loop; Gemma 3's whole-layer call keeps the packed
+    loop within 5%. Counted with one step of the key entries' pass, which takes 2 entries
+    of each row a step at 4 warps and 4 at 8 (`planned_decode._per_step`). Taking one a
+    step counted 62 and 124 (then: PRMT values 66 and 140, PRMT keys in planes 79 and 162,
+    the general kernel 252 and 426), but real rows need about three times the steps of it
+    (bench/kernel_resources.py --entry-counts)."""
+    _assert_loop(compiled, "nuq4-pre-llama", per_row=65.5, warps_per_sm=8)
+    _assert_loop(compiled, "nuq4-pre-gemma", per_row=131, warps_per_sm=8)
     res, r = compiled["nuq4-pre-gemma"]
     layer, rl = compiled["nuq4-pre-gemma-layer"]
-    assert layer.stack_bytes == 0, layer.as_dict()
+    assert layer.stack_bytes <= OUTSIDE_LOOP_SPILL["nuq4-pre-gemma-layer"], layer.as_dict()
     assert _per_row(layer, rl) <= 1.05 * _per_row(res, r), (_per_row(layer, rl), _per_row(res, r))
 
 
@@ -436,6 +439,28 @@ def test_main_loop_reads_the_backward_branch_with_the_mma():
     """
     loop = main_loop(sass)
     assert loop == Counter({"LDG": 1, "HMMA": 1, "I2FP": 1, "BRA": 1})
+    assert inner_loop(sass) == Counter()  # the other loop lies after it, not inside
+
+
+def test_inner_loop_is_the_largest_loop_inside_the_main_one():
+    """The key entries' pass: a loop inside the tile loop, counted once in its body; a loop
+    that only overlaps the main one (a divergent shuffle's out-of-line block branching
+    back into it) is not inside it."""
+    sass = """
+        /*0000*/                   MOV R1, c[0x0][0x28] ;
+        /*0010*/                   LDG.E R2, desc[UR4][R2.64] ;
+        /*0020*/                   LDG.E.U8 R3, desc[UR4][R6.64] ;
+        /*0030*/                   FFMA R4, R3, R2, R4 ;
+        /*0040*/              @!P2 BRA 0x20 ;
+        /*0050*/                   SHFL.BFLY PT, R5, R4, 0x1, 0x1f ;
+        /*0060*/                   HMMA.16816.F32 R4, R8, R12, R4 ;
+        /*0070*/               @P0 BRA 0x10 ;
+        /*0080*/                   EXIT ;
+        /*0090*/                   WARPSYNC.ALL ;
+        /*00a0*/                   BRA 0x50 ;
+    """
+    assert main_loop(sass)["HMMA"] == 1
+    assert inner_loop(sass) == Counter({"LDG": 1, "FFMA": 1, "BRA": 1})
 
 
 if __name__ == "__main__":  # the child process of `compiled`

@@ -372,6 +372,34 @@ def test_nuq4_with_masks_and_query_blocks(q_len, planned_calls):
     assert len(planned_calls) == 2
 
 
+@pytest.mark.parametrize("pre_rope", [False, True])
+@pytest.mark.parametrize("d, hq, hkv", [(64, 8, 2), (256, 4, 1)])
+def test_key_entries_of_a_long_row_take_several_steps(pre_rope, d, hq, hkv, planned_calls):
+    """The keys' flat exceptions go KE entries of every row a step
+    (`KernelConfig.key_entries_per_step`: pre-RoPE keys 2 at 4 warps, 4 at 8; post-RoPE
+    1) until the tile's longest row is done: a row holding many times KE of them (its keys
+    8x the calibrated range: nearly every channel an exception) among rows with none to a
+    few, each row's steps past its own count masked, GQA and MQA."""
+    b, sink, rows = 2, 2, 150
+    k, v = _data(b, hkv, sink + rows + 5, d, seed=41)
+    k = k + 2.0
+    k[:, :, sink + 70] *= 8.0  # a row of the main rows' second tile
+    kp, vp = _codec_segment("nuq4", k[:, :, sink : sink + rows], v[:, :, sink : sink + rows])
+    segs = [Segment(_full(k[:, :, :sink]), _full(v[:, :, :sink])), Segment(kp, vp),
+            Segment(_full(k[:, :, -5:]), _full(v[:, :, -5:]))]  # fmt: skip
+    counts = kp.sparse_count.long()
+    config = planned_decode.kernel_config(d, 4, rope_lut=pre_rope, key_entries=True)
+    per_step = config.key_entries_per_step
+    assert counts[:, :, 70].min() > 8 * max(per_step, int(counts.median()))
+    mask = None
+    if pre_rope:
+        total = sum(s.rows for s in segs)
+        segs = _pre_rope(segs, _positions(b, total, start=37, pad=(0, 9)))
+        mask = _window_mask(b, 1, total, window=total, pad=9)
+    _check(torch.randn(b, hq, 1, d) * 2, segs, rope=_rope(d) if pre_rope else None, mask=mask)
+    assert len(planned_calls) == 1
+
+
 @pytest.mark.parametrize("kind", ["nuq4-dense", "nuq4"])
 @pytest.mark.parametrize("d, hq, hkv", [(64, 8, 2), (128, 4, 2), (256, 4, 1)])
 def test_pre_rope_nuq4_keys_and_exceptions_match_reference(kind, d, hq, hkv, planned_calls):
