@@ -31,11 +31,12 @@ Formats whose keys keep flat exceptions (nuq4, vq*, tr4, tr3) run a pass over ea
 entries inside the loop, as many steps as the tile's longest row needs: the static count
 above takes one step. `--entry-counts FILE` (real rows' counts, `bench/key_entry_counts.py`)
 adds `loop_instructions_per_row_at_counts`, the loop with that pass's body taken as often as
-those rows' 64-row tiles need on average (`entry_steps_per_tile`), for the packed call of
-each shape: at the file's head_dim as measured, at a smaller one with each entry kept with
+those rows' 64-row tiles need on average (`entry_steps_per_tile`), and the static model's
+share with that loop (`predicted_hbm_share_at_counts`), for the packed call of each shape:
+at the file's head_dim as measured, at a smaller one with each entry kept with
 probability head_dim / the file's (outliers are per-channel thresholds at one rate).
 `--entries-per-step N` sets that pass's entries of each row per step (an ablation: the
-launcher's choice is `planned_decode._per_step`).
+launcher's choice is `planned_decode.kernel_config`'s).
 
 The pre-RoPE layouts (LAYER_FORMATS: KV4 of a channel-scales artifact, KVQuant's NUQ4
 and the vq layouts)
@@ -268,14 +269,19 @@ def counts_for(entry_counts: dict, head_dim: int) -> list[list[int]] | None:
                            generator=g).long().tolist() for c in entry_counts["counts"]]  # fmt: skip
 
 
-def at_counts(res, cfg, counts: list[list[int]]) -> dict:
-    """`loop_instructions_per_row_at_counts` and `entry_steps_per_tile` of a compile whose
-    main loop holds the key-entry pass (`offline.inner_loop`) for rows with these counts."""
+def at_counts(res, cfg, counts: list[list[int]], row: dict, row_bytes: float) -> dict:
+    """`loop_instructions_per_row_at_counts`, `entry_steps_per_tile` and
+    `predicted_hbm_share_at_counts` (the static model's share with that loop: `row`'s
+    latency bound and wave fill) of a compile whose main loop holds the key-entry pass
+    (`offline.inner_loop`), for rows with these counts."""
     steps = entry_steps(counts, cfg.block_t, cfg.key_entries_per_step)
     inner = sum(res.inner.values())
     per_row = (res.loop_instructions + inner * (steps - 1)) * cfg.num_warps / cfg.block_t
+    issue_share = SMS * ISSUE_PER_SM_CLOCK * CLOCK_HZ / per_row * row_bytes / HBM_BYTES_PER_S
+    share = min(1.0, issue_share, row["latency_bound_share"]) * row["wave_fill"]
     return {"loop_instructions_per_row_at_counts": round(per_row, 1),
-            "entry_steps_per_tile": round(steps, 2)}  # fmt: skip
+            "entry_steps_per_tile": round(steps, 2),
+            "predicted_hbm_share_at_counts": round(share, 4)}  # fmt: skip
 
 
 def planned_row(query, segs, hkv: int, row_bytes: float, alone=None, entry_counts=None) -> tuple:
@@ -310,7 +316,7 @@ def planned_row(query, segs, hkv: int, row_bytes: float, alone=None, entry_count
     row["runtime_args"] = runtime_arguments(fn, args)
     counts = None if entry_counts is None else counts_for(entry_counts, d)
     if alone is None and res.inner and counts is not None:
-        row.update(at_counts(res, call.config, counts))
+        row.update(at_counts(res, call.config, counts, row, row_bytes))
     if len(segs) == 1:  # the same packed rows in a layer's call: its runtime arguments
         around = layer_segments(segs[0])
         rope = gpu_decode.rope_tables(sum(s.rows for s in around), "cpu") if pre else None
@@ -348,14 +354,16 @@ def main() -> None:
     ap.add_argument("--entry-counts", type=Path,
                     help="real rows' key-entry counts (bench/key_entry_counts.py --json)")  # fmt: skip
     ap.add_argument("--entries-per-step", type=int,
-                    help="ablation: pre-RoPE key entries of each row per step of their pass, "
-                    "instead of the launcher's (planned_decode._per_step)")  # fmt: skip
+                    help="ablation: key entries of each row per step of their pass, instead "
+                    "of the launcher's (planned_decode.kernel_config)")  # fmt: skip
     ap.add_argument("--survey", action="store_true",
                     help="also compile every autotuner configuration (the table)")  # fmt: skip
     args = ap.parse_args()
     entry_counts = json.loads(args.entry_counts.read_text()) if args.entry_counts else None
-    if args.entries_per_step:
-        planned._per_step = lambda warps, key_entries: args.entries_per_step if key_entries else 1
+    if args.entries_per_step:  # every launch's configuration, pre- and post-RoPE keys
+        launcher = planned.kernel_config
+        planned.kernel_config = lambda *a, **k: dataclasses.replace(
+            launcher(*a, **k), key_entries_per_step=args.entries_per_step)  # fmt: skip
     rows = targets(args.shapes, args.formats, entry_counts)
     survey_rows = survey(args.shapes, args.formats, args.dots) if args.survey else []
     if args.json:
@@ -373,7 +381,7 @@ def markdown(rows: list[dict]) -> str:
     """The targets as a markdown table, one line per (shape, format, call)."""
     head = ("| shape | format | call | spill B | registers | warps/SM | instr/row "
             "| instr/row at real counts (steps/tile) | I2F in loop "
-            "| MMA | KB in flight/SM | predicted HBM share | path |")  # fmt: skip
+            "| MMA | KB in flight/SM | predicted HBM share (at real counts) | path |")  # fmt: skip
     lines = ["# Decode launch at batch 16 x 32K, sm_90 compile (no GPU)", "",
              "`PYTHONPATH=$PWD:$PWD/bench python bench/kernel_resources.py --json F --md F` "
              "(static model in the module doc). call: `packed`, the packed segment alone; "
@@ -385,15 +393,16 @@ def markdown(rows: list[dict]) -> str:
              "", head, "|" + "---|" * 13]  # fmt: skip
     for r in rows:
         path = "planned" if r["config"].get("plan") else "general"
-        real = "-"
+        real, share = "-", f"{r['predicted_hbm_share']}"
         if "loop_instructions_per_row_at_counts" in r:
             real = f"{r['loop_instructions_per_row_at_counts']} ({r['entry_steps_per_tile']})"
+            share += f" ({r['predicted_hbm_share_at_counts']})"
         lines.append(
             f"| {r['shape']} | {r['format']} | {r.get('call', 'packed')} | {r['spill_bytes']} "
             f"| {r['config']['registers']} | {r['warps_per_sm']} "
             f"| {r['loop_instructions_per_row']} | {real} | {r['int_to_float_in_loop']} "
             f"| {r['mma_instructions']} | {r['bytes_in_flight_per_sm'] / 1024:.1f} "
-            f"| {r['predicted_hbm_share']} | {path} |"
+            f"| {share} | {path} |"
         )
     return "\n".join(lines) + "\n"
 

@@ -133,7 +133,8 @@ def kernel_config(head_dim: int, bits: int, key_rows: bool = False,
         return KernelConfig(64, 4, 2, key_entries, _per_step(4, key_entries))
     if bits == 8 and head_dim >= 256:
         return KernelConfig(32, 4, 2)
-    return KernelConfig(64, 4, 2)
+    # key entries here: NUQ keys after RoPE (`_per_step`)
+    return KernelConfig(64, 4, 2, key_entries_per_step=2 if key_entries and head_dim >= 256 else 1)
 
 
 def _per_step(warps: int, key_entries: bool) -> int:
@@ -145,8 +146,9 @@ def _per_step(warps: int, key_entries: bool) -> int:
     --entry-counts; Llama-like: the counts thinned to 128 channels), warp-instructions per
     row, one a step -> this: Gemma 3 at 8 warps NUQ4 210 -> 156 (2 a step: 173, 8: 167),
     TR4 312 -> 257 (271, 269); Llama-like at 4 warps NUQ4 86 -> 79 (4 a step: 88), TR4
-    125 -> 118 (126). Post-RoPE NUQ keys keep one: two took 132 registers there, 12 warps
-    per SM where one leaves 16."""
+    125 -> 118 (126). Post-RoPE NUQ keys (4 warps, `kernel_config`) take two at head_dim
+    256, Gemma 3 121.8 -> 114.6 at the same 212 registers, and one at 128, where two took
+    132 registers: 12 warps per SM where one leaves 16 (70.0 -> 67.2)."""
     return warps * 32 // 64 if key_entries else 1
 
 
