@@ -218,6 +218,24 @@ def _pre_rope(segs, positions):
     return out
 
 
+def _pre_rope_layer(encode, b, hkv, d, rows, start=0, pad=(), sink=2, residual=5, seed=0):
+    """A layer's segments as a pre-RoPE cache hands them to attention: full-precision sink
+    rows, the main rows `encode(keys, values, positions)` packs, the residual window, keys
+    stored before RoPE; positions from `start`, sequence i left-padded by pad[i] rows."""
+    total = sink + rows + residual
+    k, v = _data(b, hkv, total, d, seed)
+    k = k + 2.0  # a common key offset: the normaliser's centre carries real weight
+    pos = _positions(b, total, start=start, pad=pad)
+    main = encode(k[:, :, sink : sink + rows], v[:, :, sink : sink + rows],
+                  pos[:, sink : sink + rows])  # fmt: skip
+
+    def full(a, z):
+        key = PackedRows("full", d, k[:, :, a:z].clone(), pre_rope=True)
+        return Segment(key, _full(v[:, :, a:z]), pos[:, a:z])
+
+    return [full(0, sink), main, full(sink + rows, total)]
+
+
 @pytest.mark.parametrize("kind", ["int4-channel", "int8-channel-sym"])
 @pytest.mark.parametrize("d, hq, hkv", [(64, 8, 2), (256, 4, 1)])
 def test_pre_rope_keys_rotate_at_their_positions(kind, d, hq, hkv, planned_calls):
@@ -313,13 +331,19 @@ def _strip_exceptions(seg: Segment) -> Segment:
     return replace(seg, key=key, value=replace(seg.value, slot_index=None, slot_value=None))
 
 
-def _moved_by_exceptions(q, segs, out, rope) -> float:
-    """How far the exceptions of the main rows (segment 1 of a layer's three) move `out`,
-    the triton result with them: the largest difference from the same call without."""
+def _check_moving_exceptions(segs, heads: int, planned_calls) -> None:
+    """A pre-RoPE layer's segments (sink, main, residual) against the reference in one
+    planned launch, one query row per head, and the main rows' exceptions move the result
+    far beyond the tolerance: a kernel that dropped (or misplaced) them would fail (the
+    triton result against the same call without them)."""
+    b, d = segs[0].key.data.shape[0], segs[0].key.head_dim
+    q = torch.randn(b, heads, 1, d) * 2
+    out = _check(q, segs, rope=_rope(d))
+    assert len(planned_calls) == 1
     bare = [segs[0], _strip_exceptions(segs[1]), segs[2]]
-    q, bare, rope = _to((q, bare, rope), DEVICE)
-    without = decode_attention_triton(q, bare, scaling=q.shape[-1] ** -0.5, rope=rope).cpu()
-    return (out - without).abs().max().item()
+    q, bare, rope = _to((q, bare, _rope(d)), DEVICE)
+    without = decode_attention_triton(q, bare, scaling=d**-0.5, rope=rope).cpu()
+    assert (out - without).abs().max().item() > 100 * ATOL
 
 
 def _check_masks_and_scattered_rows(segs, q_len: int, heads: int) -> None:

@@ -24,7 +24,6 @@ from tests.runtime.kernels.test_decode_attention import (
     ATOL,
     DEVICE,
     _check,
-    _data,
     _nuq_key_state,
     _rope,
     _to,
@@ -32,9 +31,8 @@ from tests.runtime.kernels.test_decode_attention import (
 )
 from tests.runtime.kernels.test_planned_decode import (
     _check_masks_and_scattered_rows,
-    _full,
-    _moved_by_exceptions,
-    _positions,
+    _check_moving_exceptions,
+    _pre_rope_layer,
     _window_mask,
 )
 
@@ -65,21 +63,13 @@ def _trellis_segment(k, v, bits, window, fraction, positions, value_fraction=Non
 
 def _trellis_layer(bits, window, b, hkv, d, rows, fraction, start=0, pad=(), sink=2,
                    residual=5, seed=0, value_fraction=None):  # fmt: skip
-    """A layer's segments as a trellis cache hands them to attention: pre-RoPE
-    full-precision sink rows, trellis main rows, the pre-RoPE residual window."""
-    total = sink + rows + residual
-    k, v = _data(b, hkv, total, d, seed)
-    k = k + 2.0  # a common key offset: the normaliser's centre carries real weight
-    pos = _positions(b, total, start=start, pad=pad)
-    main = _trellis_segment(k[:, :, sink : sink + rows], v[:, :, sink : sink + rows], bits,
-                            window, fraction, pos[:, sink : sink + rows],
-                            value_fraction)  # fmt: skip
+    """A layer's segments as a trellis cache hands them to attention (`_pre_rope_layer`):
+    trellis main rows."""
 
-    def full(a, z):
-        key = PackedRows("full", d, k[:, :, a:z].clone(), pre_rope=True)
-        return Segment(key, _full(v[:, :, a:z]), pos[:, a:z])
+    def encode(k, v, pos):
+        return _trellis_segment(k, v, bits, window, fraction, pos, value_fraction)
 
-    return [full(0, sink), main, full(sink + rows, total)]
+    return _pre_rope_layer(encode, b, hkv, d, rows, start, pad, sink, residual, seed)
 
 
 # (digit bits, window): auto's 4-, 3-, 2- and 1-bit layers (window 12; 3-bit digits
@@ -114,10 +104,7 @@ def test_trellis_layer_call_matches_reference_mqa_256(layout, planned_calls):
     b, d = 2, 256
     segs = _trellis_layer(*layout, b, 1, d, rows=100, fraction=0.03, start=5, seed=4,
                           value_fraction=0.005)  # fmt: skip
-    q = torch.randn(b, 4, 1, d) * 2
-    out = _check(q, segs, rope=_rope(d))
-    assert len(planned_calls) == 1
-    assert _moved_by_exceptions(q, segs, out, _rope(d)) > 100 * ATOL
+    _check_moving_exceptions(segs, heads=4, planned_calls=planned_calls)
 
 
 @pytest.mark.parametrize("q_len", [1, 2])

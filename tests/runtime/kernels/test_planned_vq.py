@@ -12,20 +12,17 @@ import torch
 
 from kvq.runtime.kernels import planned_decode
 from kvq.runtime.kernels.decode_attention import (
-    Segment,
     decode_attention_reference,
     decode_attention_triton,
     decode_path,
 )
-from kvq.runtime.packed import PackedRows
 from tests.runtime.kernels.helpers import assert_two_launches_no_sync, calibrated_vq, greedy
 from tests.runtime.kernels.test_decode_attention import ATOL, DEVICE, _check, _data, _rope, _to
 from tests.runtime.kernels.test_decode_vq import _segment
 from tests.runtime.kernels.test_planned_decode import (
     _check_masks_and_scattered_rows,
-    _full,
-    _moved_by_exceptions,
-    _positions,
+    _check_moving_exceptions,
+    _pre_rope_layer,
     _strip_exceptions,
     _window_mask,
 )
@@ -37,22 +34,14 @@ def _seeded():
 
 
 def _vq_layer(widths, b, hkv, d, rows, fraction, start=0, pad=(), sink=2, residual=5, seed=0):
-    """A layer's segments as a vq cache hands them to attention: pre-RoPE full-precision
-    sink rows, vq main rows (keys before RoPE over RoPE pairs, values over neighbouring
-    channels; `widths`: key bits, key dim, value bits, value dim), the pre-RoPE residual
-    window; positions from `start`, batch rows in `pad` left-padded by 9."""
-    total = sink + rows + residual
-    k, v = _data(b, hkv, total, d, seed)
-    k = k + 2.0  # a common key offset: the normaliser's centre carries real weight
-    pos = _positions(b, total, start=start, pad=pad)
-    main = _segment(k[:, :, sink : sink + rows], v[:, :, sink : sink + rows], *widths,
-                    fraction, pre_rope=True, positions=pos[:, sink : sink + rows])  # fmt: skip
+    """A layer's segments as a vq cache hands them to attention (`_pre_rope_layer`): vq main
+    rows, keys before RoPE over RoPE pairs, values over neighbouring channels (`widths`:
+    key bits, key dim, value bits, value dim)."""
 
-    def full(a, z):
-        key = PackedRows("full", d, k[:, :, a:z].clone(), pre_rope=True)
-        return Segment(key, _full(v[:, :, a:z]), pos[:, a:z])
+    def encode(k, v, pos):
+        return _segment(k, v, *widths, fraction, pre_rope=True, positions=pos)
 
-    return [full(0, sink), main, full(sink + rows, total)]
+    return _pre_rope_layer(encode, b, hkv, d, rows, start, pad, sink, residual, seed)
 
 
 # (key bits, key dim, value bits, value dim): auto --bits 2 (2 x 4; its mixed widths 1 x 4
@@ -85,10 +74,7 @@ def test_vq_layer_call_matches_reference_mqa_256(widths, planned_calls):
     the tolerance, so a kernel that dropped (or misplaced) them would fail."""
     b, d = 2, 256
     segs = _vq_layer(widths, b, 1, d, rows=100, fraction=0.03, start=5, seed=4)
-    q = torch.randn(b, 4, 1, d) * 2
-    out = _check(q, segs, rope=_rope(d))
-    assert len(planned_calls) == 1
-    assert _moved_by_exceptions(q, segs, out, _rope(d)) > 100 * ATOL
+    _check_moving_exceptions(segs, heads=4, planned_calls=planned_calls)
 
 
 @pytest.mark.parametrize("q_len", [1, 2])
