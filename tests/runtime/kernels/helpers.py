@@ -180,21 +180,22 @@ def resources(row: dict):
 # --- the public path ------------------------------------------------------------------------
 
 
-def greedy(monkeypatch, model, policy, tensors, adapter, ids, backend, **kw):
-    """Tokens of greedy generate (5 new) with a fresh kvq cache on `backend`."""
+def greedy(monkeypatch, model, policy, tensors, adapter, ids, backend):
+    """Tokens of greedy generate (5 new) with a fresh kvq cache on `backend`; token 0 is
+    padding, masked out as transformers masks a left-padded batch."""
     from kvq.runtime.cache import build_cache
 
     monkeypatch.setenv("KVQ_BACKEND", backend)
     cache = build_cache(model, policy, tensors, adapter)
-    return model.generate(ids, cache=cache, max_new_tokens=5, do_sample=False, pad_token_id=0,
-                          **kw)  # fmt: skip
+    return model.generate(ids, attention_mask=(ids != 0).long(), cache=cache, max_new_tokens=5,
+                          do_sample=False, pad_token_id=0)  # fmt: skip
 
 
-def calibrated_vq(options, **config):
+def calibrated_vq(options, device="cpu", **config):
     """A tiny Gemma 3 (`config`: its overrides) and a mixed-precision vq (or, for trellis
     options, trellis) policy calibrated on it (random windows; a Fisher stand-in with one
     sensitive key side, so the allocator moves bits to it): model, adapter, policy,
-    tensors, and the generator drawn from."""
+    tensors (model and tensors on `device`), and the generator drawn from."""
     from kvq.calibrators.trellis import calibrate_trellis
     from kvq.calibrators.vq import calibrate_vq
     from kvq.models.adapters import get_adapter
@@ -210,4 +211,5 @@ def calibrated_vq(options, **config):
     fk[1] *= 1e4
     calibrate = calibrate_trellis if options.NAME == "trellis" else calibrate_vq
     policy, tensors = calibrate(model, ad, windows, options, Progress(), (fk, fv))
-    return model, ad, policy, tensors, g
+    tensors = {n: t.to(device) for n, t in tensors.items()}
+    return model.to(device), ad, policy, tensors, g

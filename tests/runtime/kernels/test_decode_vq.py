@@ -243,7 +243,7 @@ def test_generate_with_a_mixed_vq_cache_matches_the_reference(monkeypatch):
     from kvq.runtime.kernels import decode_attention as da
     from tests.runtime.kernels.helpers import calibrated_vq, greedy
 
-    model, ad, policy, tensors, g = calibrated_vq(VQOptions(bits=2, mixed=True))
+    model, ad, policy, tensors, g = calibrated_vq(VQOptions(bits=2, mixed=True), DEVICE)
     widths = {(lp.key.bits, lp.key.vector_dim) for lp in policy.layers}
     widths |= {(lp.value.bits, lp.value.vector_dim) for lp in policy.layers}
     assert len(widths) > 1 and all(lp.key_stage == "pre-rope" for lp in policy.layers)
@@ -257,8 +257,6 @@ def test_generate_with_a_mixed_vq_cache_matches_the_reference(monkeypatch):
 
     monkeypatch.setattr(da, "decode_attention_triton", spy)
     ids = torch.randint(3, 200, (2, 12), generator=g).to(DEVICE)
-    model = model.to(DEVICE)
-    tensors = {n: t.to(DEVICE) for n, t in tensors.items()}
 
     def generate(backend):
         return greedy(monkeypatch, model, policy, tensors, ad, ids, backend)

@@ -855,16 +855,14 @@ def test_generate_through_the_planned_path_matches_the_reference(monkeypatch, pl
     ad = get_adapter(model)
     ids = torch.randint(3, 200, (2, 12), generator=torch.Generator().manual_seed(0)).to(DEVICE)
     policy = named_policy("int4", ad.info.num_layers, ad.info.head_dim)
-    extra = {}
     if key_stage == "pre-rope":
         layer = LayerPolicy(**{**policy.layers[0].__dict__, "key_stage": key_stage,
                                "sink_tokens": 1})  # fmt: skip
         policy = CachePolicy("int4-pre", (layer,) * ad.info.num_layers)
         ids[1, :3] = 0  # left padding: that sequence's positions start 3 rows later
-        extra["attention_mask"] = (ids != 0).long()
 
     def generate(backend):
-        return greedy(monkeypatch, model, policy, {}, ad, ids, backend, **extra)
+        return greedy(monkeypatch, model, policy, {}, ad, ids, backend)
 
     want = generate("reference")
     assert not planned_calls and not paths
@@ -891,8 +889,7 @@ def test_generate_prefills_a_long_prompt_on_the_triton_backend(monkeypatch, plan
     policy = named_policy("int4", ad.info.num_layers, ad.info.head_dim)
 
     def generate(backend):
-        mask = (ids != 0).long()
-        return greedy(monkeypatch, model, policy, {}, ad, ids, backend, attention_mask=mask)
+        return greedy(monkeypatch, model, policy, {}, ad, ids, backend)
 
     want = generate("reference")
     assert torch.equal(generate("triton"), want)
@@ -935,8 +932,7 @@ def test_generate_with_a_kvquant_layout_cache_through_the_planned_path(
     ids[1, :3] = 0
 
     def generate(backend):
-        mask = (ids != 0).long()
-        return greedy(monkeypatch, model, policy, static, ad, ids, backend, attention_mask=mask)
+        return greedy(monkeypatch, model, policy, static, ad, ids, backend)
 
     want = generate("reference")
     assert not planned_calls and not paths

@@ -180,16 +180,13 @@ def test_generate_with_an_auto_trellis_cache_takes_the_planned_path(monkeypatch,
     monkeypatch.setattr(_trellis_triton, "launch", lambda *a: searches.append(1) or launch(*a))
 
     options = TrellisOptions(bits=4, v_outliers=0.005)
-    model, ad, policy, tensors, g = calibrated_vq(options, head_dim=64)
+    model, ad, policy, tensors, g = calibrated_vq(options, DEVICE, head_dim=64)
     assert all(lp.key.format == "trellis" for lp in policy.layers)
-    model = model.to(DEVICE)
-    tensors = {n: t.to(DEVICE) for n, t in tensors.items()}
     ids = torch.randint(3, 200, (2, 12), generator=g).to(DEVICE)
-    ids[1, :3] = 0
+    ids[1, :3] = 0  # left padding
 
     def generate(backend):
-        mask = (ids != 0).long()
-        return greedy(monkeypatch, model, policy, tensors, ad, ids, backend, attention_mask=mask)
+        return greedy(monkeypatch, model, policy, tensors, ad, ids, backend)
 
     want = generate("reference")
     assert not planned_calls and not paths and not searches

@@ -148,17 +148,14 @@ def test_generate_with_an_auto_vq_cache_takes_the_planned_path(monkeypatch, plan
     from kvq.calibrators.options import VQOptions
 
     options = VQOptions(bits=2, dim=4, mixed="fisher")
-    model, ad, policy, tensors, g = calibrated_vq(options, head_dim=64)
+    model, ad, policy, tensors, g = calibrated_vq(options, DEVICE, head_dim=64)
     widths = {(lp.key.bits, lp.key.vector_dim) for lp in policy.layers}
     assert len(widths) > 1 and all(lp.key_stage == "pre-rope" for lp in policy.layers)
-    model = model.to(DEVICE)
-    tensors = {n: t.to(DEVICE) for n, t in tensors.items()}
     ids = torch.randint(3, 200, (2, 12), generator=g).to(DEVICE)
-    ids[1, :3] = 0
+    ids[1, :3] = 0  # left padding
 
     def generate(backend):
-        mask = (ids != 0).long()
-        return greedy(monkeypatch, model, policy, tensors, ad, ids, backend, attention_mask=mask)
+        return greedy(monkeypatch, model, policy, tensors, ad, ids, backend)
 
     want = generate("reference")
     assert not planned_calls and not paths
