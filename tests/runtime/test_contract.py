@@ -172,8 +172,9 @@ def test_left_padding_changes_nothing(case):
                     g[i : i + 1, :, g.shape[2] - visible :], w, atol=1e-5, rtol=2**-10
                 )
     # end to end: equal up to the rounding of differently shaped batches, which can flip an
-    # INT4 code now and then (a flipped code then moves later layers by a quantization step)
-    tol = 2e-5 if case.layout in MATCHES_DYNAMIC | {"fp8-e4m3"} else 2e-3
+    # INT4 or FP8 code now and then (a flipped code then moves later layers by a quantization
+    # step, an FP8 one by up to 1/8 of the value: 2.6e-3 on a Xeon's matmul kernels, Gemma 3)
+    tol = 2e-5 if case.layout in MATCHES_DYNAMIC else 5e-3 if case.layout == "fp8-e4m3" else 2e-3
     out = case.generate(ids, attention_mask=mask, output_logits=True, return_dict_in_generate=True)
     for i, row in enumerate((long, short)):
         alone = case.generate(row[None], output_logits=True, return_dict_in_generate=True)
