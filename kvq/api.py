@@ -8,6 +8,7 @@ out = model.generate(**inputs, cache=cache)
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from kvq.errors import KvqError
@@ -36,8 +37,14 @@ def _loaded(model) -> LoadedModel:
     return loaded
 
 
+def _check_type(value, types: tuple, what: str, expected: str) -> None:
+    if not isinstance(value, types) or isinstance(value, bool):
+        raise KvqError(f"{what} must be {expected}, got {type(value).__name__}")
+
+
 def load_artifact(path: str | Path, model=None) -> Artifact:
     """Read an artifact, verify its tensors and, given a model, its compatibility."""
+    _check_type(path, (str, os.PathLike), "path", "an artifact folder (str or Path)")
     return _load_artifact(path, _loaded(model) if model is not None else None)
 
 
@@ -56,6 +63,12 @@ def make_cache(
     the same artifact leaves the model alone.
     """
     loaded = _loaded(model)
-    if isinstance(artifact, (str, Path)):
+    if artifact is not None:
+        kinds = (Artifact, str, os.PathLike)
+        _check_type(artifact, kinds, "artifact", "an Artifact or an artifact folder (str or Path)")
+    for value, what in ((policy, "policy"), (backend, "backend")):
+        if value is not None:
+            _check_type(value, (str,), what, "a name (str)")
+    if isinstance(artifact, (str, os.PathLike)):
         artifact = _load_artifact(artifact, loaded)
     return cache_for(loaded, artifact=artifact, policy=policy, backend=backend)

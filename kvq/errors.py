@@ -19,6 +19,11 @@ class KvqError(Exception):
     """A user-facing error: bad input, an incompatible artifact, a missing file."""
 
 
+class CacheArgumentError(KvqError, ValueError):
+    """A cache call's argument that transformers' own caches refuse with a ValueError
+    (crop by a positive count): code written for their caches catches it here too."""
+
+
 class FieldError(KvqError):
     """A well-typed value outside its allowed range: `field` must be `rule`, got `value`.
 

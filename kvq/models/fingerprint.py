@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import weakref
 from typing import Any
 
 import torch
@@ -58,13 +59,43 @@ def config_sha256(config) -> str:
     return hashlib.sha256(_canonical(_strip_volatile(config.to_dict()))).hexdigest()
 
 
+# id(model) -> (weak ref, the weights' versions, digest): see `_weights_versions`
+_WEIGHTS_MEMO: dict[int, tuple[weakref.ref, tuple, str]] = {}
+
+
+def _weights_versions(model: nn.Module) -> tuple:
+    """What identifies the weights' current values without reading them: each parameter
+    and buffer's name, storage address, shape, dtype and version counter (which every
+    in-place edit moves, under no_grad too, and which `detach()` views share)."""
+    named = [*model.named_parameters(remove_duplicate=False)]
+    named += model.named_buffers(remove_duplicate=False)
+    return tuple(
+        (n, t.data_ptr(), tuple(t.shape), t.dtype, t._version, t.device.type) for n, t in named
+    )
+
+
 def weights_sha256(model: nn.Module) -> str:
     """sha256 over sorted (name, shape, dtype, raw bytes) of the state dict.
 
     Tied tensors (e.g. lm_head = embed_tokens) share storage and are hashed once, under the
     first name in sorted order. Bytes are read through a uint8 view: no copy for contiguous
     CPU tensors, and bf16/fp8 work because no numpy dtype is needed.
+
+    Remembered per model object while no weight changes (`_weights_versions`): a saved
+    cache checks the weights at every save and load, and a 270M model takes ~1 s to hash.
     """
+    versions = _weights_versions(model)
+    hit = _WEIGHTS_MEMO.get(id(model))
+    if hit is not None and hit[0]() is model and hit[1] == versions:
+        return hit[2]
+    digest = _weights_sha256(model)
+    if "meta" not in {v[-1] for v in versions}:  # offloaded weights have no versions to trust
+        ref = weakref.ref(model, lambda _, k=id(model), m=_WEIGHTS_MEMO: m.pop(k, None))
+        _WEIGHTS_MEMO[id(model)] = (ref, versions, digest)
+    return digest
+
+
+def _weights_sha256(model: nn.Module) -> str:
     h = hashlib.sha256()
     seen: set = set()
     state = model.state_dict()
@@ -92,6 +123,12 @@ def weights_sha256(model: nn.Module) -> str:
         if flat.numel():
             h.update(memoryview(flat.view(torch.uint8).numpy()))
     return h.hexdigest()
+
+
+def tensor_sha256(t: torch.Tensor) -> str:
+    """sha256 of a tensor's dtype, shape and raw bytes (any dtype, any device)."""
+    data = t.detach().to("cpu").contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+    return hashlib.sha256(f"{t.dtype}{tuple(t.shape)}".encode() + data).hexdigest()
 
 
 def _backend_model_json(tokenizer) -> str | None:

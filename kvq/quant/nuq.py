@@ -227,7 +227,7 @@ def nuq_encode(x_norm: Tensor, codebook: Tensor) -> Tensor:
     """
     mids = decision_boundaries(codebook)
     check_finite(x_norm, "normalised input")
-    return torch.bucketize(x_norm.float(), mids, right=False).to(torch.uint8)
+    return torch.bucketize(x_norm.float().contiguous(), mids, right=False).to(torch.uint8)
 
 
 def nuq_decode(codes: Tensor, codebook: Tensor) -> Tensor:

@@ -20,6 +20,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
+from kvq.errors import KvqError
 from kvq.runtime.kernels.decode_attention import decode_attention
 from kvq.runtime.sink import kernel_mask
 
@@ -36,14 +37,26 @@ def kvq_attention(
     dropout: float = 0.0,
     **kwargs,
 ) -> tuple[Tensor, None]:
-    """query [B, H_q, Q, D] -> (output [B, Q, H_q, D], None)."""
+    """query [B, H_q, Q, D] -> (output [B, Q, H_q, D], None). Gradients stop at the
+    packed rows: kvq caches serve inference."""
     from kvq.runtime.cache import LayerView  # cycle: cache installs this module
 
     if not isinstance(key, LayerView):
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
-    view: LayerView = key
+    with torch.no_grad():  # an inference cache: no gradient flows through stored codes
+        return _attend(module, query, key, attention_mask, scaling, **kwargs)
+
+
+def _attend(module, query: Tensor, view, attention_mask, scaling, **kwargs):
+    """kvq_attention over a `LayerView`'s packed rows (see the module docstring)."""
+    if not view.cache.serves(module):
+        view.cache.abort()
+        raise KvqError(
+            "this kvq cache was built for another model; build one for this model with "
+            "kvq.make_cache"
+        )
     q_len = query.shape[2]
     scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
     mask = _bool_mask(attention_mask, query, view.columns)

@@ -14,15 +14,16 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import weakref
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 from transformers.cache_utils import Cache
 
-from kvq.errors import KvqError
+from kvq.errors import CacheArgumentError, KvqError
 from kvq.manifests.ledger import ByteLedger
-from kvq.models.fingerprint import config_sha256
+from kvq.models.fingerprint import config_sha256, tensor_sha256, weights_sha256
 from kvq.quant.schemes import CachePolicy
 from kvq.runtime.attention import install_attention
 from kvq.runtime.codecs import make_codec
@@ -72,6 +73,28 @@ class LayerView:
     def shape(self) -> tuple[int, ...]:  # informative only; never a real tensor
         return (-1, -1, self.columns, -1)
 
+    # A model whose attention is not kvq's treats the view as K/V tensors: say why it fails.
+    def _not_kvq_attention(self, *_args, **_kwargs):
+        self.cache.abort()
+        raise KvqError(
+            "this kvq cache reached a model whose attention is not kvq's; build a cache for "
+            "that model with kvq.make_cache (a cache serves the model it was made for)"
+        )
+
+    __getitem__ = __iter__ = __len__ = __array__ = _not_kvq_attention
+
+    def __getattr__(self, name: str):
+        if name.startswith("__"):  # copy, pickle and friends probe dunders: stay quiet
+            raise AttributeError(name)
+        self._not_kvq_attention()
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        view = next((a for a in args if isinstance(a, LayerView)), None)
+        if view is None:
+            raise KvqError("a kvq cache's layer view reached a torch function")
+        view._not_kvq_attention()
+
 
 class QuantizedKVCache(Cache):
     """A K/V cache storing packed codes and qparams per a `CachePolicy`.
@@ -96,12 +119,38 @@ class QuantizedKVCache(Cache):
         self.backend = None if backend is None else check_choice(backend)  # None: KVQ_BACKEND
         self._txn: _Transaction | None = None
         self.publications = 0  # number of published appends, for tests and telemetry
+        self.kv_heads: int | None = None  # the model's KV heads, set by `bind`
+        self._model: weakref.ref | None = None
+        self._modules: weakref.WeakSet = weakref.WeakSet()
+
+    def bind(self, model, kv_heads: int) -> None:
+        """Serve `model` only: its attention modules may use this cache, no other's."""
+        self._model, self.kv_heads = weakref.ref(model), kv_heads
+        self._modules = weakref.WeakSet(m for m in model.modules() if hasattr(m, "layer_idx"))
+
+    @property
+    def model(self):
+        """The model this cache was built for (None when unbound or collected)."""
+        return None if self._model is None else self._model()
+
+    def serves(self, module: torch.nn.Module) -> bool:
+        """Whether an attention `module` belongs to the model this cache was built for
+        (None: a direct call with no module, which has nothing to check)."""
+        return self._model is None or module is None or module in self._modules
+
+    def weights_identity(self) -> str:
+        """The bound model's weights fingerprint now (kvq.models.fingerprint.weights_sha256)."""
+        model = self.model
+        if model is None:
+            raise KvqError("the model this cache was built for is gone; its rows cannot be named")
+        return weights_sha256(model)
 
     # --- the append transaction ----------------------------------------------------------
 
     def update(self, key_states: Tensor, value_states: Tensor, layer_idx: int, *args, **kwargs):
         """Prepare new rows for `layer_idx`; returns views for the kvq attention function."""
         extra = kwargs.get("kwargs") or {}
+        self._check_rows(key_states, value_states, layer_idx)
         t = key_states.shape[2]
         if layer_idx == 0 or self._txn is None:
             # a new forward; a leftover transaction belongs to a failed one: discard it
@@ -127,6 +176,45 @@ class QuantizedKVCache(Cache):
         txn.pending[layer_idx] = (key_states, value_states, positions)
         view = LayerView(self, self.layers[layer_idx])
         return view, view
+
+    def _check_rows(self, key: Tensor, value: Tensor, layer_idx: int) -> None:
+        """Refuse rows this cache cannot hold, in one sentence, before anything changes.
+
+        A cache serves one batch for its life, as transformers' own caches do (theirs fail
+        in torch.cat): a forward of another batch size is refused; change the batch first
+        with batch_select_indices / batch_repeat_interleave, or start a new cache."""
+        if type(layer_idx) is not int or not 0 <= layer_idx < len(self.layers):
+            raise KvqError(
+                f"layer_idx {layer_idx!r} is not a layer of this {len(self.layers)}-layer cache"
+            )
+        layer = self.layers[layer_idx]
+        for name, x, d in (
+            ("key", key, layer.key_codec.head_dim),
+            ("value", value, layer.value_codec.head_dim),
+        ):
+            if not isinstance(x, Tensor) or x.dim() != 4 or not x.is_floating_point():
+                what = f"{x.dtype} {list(x.shape)}" if isinstance(x, Tensor) else type(x).__name__
+                raise KvqError(
+                    f"{name}_states must be a floating-point [batch, kv_heads, tokens, head_dim] "
+                    f"tensor, got {what}"
+                )
+            heads = x.shape[1] if self.kv_heads is None else self.kv_heads
+            if x.shape[1] != heads or x.shape[3] != d or x.shape[2] == 0:
+                raise KvqError(
+                    f"{name}_states are [{', '.join(map(str, x.shape))}]; layer {layer_idx} "
+                    f"holds rows of {heads} KV heads × {d} channels (and needs at least a token)"
+                )
+        if key.shape[:3] != value.shape[:3]:
+            raise KvqError(
+                f"key_states {list(key.shape)} and value_states {list(value.shape)} differ"
+            )
+        held = layer.batch_size
+        if held and key.shape[0] != held:
+            raise KvqError(
+                f"this cache holds {held} sequences, the forward brings {key.shape[0]}; a cache "
+                "serves one batch (batch_select_indices / batch_repeat_interleave change it, or "
+                "start a new cache)"
+            )
 
     def _prepare(self, layer_idx: int, mask: Tensor | None) -> LayerState:
         """The pending rows of `layer_idx` as its private successor.
@@ -238,11 +326,68 @@ class QuantizedKVCache(Cache):
         finished: [B] bool. Returns the batch indices kept, in order (index the caller's
         own per-sequence tensors with it).
         """
-        if finished.dtype != torch.bool or finished.shape != (self.batch_size,):
+        if (
+            not isinstance(finished, Tensor)
+            or finished.dtype != torch.bool
+            or finished.shape != (self.batch_size,)
+        ):
             raise KvqError(f"release needs a [{self.batch_size}] bool tensor of finished rows")
         keep = (~finished).nonzero(as_tuple=True)[0]
         self.batch_select_indices(keep)
         return keep
+
+    def reorder_cache(self, beam_idx) -> None:
+        """Batch rows picked by `beam_idx` ([B'] integer indices, repeats allowed)."""
+        super().reorder_cache(self._batch_index(beam_idx, "reorder_cache"))
+
+    def batch_select_indices(self, indices) -> None:
+        super().batch_select_indices(self._batch_index(indices, "batch_select_indices"))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if type(repeats) is not int or repeats < 1:
+            raise KvqError(f"batch_repeat_interleave needs a positive int, got {repeats!r}")
+        super().batch_repeat_interleave(repeats)
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Remove the last `-tokens_to_remove` tokens (transformers 5: a negative count)."""
+        if type(tokens_to_remove) is not int or tokens_to_remove > 0:
+            raise CacheArgumentError(
+                f"crop({tokens_to_remove!r}): pass a negative int, the tokens to remove, as "
+                "transformers' caches expect"
+            )
+        if self._txn is not None and self._txn.prepared:
+            raise KvqError("cannot crop a cache in the middle of a forward")
+        self._txn = None
+        super().crop(tokens_to_remove)
+
+    def _batch_index(self, index, what: str) -> Tensor:
+        """`index` as a [B'] long tensor of the held sequences, or a one-line KvqError."""
+        if isinstance(index, (list, tuple)):
+            if not all(type(i) is int for i in index):
+                raise KvqError(f"{what} needs integer indices, got {index!r}"[:200])
+            index = torch.tensor(index, dtype=torch.long)
+        if (
+            not isinstance(index, Tensor)
+            or index.dim() != 1
+            or index.is_floating_point()
+            or index.dtype == torch.bool
+        ):
+            what_got = (
+                f"{index.dtype} {list(index.shape)}"
+                if isinstance(index, Tensor)
+                else type(index).__name__
+            )
+            raise KvqError(f"{what} needs a 1-D integer tensor of batch indices, got {what_got}")
+        held = self.batch_size
+        if held and index.numel() and not (int(index.min()) >= 0 and int(index.max()) < held):
+            raise KvqError(
+                f"{what}: indices {int(index.min())}..{int(index.max())} are outside the "
+                f"{held} sequences this cache holds"
+            )
+        if self._txn is not None and self._txn.prepared:
+            raise KvqError(f"cannot {what} in the middle of a forward")
+        self._txn = None
+        return index
 
     def save(self, path) -> None:
         """Write the committed state to a safetensors file (see `kvq.runtime.saved`)."""
@@ -392,20 +537,16 @@ def build_cache(
     identity = {
         "model": config_sha256(model.config),
         "policy": _digest(policy.to_json()),
-        "artifact": _digest({n: _tensor_digest(t) for n, t in sorted(named.items())}),
+        "artifact": _digest({n: tensor_sha256(t) for n, t in sorted(named.items())}),
     }
     cache = QuantizedKVCache(layers, policy, backend, identity)
     cache.max_position = adapter.max_positions
+    cache.bind(model, info.num_kv_heads)
     return cache
 
 
 def _digest(obj) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()
-
-
-def _tensor_digest(t: Tensor) -> str:
-    data = t.detach().to("cpu").contiguous().view(-1).view(torch.uint8).numpy().tobytes()
-    return hashlib.sha256(f"{t.dtype}{tuple(t.shape)}".encode() + data).hexdigest()
 
 
 class _RopeTables:

@@ -654,6 +654,11 @@ class KvqLayer(CacheLayerMixin):
         return self.state.seen
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        if query_length < 1:  # the model would fail on empty tensors before any update()
+            raise KvqError(
+                f"a forward of no new tokens into a cache holding {self.state.seen}: generate "
+                "continues a cache from a prompt that begins with the tokens it holds"
+            )
         return self.state.visible + query_length, self.state.evicted
 
     def get_max_length(self) -> int:
@@ -882,5 +887,8 @@ def _batch_order(main: RowStore, part: str, index: Tensor) -> Tensor:
     starts = (cnt.flatten().cumsum(0) - cnt.flatten()).view(cnt.shape)
     lens = cnt[:, index].flatten()
     src = starts[:, index].flatten()
-    within = torch.arange(int(lens.sum())) - torch.repeat_interleave(lens.cumsum(0) - lens, lens)
-    return torch.repeat_interleave(src, lens) + within
+    # (on the counts' device: a host arange would not mix with CUDA counts)
+    n = int(lens.sum())
+    within = torch.arange(n, device=lens.device)
+    within -= torch.repeat_interleave(lens.cumsum(0) - lens, lens, output_size=n)
+    return torch.repeat_interleave(src, lens, output_size=n) + within

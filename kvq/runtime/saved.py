@@ -10,11 +10,15 @@ File layout: tensors `layers.{i}.main.{name}` [B, H, T, ...] (committed rows onl
 `layers.{i}.sink.{k|v|positions|cols|filled}`, `layers.{i}.{phase|first_real}` [B] (a
 padded batch's group shifts), `layers.{i}.prefix.{k|v|positions|placed|first_col}` (the
 placed prefix rows: the prefix's own tensors are part of the artifact, which the identity
-names); metadata "kvq" = JSON of the identity and each layer's counters.
+names); metadata "kvq" = JSON of the identity (model config and weights, artifact,
+layout), each layer's index and counters, and every tensor's sha256 (dtype, shape, bytes);
+metadata "kvq_sha256" = the sha256 of that JSON text. Loading checks all of them, so a
+flipped byte anywhere, layers swapped or a state saved by other weights is refused.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from dataclasses import replace
@@ -25,18 +29,21 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from kvq.errors import KvqError
+from kvq.exporters.paths import is_artifact_dir
+from kvq.models.fingerprint import tensor_sha256
 from kvq.runtime.prefix import PrefixRows
 from kvq.runtime.sink import SinkRows
 from kvq.runtime.state import FlatStore, RowStore
 
-FORMAT = "kvq-cache-state/1"
+FORMAT = "kvq-cache-state/2"  # /1 (no checksums) is refused: save it again
 COUNTERS = ("seen", "evicted", "lead", "settled", "skipped")  # LayerState's integers
 
 
 def save_cache(cache, path) -> None:
     """Write `cache`'s committed state to `path` (a .safetensors file), atomically."""
-    if cache._txn is not None:
+    if cache._txn is not None and cache._txn.prepared:
         raise KvqError("cannot save a cache in the middle of a forward")
+    path = _check_destination(path)
     tensors, layers = {}, []
     for i, layer in enumerate(cache.layers):
         st = layer.state
@@ -63,48 +70,118 @@ def save_cache(cache, path) -> None:
             tensors |= {f"{pre}prefix.{n}": r for n, r in st.prefix.rows.items()}
             for n in ("positions", "placed", "first_col"):
                 tensors[f"{pre}prefix.{n}"] = getattr(st.prefix, n)
-        layers.append({k: getattr(st, k) for k in COUNTERS})
-    meta = {"format": FORMAT, "identity": cache.identity, "layers": layers}
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        layers.append({"layer": i} | {k: getattr(st, k) for k in COUNTERS})
     tensors = {n: t.detach().to("cpu").contiguous().clone() for n, t in tensors.items()}
+    meta = {
+        "format": FORMAT,
+        "identity": _identity(cache),
+        "layers": layers,
+        "tensors": {n: tensor_sha256(t) for n, t in sorted(tensors.items())},
+    }
+    header = json.dumps(meta, sort_keys=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
-        save_file(tensors, str(tmp), metadata={"kvq": json.dumps(meta)})
+        save_file(tensors, str(tmp), metadata={"kvq": header, "kvq_sha256": _sha(header)})
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
 
 
+def _check_destination(path: Path) -> Path:
+    """Where a cache may be saved: a file (new or replaced) in an existing folder that is
+    not a kvq artifact (its files are hashed: a cache written there would ruin it)."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise KvqError(f"a cache is saved to a file path (str or Path), got {type(path).__name__}")
+    path = Path(os.path.abspath(path))
+    if path.is_dir():
+        raise KvqError(f"cannot save a cache to {path}: it is a directory; give a file name")
+    if not path.parent.is_dir():
+        raise KvqError(f"cannot save a cache to {path}: the folder {path.parent} does not exist")
+    inside = next((p for p in path.parents if is_artifact_dir(p)), None)
+    if inside is not None:
+        raise KvqError(f"cannot save a cache to {path}: it lies inside the kvq artifact {inside}")
+    return path
+
+
+def _sha(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _identity(cache) -> dict:
+    """What saved state must match: model config and weights, artifact, layout."""
+    return dict(cache.identity) | {"weights": cache.weights_identity()}
+
+
 def restore_cache(cache, path):
     """Fill the fresh `cache` with the state saved at `path`; returns `cache`."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise KvqError(f"a saved cache is a file path (str or Path), got {type(path).__name__}")
     path = Path(path)
     if not path.is_file():
         raise KvqError(f"no saved cache state at {path}")
     try:
         with safe_open(str(path), framework="pt") as f:
-            meta = json.loads((f.metadata() or {}).get("kvq", "null"))
-            names = list(f.keys())
-            if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-                raise KvqError(f"{path} is not a saved kvq cache state ({FORMAT})")
-            _check_identity(meta.get("identity"), cache.identity, path)
-            tensors = {n: f.get_tensor(n) for n in names}
+            meta = _header(f.metadata() or {}, path)
+            _check_identity(meta.get("identity"), _identity(cache), path)
+            names = set(f.keys())
+            hashes = meta.get("tensors")
+            if not isinstance(hashes, dict) or set(hashes) != names:
+                raise KvqError(f"{path}: its tensors are not the ones its header lists")
+            tensors = {n: f.get_tensor(n) for n in sorted(names)}
     except (OSError, ValueError, SafetensorError) as e:  # JSON errors are ValueErrors
         raise KvqError(f"cannot read saved cache state {path}: {e}") from None
+    bad = next((n for n, t in tensors.items() if tensor_sha256(t) != hashes[n]), None)
+    if bad is not None:
+        raise KvqError(f"{path}: tensor {bad} does not match its checksum (the file was modified)")
     layers = meta.get("layers")
     if not isinstance(layers, list) or len(layers) != len(cache.layers):
         raise KvqError(f"{path}: saved state has the wrong number of layers")
     device = _device(cache)
     for i, (layer, counters) in enumerate(zip(cache.layers, layers, strict=True)):
+        where = f"{path}: layer {i}"
+        if not isinstance(counters, dict) or counters.get("layer") != i:
+            raise KvqError(f"{where}: the header's layers are out of order")
         pre = f"layers.{i}."
         mine = {n[len(pre) :]: t.to(device) for n, t in tensors.items() if n.startswith(pre)}
-        layer.state = _layer_state(layer, counters, mine, f"{path}: layer {i}")
+        _check_positions(mine, cache.max_position, where)
+        layer.state = _layer_state(layer, counters, mine, where)
     return cache
+
+
+def _header(metadata: dict, path: Path) -> dict:
+    """The checked JSON header of a saved state, or a one-line KvqError."""
+    text = metadata.get("kvq")
+    try:
+        meta = json.loads(text) if isinstance(text, str) else None
+    except ValueError:
+        meta = None
+    if not isinstance(meta, dict) or not str(meta.get("format", "")).startswith("kvq-cache-state/"):
+        raise KvqError(f"{path} is not a saved kvq cache state ({FORMAT})")
+    if meta["format"] != FORMAT:
+        raise KvqError(f"{path} is a {meta['format']} state without checksums; save it again")
+    if metadata.get("kvq_sha256") != _sha(text):
+        raise KvqError(f"{path}: its header does not match its checksum (the file was modified)")
+    return meta
+
+
+def _check_positions(t: dict, limit: int | None, where: str) -> None:
+    """RoPE positions of held rows are token indices: non-negative, within the model's
+    context (a prefix's rows sit before the first token: theirs may be negative)."""
+    for name, x in t.items():
+        if name.endswith("positions") and not name.startswith("prefix.") and x.numel():
+            low, high = int(x.min()), int(x.max())
+            if x.dtype != torch.long or low < 0 or (limit is not None and high >= limit):
+                raise KvqError(
+                    f"{where}: {name} holds positions {low}..{high} outside the model's context"
+                )
 
 
 def _check_identity(saved, expected: dict, path: Path) -> None:
     if not isinstance(saved, dict):
         raise KvqError(f"{path}: saved state records no identity")
-    for field, what in (("model", "model"), ("artifact", "artifact"), ("policy", "cache layout")):
+    fields = (("model", "model"), ("weights", "model's weights"), ("artifact", "artifact"),
+              ("policy", "cache layout"))  # fmt: skip
+    for field, what in fields:
         if saved.get(field) != expected.get(field):
             raise KvqError(
                 f"{path} was saved for another {what} ({field} {str(saved.get(field))[:16]}, "

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 import kvq
@@ -94,14 +95,131 @@ def test_load_refuses_another_layout_model_or_a_tampered_file(llama, tiny_model_
     with pytest.raises(KvqError, match="another model"):
         QuantizedKVCache.load(path, other, policy="int4")
     tensors = load_file(path)
-    from safetensors import safe_open
-
-    with safe_open(str(path), framework="pt") as f:
-        meta = f.metadata()
     tensors["layers.0.main.k.codes"] = tensors["layers.0.main.k.codes"][..., :-1].contiguous()
-    save_file(tensors, str(path), metadata=meta)
+    _forge(path, tensors)  # checksums recomputed: the layout checks behind them still hold
     with pytest.raises(KvqError, match="wrong shape"):
         QuantizedKVCache.load(path, model, artifact=art)
     (tmp_path / "junk.safetensors").write_bytes(b"not a safetensors file")
     with pytest.raises(KvqError, match="cannot read"):
         QuantizedKVCache.load(tmp_path / "junk.safetensors", model, artifact=art)
+
+
+def _forge(path, tensors, edit=lambda meta: None):
+    """Rewrite a saved state with `tensors` and checksums that match them, as a forger
+    would: what the checks behind the checksums must still catch."""
+    import hashlib
+    import json
+
+    from kvq.models.fingerprint import tensor_sha256
+
+    with safe_open(str(path), framework="pt") as f:
+        meta = json.loads(f.metadata()["kvq"])
+    meta["tensors"] = {n: tensor_sha256(t) for n, t in tensors.items()}
+    edit(meta)
+    text = json.dumps(meta, sort_keys=True)
+    sha = hashlib.sha256(text.encode()).hexdigest()
+    save_file(tensors, str(path), metadata={"kvq": text, "kvq_sha256": sha})
+
+
+@pytest.fixture
+def saved(llama, tmp_path):
+    """A KVQuant cache state saved after a 2 x 11-token prompt: (model, art, path, logits)."""
+    model, art = llama
+    cache = kvq.make_cache(model, artifact=art)
+    model(_ids(11, 8, b=2), cache=cache)
+    path = tmp_path / "state.safetensors"
+    cache.save(path)
+    with torch.no_grad():
+        logits = model(_ids(1, 9, b=2), cache=cache).logits
+    return model, art, path, logits
+
+
+def _load(saved):
+    model, art, path, _ = saved
+    return QuantizedKVCache.load(path, model, artifact=art)
+
+
+def _flip(path, at: int) -> None:
+    data = bytearray(path.read_bytes())
+    data[at] ^= 0x10
+    path.write_bytes(bytes(data))
+
+
+@torch.no_grad()
+def test_a_byte_flipped_anywhere_is_refused(saved):
+    model, art, path, logits = saved
+    torch.testing.assert_close(model(_ids(1, 9, b=2), cache=_load(saved)).logits, logits)
+    pristine = path.read_bytes()
+    header = 8 + int.from_bytes(pristine[:8], "little")
+    for at, needle in ((header + (len(pristine) - header) // 2, "checksum"),
+                       (len(pristine) - 1, "checksum"), (header // 2, "checksum|not a saved|cannot read")):  # fmt: skip
+        path.write_bytes(pristine)
+        _flip(path, at)
+        with pytest.raises(KvqError, match=needle):
+            _load(saved)
+
+
+def test_swapped_layers_are_refused(saved):
+    _, _, path, _ = saved
+    tensors = load_file(path)
+    swapped = {}
+    for name, t in tensors.items():
+        i = name.split(".")[1]
+        j = {"0": "1", "1": "0"}.get(i, i)
+        swapped[name.replace(f"layers.{i}.", f"layers.{j}.", 1)] = t
+    with safe_open(str(path), framework="pt") as f:
+        metadata = f.metadata()
+    save_file(swapped, str(path), metadata=metadata)  # the header's checksums kept
+    with pytest.raises(KvqError, match="checksum"):
+        _load(saved)
+    _forge(path, swapped, lambda meta: meta["layers"].reverse())  # forged: order still checked
+    with pytest.raises(KvqError, match="out of order"):
+        _load(saved)
+
+
+def test_positions_outside_the_context_are_refused(saved):
+    _, _, path, _ = saved
+    for bad in (-5, 10**9):
+        tensors = load_file(path)
+        tensors["layers.0.main.positions"][0, 0] = bad
+        _forge(path, tensors)
+        with pytest.raises(KvqError, match="positions"):
+            _load(saved)
+
+
+@torch.no_grad()
+def test_a_state_saved_by_other_weights_is_refused(llama, tmp_path):
+    model, art = llama
+    weight = model.model.layers[0].mlp.down_proj.weight
+    weight[0, 0] += 0.5  # one weight changed, in place (the config is the same)
+    try:
+        cache = kvq.make_cache(model, artifact=art)
+        model(_ids(9, 10), cache=cache)
+        cache.save(tmp_path / "state.safetensors")
+    finally:
+        weight[0, 0] -= 0.5
+    with pytest.raises(KvqError, match="model's weights"):
+        QuantizedKVCache.load(tmp_path / "state.safetensors", model, artifact=art)
+
+
+def test_a_state_without_checksums_is_refused(saved):
+    _, _, path, _ = saved
+    _forge(path, load_file(path), lambda meta: meta.update(format="kvq-cache-state/1"))
+    with pytest.raises(KvqError, match="without checksums; save it again"):
+        _load(saved)
+
+
+@torch.no_grad()
+def test_save_refuses_a_directory_a_missing_folder_and_an_artifact(llama, tmp_path):
+    model, art = llama
+    cache = kvq.make_cache(model, artifact=art)
+    model(_ids(5, 11), cache=cache)
+    before = {p.name: p.read_bytes() for p in art.iterdir()}
+    for dest, needle in ((tmp_path, "is a directory"),
+                         (tmp_path / "no" / "such" / "s.safetensors", "does not exist"),
+                         (art / "tensors.safetensors", "inside the kvq artifact"),
+                         (art / "state.safetensors", "inside the kvq artifact")):  # fmt: skip
+        with pytest.raises(KvqError, match=needle):
+            cache.save(dest)
+    assert {p.name: p.read_bytes() for p in art.iterdir()} == before
+    kvq.load_artifact(art, model=model)  # still loads
