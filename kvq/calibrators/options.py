@@ -15,7 +15,7 @@ import typing
 from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar, Literal
 
-from kvq.errors import KvqError
+from kvq.errors import KvqError, shown
 from kvq.quant.schemes import MAX_GROUP, KeyStage, named_policy
 
 OptionValue = str | int | float | bool | None
@@ -75,10 +75,10 @@ class PassOptions:
             name = aliases.get(str(key))
             if name is None or name == "seed":
                 known = ", ".join(f.name for f in fields(cls) if f.name != "seed")
-                raise KvqError(f"{cls.NAME}: unknown option {key!r} (known: {known})")
+                raise KvqError(f"{cls.NAME}: unknown option {shown(key)} (known: {known})")
             if not _fits(value, hints[name]):
                 raise KvqError(
-                    f"{cls.NAME}: {name} must be {_type_name(hints[name])}, got {value!r}"
+                    f"{cls.NAME}: {name} must be {_type_name(hints[name])}, got {shown(value)}"
                 )
             chosen[name] = cls._from_flag(name, value)
         return cls(**chosen)
@@ -125,7 +125,7 @@ def check_range(
     else:
         left, right = "(" if open_lo else "[", ")" if open_hi else "]"
         wanted = f"in {left}{_bound(lo)}, {_bound(hi)}{right}"
-    raise KvqError(f"{name} must be {wanted}, got {value!r}")
+    raise KvqError(f"{name} must be {wanted}, got {shown(value)}")
 
 
 def check_choice(name: str, value: Any, choices: typing.Iterable[Any], suffix: str = "") -> None:
@@ -136,7 +136,7 @@ def check_choice(name: str, value: Any, choices: typing.Iterable[Any], suffix: s
         return
     *head, last = map(str, choices)
     listed = f"{', '.join(head)} or {last}" if head else last
-    raise KvqError(f"{name} must be {listed}{suffix}, got {value!r}")
+    raise KvqError(f"{name} must be {listed}{suffix}, got {shown(value)}")
 
 
 def _bound(x: float) -> str:
@@ -300,9 +300,11 @@ def parse_skip_layers(text: str) -> tuple[str | int, ...]:
     if text == "sliding":
         return ("sliding",)
     parts = [p.strip() for p in text.split(",")]
-    if not all(p.isdigit() for p in parts):
+    # isdecimal, not isdigit: int() refuses "²"; and no 5000-digit number reaches int()
+    if not all(p.isdecimal() and len(p) < 12 for p in parts):
         raise KvqError(
-            f"--skip-layers must be sliding, none or comma-separated layer numbers, got {text!r}"
+            "--skip-layers must be sliding, none or comma-separated layer numbers, "
+            f"got {shown(text)}"
         )
     layers = tuple(sorted({int(p) for p in parts}))
     if layers[-1] >= 1 << 16:
@@ -320,8 +322,8 @@ def parse_prefix_ids(text: str) -> tuple[int, ...]:
     if text in ("", "none"):
         return ()
     parts = [p.strip() for p in text.split(",")]
-    if not all(p.isdigit() and len(p) < 12 for p in parts):
-        raise KvqError(f"--prefix-ids must be none or comma-separated token ids, got {text!r}")
+    if not all(p.isdecimal() and len(p) < 12 for p in parts):
+        raise KvqError(f"--prefix-ids must be none or comma-separated token ids, got {shown(text)}")
     if len(parts) > MAX_PREFIX:
         raise KvqError(f"--prefix-ids: at most {MAX_PREFIX} tokens, got {len(parts)}")
     return tuple(int(p) for p in parts)

@@ -158,7 +158,7 @@ def calibrate(
     """Check everything a calibration needs before torch loads (the model spec, the seed,
     the destination, the base artifact, the dataset, read once here), then run the chain."""
     from kvq.data.text import check_seed, read_corpus
-    from kvq.exporters.paths import check_artifact_out
+    from kvq.exporters.paths import check_artifact_out, replaced_meanwhile
     from kvq.models.placement import parse_placement
     from kvq.models.spec import check_model_spec
 
@@ -191,4 +191,6 @@ def calibrate(
     )
     with RichProgress() as progress:
         artifact = calibrate_job(request, progress, corpus)
+    if replaced_meanwhile(out):  # a concurrent --overwrite of the same --out, swapped in later
+        raise KvqError(f"--out {out}: another run replaced the artifact this one wrote")
     print_calibration_summary(artifact, out)

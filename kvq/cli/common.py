@@ -23,16 +23,25 @@ class OneLineErrors(TyperGroup):
     """Every user error is one line on stderr and exit code 2, never a traceback."""
 
     def main(self, *args, **kwargs):
+        from kvq.exporters.paths import published
+
+        self._published = len(published())  # earlier commands of this process are not ours
         try:
             self._main(*args, **kwargs)
         except SystemExit as e:
-            if e.code not in (0, None) and interrupted():
-                aborted()  # whatever failed after Ctrl-C, the user asked to stop
+            # 130: _aborted() has said so already
+            if e.code not in (0, None, 130) and interrupted():
+                self._aborted()  # whatever failed after Ctrl-C, the user asked to stop
             raise
         except BaseException:
             if interrupted():  # a failure that an interrupt caused (a half-done import)
-                aborted()
+                self._aborted()
             raise
+
+    def _aborted(self) -> None:
+        from kvq.exporters.paths import published
+
+        aborted(published()[self._published :])
 
     def _main(self, *args, **kwargs):
         kwargs["standalone_mode"] = False
@@ -46,7 +55,7 @@ class OneLineErrors(TyperGroup):
         except typer.Exit as e:
             sys.exit(e.exit_code)
         except (typer.Abort, KeyboardInterrupt):
-            aborted()
+            self._aborted()
         except KvqError as e:
             fail(str(e))
         except OSError as e:  # the environment, not kvq: a full disk, a permission
@@ -70,9 +79,11 @@ def fail(message: str) -> None:
     sys.exit(2)
 
 
-def aborted() -> None:
-    # every writer cleans up on the way out (temporary folders go, old artifacts stay)
-    typer.echo("kvq: aborted, nothing written", err=True)
+def aborted(written: list[Path]) -> None:
+    # every writer cleans up on the way out (temporary folders go, old artifacts stay, a
+    # swap cut by the interrupt is undone): only what was swapped into place is written
+    said = f" after writing {printable(str(written[-1]))}" if written else ", nothing written"
+    typer.echo(f"kvq: aborted{said}", err=True)
     sys.exit(130)
 
 

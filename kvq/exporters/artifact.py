@@ -141,6 +141,7 @@ def read_artifact(path: str | os.PathLike) -> Artifact:
         paths.recover(path)  # a write killed mid-swap: put the old artifact back
     if not path.is_dir():
         raise KvqError(f"{path}: no such artifact directory")
+    before = paths.identity(path)
     for name in (MANIFEST_FILE, TENSORS_FILE):
         if not (path / name).is_file():
             raise KvqError(f"{path}: missing {name}; not a kvq artifact")
@@ -153,6 +154,9 @@ def read_artifact(path: str | os.PathLike) -> Artifact:
         tensors = safetensors.torch.load_file(str(path / TENSORS_FILE))
     except Exception as e:  # SafetensorError and friends: a corrupt or truncated file
         raise KvqError(f"{path / TENSORS_FILE}: unreadable ({e})") from e
+    # a concurrent --overwrite between the two reads: the files are of two artifacts
+    if paths.identity(path) != before:
+        raise KvqError(f"{path}: another run replaced the artifact while this one read it")
     _verify_tensors(manifest.tensors, tensors)
     check_artifact_state(manifest, tensors)
     return Artifact(manifest=manifest, tensors={n: tensors[n] for n in sorted(tensors)})

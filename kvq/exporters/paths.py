@@ -16,11 +16,14 @@ Rules (a user's files are never at risk):
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import os
 import secrets
 import shutil
+import signal
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -255,7 +258,34 @@ def swap_into_place(new: Path, path: Path) -> Path | None:
     """Move the finished directory `new` to `path`; return where the old entry went (to be
     removed by the caller), or None. Atomic where the OS can exchange two names
     (Linux renameat2): `path` always holds the old or the new directory. Elsewhere the old
-    one is moved aside first and a kill between the renames is undone by `recover`."""
+    one is moved aside first and a kill between the renames is undone by `recover`.
+
+    Ctrl-C and SIGTERM are held back during the swap; one that came meanwhile undoes it
+    (the old entry back at `path`, `new` at its name) before it is raised: an interrupted
+    write writes nothing, on every path."""
+    old: Path | None = None
+    swapped = False
+    ours = identity(new)  # renames keep it
+    try:
+        with _signals_held():
+            old = _swap(new, path)
+            swapped = True
+            _published.append((path, ours))
+    except BaseException:
+        if swapped:  # the held signal raised as the swap ended: put the old entry back
+            with _signals_held():
+                _published.pop()
+                if old == new:
+                    _exchange(new, path)
+                else:
+                    os.rename(path, new)
+                    if old is not None:
+                        os.rename(old, path)
+        raise
+    return old
+
+
+def _swap(new: Path, path: Path) -> Path | None:
     if not os.path.lexists(path):
         os.rename(new, path)
         return None
@@ -269,6 +299,53 @@ def swap_into_place(new: Path, path: Path) -> Path | None:
         os.rename(aside, path)
         raise
     return aside
+
+
+# what this process swapped into place, and the directory it put there: an interrupt after
+# one is no "nothing written", and a concurrent --overwrite may have replaced it since
+_published: list[tuple[Path, tuple[int, int] | None]] = []
+
+
+def published() -> list[Path]:
+    return [path for path, _ in _published]
+
+
+def replaced_meanwhile(path: Path) -> bool:
+    """Whether `path`, which this process swapped into place, now holds another entry."""
+    ours = [ident for p, ident in _published if p == Path(os.path.abspath(path))]
+    return bool(ours) and identity(path) != ours[-1]
+
+
+def identity(path: Path) -> tuple[int, int] | None:
+    """(st_dev, st_ino) of the entry at `path`, None if there is none."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+@contextlib.contextmanager
+def _signals_held():
+    """SIGINT and SIGTERM recorded instead of handled, then handled as they would have been.
+    Only the main thread runs signal handlers (and may install them): elsewhere, nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    held: list[int] = []
+    sigs = (signal.SIGINT, signal.SIGTERM)
+    saved = {s: signal.signal(s, lambda signum, frame: held.append(signum)) for s in sigs}
+    try:
+        yield
+    finally:
+        for s, handler in saved.items():
+            signal.signal(s, signal.SIG_DFL if handler is None else handler)
+        for signum in held[:1]:
+            handler = saved[signum]
+            if callable(handler):
+                handler(signum, None)  # the CLI's handler, or Python's KeyboardInterrupt
+            elif handler != signal.SIG_IGN:
+                signal.raise_signal(signum)  # the default action: terminate
 
 
 _RENAME_EXCHANGE = 2

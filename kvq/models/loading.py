@@ -17,6 +17,7 @@ import contextlib
 import hashlib
 import os
 import shutil
+import struct
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -157,7 +158,14 @@ def _convert_once(final: Path, get_gguf) -> Path:
             tokenizer = AutoTokenizer.from_pretrained(gguf.parent, **kw)
             model = AutoModelForCausalLM.from_pretrained(gguf.parent, dtype=torch.float32, **kw)
         except (OSError, ValueError) as e:
-            raise KvqError(f"cannot load GGUF {gguf.name}: {str(e).splitlines()[0]}") from e
+            raise KvqError(f"cannot load GGUF {gguf.name}: {_first_line(e)}") from e
+        # what the reader raises where the file's counts and lengths run past its end
+        except (struct.error, IndexError, KeyError, OverflowError, MemoryError) as e:
+            past = isinstance(e, struct.error)
+            why = "a table runs past the end of the file" if past else _first_line(e)
+            raise KvqError(
+                f"{gguf.name} is not a readable GGUF: {why} (truncated or corrupt)"
+            ) from e
         _drop_gguf_quantizer(model, gguf.name)
         out = tmp / "model"
         model.save_pretrained(out)
@@ -171,6 +179,11 @@ def _convert_once(final: Path, get_gguf) -> Path:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return final
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return (text.splitlines()[0][:200] if text else "") or type(e).__name__
 
 
 def _clean_leftovers(final: Path) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import re
+import struct
 from pathlib import Path
 from typing import Literal
 
@@ -30,6 +31,7 @@ def model_kind(spec: str) -> Kind:
     if spec.endswith(".gguf"):
         if not path.is_file():
             raise KvqError(f"model path {spec!r} does not exist")
+        check_gguf_header(path, spec)
         return "gguf"
     if path.is_dir():
         if not (path / "config.json").is_file():
@@ -40,6 +42,36 @@ def model_kind(spec: str) -> Kind:
     if path.exists() or spec.startswith((".", "/", "~")) or not _HUB_ID.match(spec):
         raise KvqError(f"model path {spec!r} does not exist")
     return "hub"
+
+
+_GGUF_VERSIONS = (2, 3)  # what the GGUF reader of transformers reads
+# the smallest a metadata entry (key length, type, a 1-byte value) and a tensor entry (name
+# length, dimension count, type, offset) can be: counts beyond what the file can hold are lies
+_MIN_KV_BYTES, _MIN_TENSOR_BYTES = 8 + 4 + 1, 8 + 4 + 4 + 8
+
+
+def check_gguf_header(path: Path, spec: str) -> None:
+    """Refuse a file whose 24-byte GGUF header is missing, of another version, or claims more
+    entries than its size can hold, before the reader trusts those counts."""
+    try:
+        size = path.stat().st_size
+        with path.open("rb") as f:
+            head = f.read(24)
+    except OSError as e:
+        raise KvqError(f"cannot read model {spec!r} ({e.strerror or e})") from None
+    bad = f"model {spec!r} is not a readable GGUF"
+    if len(head) < 24:
+        raise KvqError(f"{bad}: {size} bytes, shorter than a GGUF header")
+    if head[:4] != b"GGUF":
+        raise KvqError(f"{bad}: it does not start with the GGUF magic bytes")
+    version, tensors, kvs = struct.unpack("<IQQ", head[4:])
+    if version not in _GGUF_VERSIONS:
+        raise KvqError(f"{bad}: version {version} (readable: 2 and 3, little-endian)")
+    if 24 + tensors * _MIN_TENSOR_BYTES + kvs * _MIN_KV_BYTES > size:
+        raise KvqError(
+            f"{bad}: it claims {tensors} tensors and {kvs} metadata entries, "
+            f"more than its {size} bytes can hold (truncated or corrupt)"
+        )
 
 
 def check_model_spec(spec: str) -> None:

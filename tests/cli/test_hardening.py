@@ -11,8 +11,10 @@ import json
 import os
 import shutil
 import signal
+import struct
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pyarrow as pa
@@ -21,6 +23,7 @@ import pytest
 import safetensors.torch
 import torch
 
+from kvq.calibrators.recipe import read_recipe
 from tests.cli.test_cli import _one_line_error, _quick_calibrate, _run
 
 REPO = Path(__file__).resolve().parents[2]
@@ -246,6 +249,56 @@ def test_a_binary_wikitext_is_one_line(llama_dir, tmp_path):
     _one_line_error(result, "not UTF-8")
 
 
+def test_a_hostile_gguf_is_one_line_before_the_model(calib_txt, tmp_path):
+    # a valid magic and version, then 2**40 tensors and metadata entries in 88 bytes
+    gguf = tmp_path / "bomb.gguf"
+    gguf.write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 2**40, 2**40) + bytes(64))
+    result = _run(
+        "calibrate", "channel-scales", "--model", gguf, "--dataset", calib_txt,
+        "--samples", 1, "--seqlen", 16, "--out", tmp_path / "o",
+    )  # fmt: skip
+    _one_line_error(result, "bomb.gguf' is not a readable GGUF", "more than its 88 bytes")
+    assert "load model" not in result.stderr and "converting" not in result.stderr
+    assert not (tmp_path / "o").exists()
+
+
+# nine levels of nine aliases: 9**9 strings once expanded ("billion laughs")
+LEVELS = ["a: &a [x, x, x, x, x, x, x, x, x]"] + [
+    f"{n}: &{n} [{', '.join(['*' + p] * 9)}]" for p, n in zip("abcdefgh", "bcdefghi", strict=True)
+]
+LAUGHS = "{" + ", ".join(LEVELS) + "}"
+
+
+@pytest.mark.parametrize(
+    "text, needle",
+    [
+        ("\n".join(LEVELS) + "\npasses: [kvquant]", "more than 10000 values"),
+        (f"model: {LAUGHS}\npasses: [channel-scales]", "more than 10000 values"),
+        (f"passes:\n  - channel-scales: {{bits: {LAUGHS}}}", "more than 10000 values"),
+        ("passes: [{channel-scales: {bits: &r [*r]}}]", "nested more than 64 levels"),
+        ("passes: " + "[" * 10_000 + "]" * 10_000, "nested more than 64 levels"),
+        ("seed: " + "9" * 5000 + "\npasses: [channel-scales]", "not a YAML document"),
+        ("passes: [{channel-scales: {key_stage: " + "x" * 100_000 + "}}]", "key_stage"),
+        ("passes: [{kv-scales: {skip_layers: '\u00b2'}}]", "--skip-layers must be"),
+    ],
+)
+def test_hostile_recipes_are_one_line_errors_at_once(tmp_path, text, needle):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(text)
+    start = time.monotonic()
+    result = _run("calibrate", "recipe", recipe, "--dataset", "wikitext2", "--out", tmp_path / "o")
+    assert time.monotonic() - start < 2  # was minutes, then out of memory
+    _one_line_error(result, needle)
+    assert len(result.stderr) < 500
+
+
+def test_a_recipe_may_still_use_aliases(tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("passes:\n  - kvquant: &o {bits: 3}\n  - vq: *o\n")
+    r = read_recipe(recipe)
+    assert r.passes == [("kvquant", {"bits": 3}), ("vq", {"bits": 3})]
+
+
 @pytest.mark.parametrize(
     "args, needle",
     [
@@ -318,6 +371,80 @@ def test_an_interrupt_is_one_line_exit_130_and_writes_nothing(
     err = run.stderr.decode()
     assert run.returncode == 130, err[-3000:]
     assert err.strip().splitlines()[-1] == "kvq: aborted, nothing written"
+    assert err.count("kvq: aborted") == 1  # said once, not again on the way out
     assert "Traceback" not in err
     assert sorted(p.name for p in tmp_path.iterdir()) == []
     assert signal.Signals[sig]  # both signals are handled the same way
+
+
+# A filesystem without renameat2: --overwrite moves the old artifact aside, then the new
+# one in; the signal lands between the two renames.
+_SWAP_CHILD = """
+import os, signal, sys
+sys.path.insert(0, {repo!r})
+from kvq.exporters import paths
+paths._exchange = lambda a, b: False
+real = os.rename
+def rename(src, dst):
+    real(src, dst)
+    if ".old-" in str(dst):
+        os.kill(os.getpid(), signal.{sig})
+os.rename = rename
+from kvq.cli.app import main
+sys.argv = ["kvq"] + sys.argv[1:]
+main()
+"""
+
+
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
+def test_an_interrupt_between_the_renames_keeps_the_old_artifact(art, llama_dir, calib_txt, sig):
+    before = files(art)
+    child = _SWAP_CHILD.format(repo=str(REPO), sig=sig)
+    args = ["calibrate", "channel-scales", "--model", str(llama_dir), "--dataset", str(calib_txt)]
+    args += ["--samples", "1", "--seqlen", "16", "--v-group", "8", "--out", str(art), "--overwrite"]
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    run = subprocess.run([sys.executable, "-c", child, *args], capture_output=True, env=env)
+    err = run.stderr.decode()
+    assert run.returncode == 130, err[-3000:]
+    assert err.strip().splitlines()[-1] == "kvq: aborted, nothing written"
+    assert err.count("kvq: aborted") == 1 and "Traceback" not in err
+    # true at once, not after the next kvq command has recovered it
+    assert sorted(p.name for p in art.parent.iterdir()) == ["ART"]
+    assert files(art) == before
+
+
+def _another_run_replaces(out: Path, made: Path) -> None:
+    """What a concurrent `--overwrite` of the same --out does, from another process."""
+    theirs = Path(shutil.copytree(made, out.with_name("theirs")))
+    shutil.rmtree(out)
+    os.rename(theirs, out)
+
+
+def test_the_loser_of_two_overwrites_says_so(art, made, llama_dir, calib_txt, monkeypatch):
+    from kvq.exporters import paths
+
+    real_swap = paths.swap_into_place
+
+    def swap_then_lose(new, path):  # the other run swaps its artifact in right after ours
+        old = real_swap(new, path)
+        _another_run_replaces(path, made)
+        return old
+
+    monkeypatch.setattr(paths, "swap_into_place", swap_then_lose)
+    result = _quick_calibrate(llama_dir, calib_txt, "--v-group", 8, "--out", art, "--overwrite")
+    _one_line_error(result, "another run replaced the artifact this one wrote")
+    assert files(art) == files(made)  # the winner's, untouched
+
+
+def test_a_replacement_during_the_read_back_is_named(art, made, llama_dir, calib_txt, monkeypatch):
+    real_load = safetensors.torch.load_file
+
+    def load_file(name, *a, **k):  # the other run swaps in between the manifest and tensors
+        if Path(name).parent == art and not (art.parent / "theirs").exists():
+            _another_run_replaces(art, made)
+        return real_load(name, *a, **k)
+
+    monkeypatch.setattr(safetensors.torch, "load_file", load_file)
+    result = _quick_calibrate(llama_dir, calib_txt, "--v-group", 8, "--out", art, "--overwrite")
+    _one_line_error(result, "another run replaced the artifact while this one read it")
+    assert "tensor data was modified" not in result.stderr

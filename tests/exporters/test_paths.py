@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -10,6 +11,8 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import safetensors.torch
+import torch
 
 from kvq.errors import KvqError
 from kvq.exporters import paths
@@ -185,3 +188,62 @@ def test_leftovers_without_a_pid_come_from_an_older_kvq(tmp_path, art):
     legacy.mkdir()
     paths.recover(art)
     assert not legacy.exists()
+
+
+# --- an interrupt during a replacement -------------------------------------------------
+
+
+@pytest.mark.parametrize("where", ["between-renames", "exchange", "new-path"])
+def test_an_interrupt_during_the_swap_puts_the_old_entry_back(tmp_path, art, monkeypatch, where):
+    real_rename, real_exchange = os.rename, paths._exchange
+
+    def ctrl_c():  # a real signal, as the terminal sends it, at the worst moment
+        os.kill(os.getpid(), signal.SIGINT)
+
+    def rename(src, dst):
+        real_rename(src, dst)
+        if ".old-" in str(dst) or where == "new-path":
+            ctrl_c()  # the old artifact moved aside, the new one not yet in place
+
+    def exchange(a, b):
+        assert real_exchange(a, b)
+        ctrl_c()
+        return True
+
+    if where == "exchange":
+        monkeypatch.setattr(paths, "_exchange", exchange)
+    else:  # a filesystem without renameat2: two renames
+        monkeypatch.setattr(paths, "_exchange", lambda a, b: False)
+    monkeypatch.setattr(os, "rename", rename)
+    out = tmp_path / "NEW" if where == "new-path" else art
+    written = paths.published()
+    with pytest.raises(KeyboardInterrupt):
+        write_artifact(Artifact(make_manifest(), {"new": torch.ones(3)}), out, overwrite=True)
+    monkeypatch.undo()
+    assert listing(tmp_path) == ["ART"]  # no new entry, no temporary or moved-aside one
+    assert read_artifact(art).tensors.keys() == make_tensors().keys()  # the old one, intact
+    assert paths.published() == written  # so the command line says "nothing written"
+
+
+def test_a_replacement_between_the_two_reads_is_named(tmp_path, art, monkeypatch):
+    # a concurrent --overwrite swaps another artifact in after the manifest was read
+    other = write_artifact(Artifact(make_manifest(), {"new": torch.ones(3)}), tmp_path / "B")
+    real_load = safetensors.torch.load_file
+
+    def load_file(name, *a, **k):
+        shutil.rmtree(art)
+        os.rename(other, art)
+        return real_load(name, *a, **k)
+
+    monkeypatch.setattr(safetensors.torch, "load_file", load_file)
+    with pytest.raises(KvqError, match="another run replaced the artifact while this one read it"):
+        read_artifact(art)
+
+
+def test_replaced_meanwhile_tells_this_process_write_from_another(tmp_path, art):
+    assert not paths.replaced_meanwhile(art)
+    assert not paths.replaced_meanwhile(tmp_path / "never-written")
+    other = write_artifact(Artifact(make_manifest(), {}), tmp_path / "B")
+    shutil.rmtree(art)
+    os.rename(other, art)  # as another process would: not through this one's swap
+    assert paths.replaced_meanwhile(art)

