@@ -111,13 +111,19 @@ def calibrate_job(
         raise KvqError("a calibration needs at least one pass")
     # a bad destination or dataset fails before the model load
     out = check_artifact_out(r.out, r.overwrite)
+    base = None if r.base is None else load_artifact(r.base)  # the model is checked below
+    first = r.passes[0]  # a base the first pass cannot use is refused before the model loads
+    if base is None:
+        get_pass(first.NAME).check_base(first, None)
+    else:
+        get_pass(first.NAME).check_base(first, base.manifest.policy, base.tensors)
     corpus = corpus or read_corpus(r.dataset, r.samples, r.seqlen, r.data_dir)
     with progress.stage("load model"):
         loaded = load_model(r.model_spec, placement=r.placement)
     state, chain = None, []
-    if r.base is not None:
+    if base is not None:
         with progress.stage("load base artifact"):
-            base = load_artifact(r.base, loaded)
+            check_model_compatible(base.manifest, loaded.identity, loaded.adapter.info)
             apply_transforms(loaded, base.tensors)
         state = ChainState(base.manifest.policy, dict(base.tensors))
         chain = list(base.manifest.passes)
@@ -166,6 +172,11 @@ def run_pass(
     return the chain's new state; the pass's own transforms are applied to the model too,
     so the next pass sees them."""
     entry = get_pass(options.NAME)
+    # what the pass declares it needs of a base (`PassEntry.check_base`), before its work
+    if base is None:
+        entry.check_base(options, None)
+    else:
+        entry.check_base(options, base.policy, base.tensors)
     context = FitContext(loaded, windows, options, progress, base, weights_key(loaded, base))
     result = entry.load_fit()(context)
     new_transforms = {n: t for n, t in result.tensors.items() if tensor_kind(n) == "transform"}
@@ -174,21 +185,7 @@ def run_pass(
             raise KvqError(f"{options.NAME} needs a base artifact (--base) for its cache policy")
         state = ChainState(result.policy, dict(result.tensors))
     else:
-        hint = " (auto runs it: --no-rotate skips it)" if options.NAME == "rotate" else ""
-        if new_transforms and (base.of_kind("policy") or base.of_kind("activation")):
-            raise KvqError(
-                f"{options.NAME} transforms the model, but the base artifact holds qparams "
-                f"calibrated on the untransformed model; run it first in the chain{hint}"
-            )
-        if new_transforms and base.policy.prefix is not None:
-            raise KvqError(
-                f"{options.NAME} transforms the model, but the base artifact's prefix rows "
-                f"come from the untransformed model; run it first in the chain{hint}"
-            )
         carried = base.of_kind("transform") | base.of_kind("activation")
-        clash = sorted(carried.keys() & new_transforms.keys())
-        if clash:
-            raise KvqError(f"{options.NAME}: the base artifact already holds {clash[0]}")
         if result.policy is None:  # the pass only transforms: the base's policy stays
             state = ChainState(base.policy, dict(base.tensors) | result.tensors)
         elif result.policy.prefix is None and base.policy.prefix is not None:

@@ -194,9 +194,7 @@ def _register(trainer: _Trainer) -> None:
 def fit(ctx: FitContext) -> PassResult:
     """The registered `intactkv` pass: the base's layout and state, with the prefix rows
     declared (calibrated when --lr > 0)."""
-    options: IntactKVOptions = ctx.options
-    if ctx.base is None:
-        raise KvqError("intactkv needs a quantized base artifact (--base ART) to calibrate for")
+    options: IntactKVOptions = ctx.options  # its base: checked by the registry's rules
     loaded = ctx.loaded
     ids_prefix = prefix_ids(ctx, options)
     progress = ctx.progress

@@ -43,6 +43,7 @@ from transformers.cache_utils import DynamicCache
 
 from kvq.calibrators.base import FitContext, PassResult, tensor_kind
 from kvq.calibrators.options import TuneOptions
+from kvq.calibrators.registry import TUNED_FORMATS
 from kvq.errors import KvqError
 from kvq.models.placement import input_device
 from kvq.quant.schemes import CachePolicy, QuantScheme
@@ -50,7 +51,6 @@ from kvq.runtime.cache import build_cache
 from kvq.runtime.codecs import make_codec
 from kvq.runtime.packed import decode_packed
 
-TUNED_FORMATS = ("vq", "nuq")
 REFERENCE_BYTES = 2 << 30  # the exact log-probabilities kept for the training windows
 
 
@@ -238,28 +238,13 @@ def score_stride(windows: int, seqlen: int, vocab: int) -> int:
     return max(1, math.ceil(windows * seqlen * vocab * 4 / REFERENCE_BYTES))
 
 
-def _check_base(ctx: FitContext) -> CachePolicy:
-    if ctx.base is None:
-        raise KvqError("tune needs a quantized base artifact to tune (--base ART)")
-    policy = ctx.base.policy
-    if not any(s.format in TUNED_FORMATS for lp in policy.layers for s in (lp.key, lp.value)):
-        raise KvqError(
-            f"tune: the base's cache policy {policy.name!r} holds no vq or NUQ state to tune "
-            "(calibrate it with kvquant or vq first)"
-        )
-    if policy.prefix is not None:
-        raise KvqError("tune: the base declares a prefix; tune the artifact before adding it")
-    if any(lp.residual_tokens for lp in policy.layers):
-        raise KvqError("tune: the base keeps a residual window; only per-row layouts are tuned")
+def fit(ctx: FitContext) -> PassResult:
+    """The registered `tune` pass: the base's policy, with its tuned tensors (the base is
+    checked by the registry's rules)."""
+    opts: TuneOptions = ctx.options
     if ctx.windows.n < 2:
         raise KvqError("tune needs at least 2 calibration windows (--samples): one is held out")
-    return policy
-
-
-def fit(ctx: FitContext) -> PassResult:
-    """The registered `tune` pass: the base's policy, with its tuned tensors."""
-    opts: TuneOptions = ctx.options
-    policy = _check_base(ctx)
+    policy = ctx.base.policy
     loaded, progress = ctx.loaded, ctx.progress
     model = loaded.model
     tuner = _Tuner(loaded, policy, ctx.base.tensors, opts.scales)

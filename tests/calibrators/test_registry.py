@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -29,6 +30,7 @@ from kvq.exporters.artifact import read_artifact
 from kvq.models.loading import load_model
 from kvq.pipeline import CalibrationRequest, cache_for, calibrate_job
 from kvq.progress import Progress
+from kvq.quant.schemes import CachePolicy, LayerPolicy, QuantScheme
 from tests.cli.test_cli import _one_line_error, _run
 
 # small, fast settings per pass (the tiny llama/qwen2 heads are 16 wide)
@@ -52,6 +54,23 @@ NEEDS_BASE = {"intactkv": SMALL["channel-scales"], "tune": SMALL["kvquant"]}
 
 def test_every_registered_pass_has_small_settings_here():
     assert set(SMALL) == set(PASSES)
+
+
+def test_the_passes_that_need_a_base_declare_it():
+    assert {n for n, e in PASSES.items() if e.base == "required"} == set(NEEDS_BASE)
+    # the ones with rules on the base (tests/cli/test_pass_bases.py runs each refusal)
+    ruled = {n for n, e in PASSES.items() if e.rules}
+    assert ruled == {"intactkv", "tune", "rotate", "smoothattention", "act-scales"}
+
+
+def test_tune_refuses_a_nuq_base_that_holds_rows_back():
+    """No pass makes NUQ state with a residual window: only a hand-made manifest could."""
+    nuq = LayerPolicy(QuantScheme("nuq", 3, axis="channel", lifetime="static"),
+                      QuantScheme("nuq", 3), key_stage="pre-rope")  # fmt: skip
+    policy = CachePolicy("nuq3-r8", (replace(nuq, residual_tokens=8),) * 2)
+    with pytest.raises(KvqError, match=r"cannot use the base \(cache policy 'nuq3-r8'\).*per-row"):
+        get_pass("tune").check_base(TuneOptions(), policy, ())
+    get_pass("tune").check_base(TuneOptions(), replace(policy, layers=(nuq,) * 2), ())
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "gemma3"])
