@@ -109,6 +109,31 @@ def export_modelopt(
     _export_engine("modelopt", artifact, model, out, overwrite)
 
 
+@app.command("compare")
+def compare(
+    reports: list[Path] = typer.Argument(..., help="run-eval --json reports"),
+    plot: Path | None = typer.Option(
+        None, "--plot", help="write the Pareto plot (quality against bytes) to this PNG"
+    ),
+    json_out: Path | None = typer.Option(None, "--json", help="write the table here"),
+) -> None:
+    """One table over run-eval reports of one model, task set and dataset."""
+    from kvq.cli.render import print_compare
+    from kvq.eval.compare import load_reports, pareto_plot, table
+    from kvq.exporters.paths import check_output_file
+
+    for out in (plot, json_out):
+        if out is not None:
+            check_output_file(out, "--plot" if out is plot else "--json", tuple(reports))
+    loaded = load_reports(list(reports))
+    columns, rows = table(loaded)
+    if json_out is not None:
+        write_json(json_out, {"columns": columns, "rows": rows})
+    print_compare(columns, rows)
+    if plot is not None:
+        typer.echo(f"plot: {pareto_plot(loaded, plot)}")
+
+
 @app.command("inspect")
 def inspect(artifact: Path = typer.Argument(..., help="artifact directory")) -> None:
     """Summary, byte ledger and validation result of an artifact."""
@@ -124,9 +149,39 @@ def run_eval(
     artifact: Path | None = typer.Option(None, "--artifact", help="artifact directory"),
     policy: str | None = typer.Option(None, "--policy", help=POLICY_HELP),
     dataset: str = typer.Option("wikitext2", "--dataset"),
-    tasks: str = typer.Option("ppl,kld,bytes", "--tasks", help="comma list of ppl, kld, bytes"),
-    windows: int = typer.Option(16, "--windows"),
-    seqlen: int = typer.Option(512, "--seqlen"),
+    tasks: str = typer.Option(
+        "ppl,kld,bytes",
+        "--tasks",
+        help="comma list of: ppl, kld, bytes (windows of --dataset); passkey, needle "
+        "(retrieval over --contexts x --depths); decode, speculative (--new-tokens); "
+        "attention (logit/output error per layer); latency, memory (cost per --contexts)",
+    ),
+    windows: int = typer.Option(16, "--windows", help="windows of the dataset scored (ppl/kld)"),
+    seqlen: int = typer.Option(
+        512,
+        "--seqlen",
+        help="tokens per window (up to the model's context; 8192 = the "
+        "llama.cpp convention for long-context KLD)",
+    ),
+    contexts: str = typer.Option(
+        "1024,2048,4096,8192", "--contexts", help="prompt lengths in tokens (retrieval, latency)"
+    ),
+    depths: str = typer.Option(
+        "0,0.25,0.5,0.75,1", "--depths", help="where the needle sits, 0 = start, 1 = end"
+    ),
+    trials: int = typer.Option(8, "--trials", help="retrieval trials per context x depth"),
+    new_tokens: int = typer.Option(512, "--new-tokens", help="tokens generated per prompt"),
+    prompts: int = typer.Option(4, "--prompts", help="prompts for decode and speculative"),
+    memory_budget: str | None = typer.Option(
+        None, "--memory-budget", help="e.g. 24GiB: report the concurrent tokens that fit"
+    ),
+    plot: Path | None = typer.Option(None, "--plot", help="write PNG plots into this folder"),
+    budget: str | None = typer.Option(
+        None,
+        "--budget",
+        help="limits for the verdict, e.g. ppl=1.02,kld=0.02,passkey=-1 (default: by the "
+        "cache's code bits; README: Evaluating)",
+    ),
     protocol: str = typer.Option("prefill", "--protocol", help="prefill or decode"),
     quantize: str = typer.Option(
         "both",
@@ -154,23 +209,36 @@ def run_eval(
     device_map: str | None = DEVICE_MAP,
     max_memory: str | None = MAX_MEMORY,
 ) -> None:
-    """Perplexity, KL divergence and bytes of the quantized cache vs the unquantized model."""
+    """Quality and cost of the quantized cache against the unquantized model, same run."""
     from kvq.calibrators.options import parse_prefix_ids
     from kvq.data.text import check_seed, read_corpus
     from kvq.eval.inputs import (
         check_activations,
         check_cache_source,
+        check_plot_dir,
         check_protocol,
         check_quantize,
+        parse_bytes,
+        parse_contexts,
+        parse_depths,
         parse_tasks,
     )
+    from kvq.eval.tasks.base import EvalParams
+    from kvq.eval.verdict import parse_budget
     from kvq.exporters.paths import check_output_file
     from kvq.models.placement import parse_placement
     from kvq.models.spec import check_model_spec
 
-    positive(windows=windows, seqlen=seqlen)
+    positive(windows=windows, seqlen=seqlen, trials=trials, new_tokens=new_tokens, prompts=prompts)
     placement = parse_placement(device_map, max_memory)
     parse_tasks(tasks)
+    params = EvalParams(
+        contexts=parse_contexts(contexts), depths=parse_depths(depths), trials=trials,
+        new_tokens=new_tokens, prompts=prompts, seed=seed,
+        memory_budget=None if memory_budget is None else parse_bytes(memory_budget),
+    )  # fmt: skip
+    check_plot_dir(plot)
+    limits = None if budget is None else parse_budget(budget)
     check_protocol(protocol)
     check_quantize(quantize)
     check_activations(activations, artifact)
@@ -208,9 +276,22 @@ def run_eval(
             placement,
             activations,
             prefix_ids,
+            params,
+            plot,
+            limits,
         )
     if json_out is not None:  # first: the report is kept whatever happens on the terminal
         write_json(json_out, report)
+    if artifact is not None:
+        from kvq.eval.run import last_eval_path
+
+        summary = {k: report[k] for k in ("model", "policy", "dataset", "verdict")}
+        summary["tasks"] = sorted(report["tasks"])
+        summary["report"] = None if json_out is None else str(json_out)
+        try:
+            write_json(last_eval_path(artifact), summary)
+        except OSError as e:  # a read-only place: the report itself is what matters
+            typer.echo(f"kvq: note: cannot keep the summary beside {artifact} ({e})", err=True)
     print_eval(report)
 
 

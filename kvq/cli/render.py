@@ -16,6 +16,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from kvq.eval.tasks import WINDOW_TASKS, get_task
 from kvq.exporters.artifact import Artifact
 from kvq.manifests.ledger import CATEGORIES, ByteLedger
 from kvq.manifests.schema import manifest_to_json
@@ -176,6 +177,43 @@ def print_inspect(artifact: Artifact, path: Path) -> None:
     OUT.print(
         "[green]validation: OK[/green] (schema version, tensor names, dtypes, shapes, sha256)"
     )
+    _print_last_eval(path)
+
+
+def _print_last_eval(artifact_dir) -> None:
+    """The summary `kvq run-eval` keeps beside the artifact (`last_eval_path`), if any."""
+    from kvq.eval.run import last_eval_path
+
+    try:
+        summary = json.loads(last_eval_path(Path(artifact_dir)).read_text(encoding="utf-8"))
+        judged = summary["verdict"]
+        rows = judged["rows"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return
+    OUT.print(_t(f"last run-eval ({', '.join(map(str, summary.get('tasks', [])))}): "
+                 f"{judged.get('overall')} against {judged.get('source')}"))  # fmt: skip
+    for r in rows:
+        OUT.print(_t(f"  {r['verdict']}  {r['figure']} {r['value']:.4g} "
+                     f"({'≤' if r['bound'] == 'max' else '≥'} {r['limit']:g})"))  # fmt: skip
+
+
+def print_verdict(report: dict) -> None:
+    judged = report.get("verdict") or {}
+    if not judged.get("rows"):
+        return
+    table = Table(title=_t(f"verdict: {judged['overall']} ({judged['source']})"))
+    for col in ("figure", "value", "limit", "95% interval", "verdict"):
+        table.add_column(col)
+    for r in judged["rows"]:
+        interval = r["interval95"]
+        shown = "" if not interval else f"{interval[0]:.4g} – {interval[1]:.4g}"
+        if r["within_noise"]:
+            shown += " (limit inside: within noise)"
+        style = "green" if r["verdict"] == "PASS" else "red"
+        sign = "≤" if r["bound"] == "max" else "≥"
+        table.add_row(_t(r["figure"]), f"{r['value']:.4g}", f"{sign} {r['limit']:g}",
+                      _t(shown), _t(r["verdict"], style))  # fmt: skip
+    OUT.print(table)
 
 
 def _report_value(value) -> str:
@@ -199,8 +237,12 @@ def print_eval(report: dict) -> None:
         only += f" · activations {act['mode']} ({act['linears']} linears, {act['path']})"
     table = Table(
         title=_t(
-            f"{report['model']} · {report['policy']}{only} · {report['dataset']} · "
-            f"{report['windows']}×{report['seqlen']} · {report['protocol']}"
+            f"{report['model']} · {report['policy']}{only} · {report['dataset']}"
+            + (
+                f" · {report['windows']}×{report['seqlen']} · {report['protocol']}"
+                if t.keys() & set(WINDOW_TASKS)
+                else ""
+            )
             + (
                 f" · prefix {','.join(map(str, report['prefix']))} ({report.get('prefix_source')})"
                 if report.get("prefix")
@@ -229,4 +271,22 @@ def print_eval(report: dict) -> None:
             f"{b['kv_bytes_per_token']:,.1f}",
             f"{b['ratio']:.4f}",
         )
+    for name, section in t.items():
+        if name in WINDOW_TASKS:
+            continue
+        for metric, base, quant in get_task(name).summary(section):
+            table.add_row(_t(metric), _t(base), _t(quant), "")
+    OUT.print(table)
+    print_verdict(report)
+    for path in report.get("plots", []):
+        OUT.print(_t(f"plot: {path}"))
+
+
+def print_compare(columns: list[str], rows: list[list]) -> None:
+    table = Table(title="run-eval reports compared")
+    for i, col in enumerate(columns):
+        table.add_column(col, justify="left" if i == 0 else "right")
+    for row in rows:
+        cells = [_t(row[0])] + ["—" if v is None else f"{v:.4g}" for v in row[1:]]
+        table.add_row(*cells)
     OUT.print(table)

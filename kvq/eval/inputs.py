@@ -10,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from kvq.errors import KvqError
+from kvq.eval.tasks import ALL_TASKS
 from kvq.quant.schemes import (  # check_quantize: re-exported beside the other checks
     ACTIVATION_MODES,
     NAMED_POLICIES,
@@ -18,7 +19,7 @@ from kvq.quant.schemes import (  # check_quantize: re-exported beside the other 
 )
 from kvq.runtime.kernels.backend import check_choice
 
-TASKS = ("ppl", "kld", "bytes")
+TASKS = ALL_TASKS  # the window tasks (ppl, kld, bytes) and every registered task
 # generated tokens: far beyond any model's context, so the model's own limit decides
 MAX_NEW_TOKENS = 1 << 20
 PROTOCOLS = ("prefill", "decode")
@@ -67,3 +68,53 @@ def check_activations(mode: str, artifact_path: Path | None) -> None:
             "--activations a8-static needs --artifact with static input scales "
             "(kvq calibrate act-scales)"
         )
+
+
+def parse_contexts(text: str) -> tuple[int, ...]:
+    """--contexts "1024,2048,4096": positive token counts, at least one."""
+    try:
+        values = tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise KvqError(f"--contexts must be a comma list of token counts, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise KvqError(f"--contexts must list at least one positive token count, got {text!r}")
+    return tuple(sorted(set(values)))
+
+
+def parse_depths(text: str) -> tuple[float, ...]:
+    """--depths "0,0.5,1": where a needle sits in its haystack, each in [0, 1]."""
+    try:
+        values = tuple(float(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise KvqError(
+            f"--depths must be a comma list of numbers in [0, 1], got {text!r}"
+        ) from None
+    if not values:
+        raise KvqError("--depths must list at least one depth in [0, 1]")
+    bad = [v for v in values if not 0.0 <= v <= 1.0]
+    if bad:
+        raise KvqError(f"--depths must each lie in [0, 1] (0 = start, 1 = end), got {bad[0]}")
+    return tuple(sorted(set(values)))
+
+
+_UNITS = {"": 1, "b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "kb": 10**3,
+          "mb": 10**6, "gb": 10**9}  # fmt: skip
+
+
+def parse_bytes(text: str, flag: str = "--memory-budget") -> int:
+    """ "24GiB", "512MB" or a plain byte count."""
+    number = text.strip().rstrip("BbIiKkMmGg")
+    unit = text.strip()[len(number) :].lower()
+    try:
+        value = float(number) * _UNITS[unit]
+    except (ValueError, KeyError):
+        raise KvqError(f"{flag} must be a size such as 24GiB or 512MB, got {text!r}") from None
+    if not 1 <= value < 1 << 60:
+        raise KvqError(f"{flag} must be a positive size, got {text!r}")
+    return int(value)
+
+
+def check_plot_dir(folder: Path | None) -> None:
+    """--plot DIR: a folder (made if missing), never an existing file."""
+    if folder is not None and Path(folder).exists() and not Path(folder).is_dir():
+        raise KvqError(f"--plot {folder} is a file; give a folder for the PNG plots")

@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -27,6 +27,8 @@ from torch import Tensor
 from kvq.manifests.ledger import ByteLedger
 from kvq.models.placement import input_device
 from kvq.progress import Progress
+
+POSITION_BUCKETS = 8  # the per-position breakdown splits each window into this many spans
 
 
 @dataclass
@@ -36,6 +38,40 @@ class QualityTotals:
     nll_quant: float = 0.0
     kl: float = 0.0
     top1_agree: int = 0
+    # per bucket of window positions: [tokens, kl, nll_base, nll_quant] sums (`by_position`)
+    buckets: list[list[float]] = field(default_factory=list)
+    seqlen: int = 0  # the scored windows' length, which the buckets divide
+    # per window: [tokens, kl, nll_base, nll_quant] sums, for the bootstrap (`interval`)
+    per_window: dict[int, list[float]] = field(default_factory=dict)
+
+    def interval(self, resamples: int = 1000, seed: int = 0) -> dict:
+        """95% bootstrap intervals of the perplexity ratio and the mean KLD, resampling
+        windows: the noise floor a difference between two caches must clear."""
+        rows = torch.tensor(list(self.per_window.values()), dtype=torch.float64)  # [W, 4]
+        if rows.shape[0] < 2:
+            return {}
+        g = torch.Generator().manual_seed(seed)
+        pick = torch.randint(0, rows.shape[0], (resamples, rows.shape[0]), generator=g)
+        sums = rows[pick].sum(1)  # [R, 4]
+        ratio = torch.exp((sums[:, 3] - sums[:, 2]) / sums[:, 0])
+        kld = sums[:, 1] / sums[:, 0]
+        q = torch.tensor([0.025, 0.975], dtype=torch.float64)
+        return {"ppl_ratio": torch.quantile(ratio, q).tolist(),
+                "kld": torch.quantile(kld, q).tolist(), "windows": rows.shape[0],
+                "resamples": resamples}  # fmt: skip
+
+    def by_position(self) -> list[dict]:
+        """KL and NLL delta (quantized - baseline, nats per token) by span of the window:
+        whether error grows along the context."""
+        n = len(self.buckets)
+        rows = []
+        for b, (tokens, kl, nb, nq) in enumerate(self.buckets):
+            if tokens:
+                rows.append({
+                    "start": b * self.seqlen // n, "end": (b + 1) * self.seqlen // n,
+                    "tokens": int(tokens), "kld": kl / tokens, "nll_delta": (nq - nb) / tokens,
+                })  # fmt: skip
+        return rows
 
     def ppl_base(self) -> float:
         return math.exp(self.nll_base / self.tokens)
@@ -58,9 +94,12 @@ class QualityResult:
                 "quantized": t.ppl_quant(),
                 "ratio": t.ppl_quant() / t.ppl_base(),
                 "scored_tokens": t.tokens,
+                "by_position": t.by_position(),
+                "interval95": t.interval(),
             }
         if "kld" in tasks:
-            out["kld"] = {"mean": t.kl / t.tokens, "top1_agreement": t.top1_agree / t.tokens}
+            out["kld"] = {"mean": t.kl / t.tokens, "top1_agreement": t.top1_agree / t.tokens,
+                          "interval95": t.interval().get("kld")}  # fmt: skip
         if "bytes" in tasks and self.ledger is not None:
             led = self.ledger
             out["bytes"] = {
@@ -79,6 +118,27 @@ DECODE_LOGITS_BUDGET = 1 << 30  # bytes
 
 
 Around = Callable[[], AbstractContextManager]  # entered around each quantized forward only
+
+# windows longer than this are scored a chunk of positions at a time (chunked prefill, for
+# baseline and cache alike): [L, V] logits of an 8K window of a 262k vocabulary are 8.6 GB
+PREFILL_CHUNK = 1024
+
+
+@torch.no_grad()
+def _chunked_baseline(model, ids: Tensor, prefix: Tensor | None):
+    """Yield (start, [C, V] unquantized logits predicting targets start..start+C-1) for the
+    window ids [1, L], a chunk at a time through transformers' DynamicCache; the last
+    chunk's final position (which predicts nothing in the window) is dropped."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config)
+    if prefix is not None:
+        model(prefix.to(ids.device)[None], cache=cache, use_cache=True, logits_to_keep=1)
+    length = ids.shape[1]
+    for start in range(0, length, PREFILL_CHUNK):
+        stop = min(length, start + PREFILL_CHUNK)
+        logits = model(ids[:, start:stop], cache=cache, use_cache=True).logits[0].float()
+        yield start, logits[: min(stop, length - 1) - start]
 
 
 def _baseline(model, ids: Tensor, prefix: Tensor | None, **kwargs) -> Tensor:
@@ -133,17 +193,33 @@ def evaluate_many(
     totals = {name: QualityTotals() for name in make_caches}
     ledgers: dict[str, ByteLedger | None] = dict.fromkeys(make_caches)
     around = around or {}
+    length = windows.shape[1]
     with progress.stage(title, total=windows.shape[0]) as bar:
         for i in range(windows.shape[0]):
             ids = windows[i : i + 1].to(input_device(model))  # [1, L]
             targets = windows[i, 1:].to(ids.device)  # [L - 1]
-            base = _baseline(model, ids, prefix)[0, :-1].float()  # [L - 1, V]
-            for name, make_cache in make_caches.items():
-                cache = make_cache()
-                with around.get(name, nullcontext)():
-                    logits = model(ids, cache=cache, use_cache=True).logits
-                _accumulate(totals[name], base, logits[0, :-1].float(), targets)
-                ledgers[name] = cache.nbytes()
+            if length > PREFILL_CHUNK:  # a long window: [L, V] logits would not fit
+                base_chunks = _chunked_baseline(model, ids, prefix)
+                caches = {name: make() for name, make in make_caches.items()}
+                for start, base in base_chunks:  # base [C, V] predicts targets[start:...]
+                    chunk = ids[:, start : start + base.shape[0]]
+                    tgt = targets[start : start + base.shape[0]]
+                    for name, cache in caches.items():
+                        with around.get(name, nullcontext)():
+                            quant = model(chunk, cache=cache, use_cache=True).logits[0]
+                        quant = quant[: tgt.numel()].float()
+                        _accumulate(totals[name], base, quant, tgt, start, length, i)
+                for name, cache in caches.items():
+                    ledgers[name] = cache.nbytes()
+            else:
+                base = _baseline(model, ids, prefix)[0, :-1].float()  # [L - 1, V]
+                for name, make_cache in make_caches.items():
+                    cache = make_cache()
+                    with around.get(name, nullcontext)():
+                        logits = model(ids, cache=cache, use_cache=True).logits
+                    quant = logits[0, :-1].float()
+                    _accumulate(totals[name], base, quant, targets, 0, length, i)
+                    ledgers[name] = cache.nbytes()
             if on_window is not None:
                 on_window(i, {n: QualityResult(totals[n], ledgers[n]) for n in make_caches})
             bar.advance()
@@ -176,20 +252,64 @@ def _evaluate_decode(
                 model(ids[:, :half], cache=cache, use_cache=True, logits_to_keep=1)
                 for t in range(half, length - 1):
                     quant = model(ids[:, t : t + 1], cache=cache, use_cache=True).logits[:, 0]
-                    _accumulate(totals, base[:, t - half].float(), quant.float(), ids[:, t + 1])
+                    _accumulate(totals, base[:, t - half].float(), quant.float(), ids[:, t + 1],
+                                torch.full((ids.shape[0],), t), length,
+                                torch.arange(a, a + ids.shape[0]))  # fmt: skip
                     bar.advance(ids.shape[0])
             ledger = cache.nbytes()
     return QualityResult(totals=totals, ledger=ledger)
 
 
-def _accumulate(totals: QualityTotals, base: Tensor, quant: Tensor, targets: Tensor) -> None:
-    """base, quant: [P, V] logits predicting targets [P] (P: positions, or windows)."""
+def _accumulate(
+    totals: QualityTotals,
+    base: Tensor,
+    quant: Tensor,
+    targets: Tensor,
+    positions: Tensor | int | None = None,
+    seqlen: int = 0,
+    windows: Tensor | int | None = None,
+) -> None:
+    """base, quant: [P, V] logits predicting targets [P] (P: positions, or windows).
+    positions: the window position each row predicts from ([P], or an int for rows at
+    consecutive positions from it); with the window length `seqlen`, the rows also go to
+    the per-position buckets (`QualityTotals.by_position`). windows: the window of each row
+    ([P], or an int for all), for the per-window sums (`QualityTotals.interval`)."""
+    if seqlen and not totals.buckets:
+        totals.buckets, totals.seqlen = [[0.0] * 4 for _ in range(POSITION_BUCKETS)], seqlen
+    if isinstance(positions, int):
+        positions = torch.arange(positions, positions + base.shape[0])
+    if isinstance(windows, int):
+        windows = torch.full((base.shape[0],), windows)
     for a in range(0, base.shape[0], 128):  # bounded memory with a 262k vocabulary
         lb = torch.log_softmax(base[a : a + 128], -1)
         lq = torch.log_softmax(quant[a : a + 128], -1)
         tgt = targets[a : a + 128]
-        totals.nll_base -= lb.gather(-1, tgt[:, None]).sum().item()
-        totals.nll_quant -= lq.gather(-1, tgt[:, None]).sum().item()
-        totals.kl += (lb.exp() * (lb - lq)).sum().item()
+        nll_b = -lb.gather(-1, tgt[:, None])[:, 0]  # [p]
+        nll_q = -lq.gather(-1, tgt[:, None])[:, 0]
+        kl = (lb.exp() * (lb - lq)).sum(-1)  # [p]
+        totals.nll_base += nll_b.sum().item()
+        totals.nll_quant += nll_q.sum().item()
+        totals.kl += kl.sum().item()
         totals.top1_agree += (lb.argmax(-1) == lq.argmax(-1)).sum().item()
         totals.tokens += tgt.numel()
+        figures = (kl, nll_b, nll_q)
+        if seqlen and positions is not None:
+            n = len(totals.buckets)
+            which = (positions[a : a + 128].cpu() * n // seqlen).clamp(max=n - 1)  # [p]
+            _add(totals.buckets, which, *figures)
+        if windows is not None:
+            _add(totals.per_window, windows[a : a + 128].cpu(), *figures)
+
+
+def _add(sums, which: Tensor, kl: Tensor, nll_b: Tensor, nll_q: Tensor) -> None:
+    """Add each row's [tokens, kl, nll_base, nll_quant] to sums[which[row]] (a list of
+    buckets or a dict by window, grown on demand)."""
+    for b in which.unique().tolist():
+        sel = (which == b).to(kl.device)
+        if isinstance(sums, dict):
+            sums.setdefault(b, [0.0] * 4)
+        acc = sums[b]
+        acc[0] += int(sel.sum())
+        acc[1] += kl[sel].sum().item()
+        acc[2] += nll_b[sel].sum().item()
+        acc[3] += nll_q[sel].sum().item()

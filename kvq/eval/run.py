@@ -15,11 +15,17 @@ from kvq.errors import KvqError
 from kvq.eval.inputs import (
     check_activations,
     check_cache_source,
+    check_plot_dir,
     check_protocol,
     check_quantize,
     parse_tasks,
 )
+from kvq.eval.plots import write_plots
+from kvq.eval.provenance import provenance
 from kvq.eval.quality import evaluate
+from kvq.eval.tasks import WINDOW_TASKS, get_task
+from kvq.eval.tasks.base import EvalParams, TaskContext
+from kvq.eval.verdict import default_budget, verdict
 from kvq.manifests.ledger import ByteLedger
 from kvq.models.loading import load_model
 from kvq.models.placement import Placement, input_device
@@ -54,6 +60,9 @@ def run_eval_job(
     placement: Placement | None = None,
     activations: str = "none",
     prefix_ids: str | None = None,
+    params: EvalParams | None = None,
+    plot_dir: Path | None = None,
+    budget: dict[str, float] | None = None,
 ) -> dict:
     """corpus: `read_corpus` of the dataset when the caller has read it already.
     quantize: "both", or "keys" / "values" alone (the other side at full precision).
@@ -61,8 +70,14 @@ def run_eval_job(
     prefix_ids: "2,107": declare a prefix of these ids (exact K/V rows from the model,
     `prefix_state.ids_prefix`) on a policy or artifact that declares none; None or
     "none": only the artifact's own declared prefix, if any. Either way the cache serves
-    the prefix and only the window's own tokens are scored."""
+    the prefix and only the window's own tokens are scored.
+    params: the grid of the registered tasks (`kvq.eval.tasks`); plot_dir: where their
+    PNG plots go (None: no plots); budget: limits per figure (`kvq.eval.verdict`; None:
+    the defaults for the cache's mean code bits)."""
     chosen = parse_tasks(tasks)
+    params = params or EvalParams(seed=seed)
+    check_plot_dir(plot_dir)
+    windowed = [t for t in chosen if t in WINDOW_TASKS]
     check_protocol(protocol)
     check_quantize(quantize)
     check_activations(activations, artifact_path)
@@ -78,8 +93,13 @@ def run_eval_job(
         with progress.stage("load artifact"):
             artifact = load_artifact(artifact_path, loaded)
         apply_transforms(loaded, artifact.tensors, progress)  # shown as "apply <kind>"
-    with progress.stage("sample windows"):
-        tw = load_windows(loaded, dataset, windows, seqlen, seed, data_dir, corpus)
+    others = [get_task(t) for t in chosen if t not in WINDOW_TASKS]
+    if others:  # a context past the model's is refused before any work
+        check_context(loaded, max(params.contexts), "--contexts")
+    tw = None
+    if windowed:
+        with progress.stage("sample windows"):
+            tw = load_windows(loaded, dataset, windows, seqlen, seed, data_dir, corpus)
     resolve_backend(backend, input_device(loaded.model))  # fail fast: e.g. triton without CUDA
     declared = None if artifact is None else artifact.manifest.policy.prefix
     if explicit_prefix and declared is not None:
@@ -96,19 +116,38 @@ def run_eval_job(
         return cache_for(loaded, artifact=artifact, policy=policy, backend=backend,
                          quantize=quantize, prefix=extra)  # fmt: skip
 
-    spec = make_cache().policy.prefix  # fail fast on an unusable policy
-    ids, prefix = served_windows(loaded, spec, tw.ids)
-    scales = None
-    if activations == "a8-static":
-        scales = static_scales(artifact.tensors, loaded.adapter)
+    first_cache = make_cache()  # fail fast on an unusable policy
+    spec = first_cache.policy.prefix
+    sections: dict = {}
+    if windowed:
+        ids, prefix = served_windows(loaded, spec, tw.ids)
+        scales = None
+        if activations == "a8-static":
+            scales = static_scales(artifact.tensors, loaded.adapter)
 
-    def around():
-        return quantized_linear_inputs(loaded.adapter, activations, scales, backend)
+        def around():
+            return quantized_linear_inputs(loaded.adapter, activations, scales, backend)
 
-    result = evaluate(
-        loaded.model, ids, make_cache, protocol, progress, around=around, prefix=prefix
-    )
-    cache_policy = artifact.manifest.policy if artifact is not None else None
+        result = evaluate(
+            loaded.model, ids, make_cache, protocol, progress, around=around, prefix=prefix
+        )
+        sections = result.as_json(tuple(windowed))
+    cache_name = str(artifact_path) if artifact_path is not None else policy
+    ctx = TaskContext(loaded, make_cache, cache_name, corpus[0], params, progress, backend)
+    for task in others:
+        began = time.perf_counter()
+        sections[task.name] = task.run(ctx) | {"seconds": round(time.perf_counter() - began, 3)}
+    plots = write_plots(sections, plot_dir, chosen) if plot_dir is not None else []
+    cache_policy = first_cache.policy
+    bits = mean_code_bits(cache_policy)
+    limits = budget or default_budget(bits)
+    rows = verdict(sections, limits)
+    judged = {
+        "budget": limits,
+        "source": "--budget" if budget else f"defaults for {bits:.2f} mean code bits",
+        "rows": rows,
+        "overall": "PASS" if all(r["verdict"] == "PASS" for r in rows) else "FAIL",
+    }
     linear_path = "reference fake-quant"
     if resolve_backend(backend, input_device(loaded.model)) == "triton":
         linear_path = "triton W8A8 GEMM (weights INT8 per channel)"
@@ -116,9 +155,9 @@ def run_eval_job(
         "model": model_spec,
         "artifact": str(artifact_path) if artifact_path is not None else None,
         "policy": policy if policy is not None else cache_policy.name,
-        "dataset": tw.source.spec,
-        "dataset_sha256": tw.source.sha256,
-        "windows_sha256": tw.fingerprint,
+        "dataset": corpus[1].spec,
+        "dataset_sha256": corpus[1].sha256,
+        "windows_sha256": None if tw is None else tw.fingerprint,
         "protocol": protocol,
         "quantize": quantize,
         "activations": {
@@ -135,9 +174,26 @@ def run_eval_job(
         "seed": seed,
         "prefix": None if prefix is None else prefix.tolist(),
         "prefix_source": None if spec is None else spec.source,
-        "tasks": result.as_json(chosen),
+        "tasks": sections,
+        "plots": [str(p) for p in plots],
+        "verdict": judged,
+        "provenance": provenance(loaded, cache_policy, backend, params, corpus[1], chosen),
         "seconds": {**progress.seconds, "total": round(time.perf_counter() - start, 3)},
     }
+
+
+def mean_code_bits(policy) -> float:
+    """The policy's code bits per stored element, K and V of every layer averaged (16 for a
+    side kept at full precision): what picks the default budget."""
+    bits = [s.bits if s.stored else 16 for lp in policy.layers for s in (lp.key, lp.value)]
+    return sum(bits) / len(bits)
+
+
+def last_eval_path(artifact: Path) -> Path:
+    """Where the last evaluation's summary of an artifact is kept: beside the artifact's
+    folder, never inside it (its hashes stay valid)."""
+    artifact = Path(artifact)
+    return artifact.with_name(artifact.name + ".last-eval.json")
 
 
 def served_windows(loaded, spec, windows: torch.Tensor):

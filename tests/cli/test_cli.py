@@ -112,7 +112,7 @@ def test_run_eval_json_shape(artifact, llama_dir, shared_data, tmp_path):
         assert key in report
     tasks = report["tasks"]
     assert set(tasks["ppl"]) >= {"baseline", "quantized", "ratio"}
-    assert set(tasks["kld"]) == {"mean", "top1_agreement"}
+    assert set(tasks["kld"]) == {"mean", "top1_agreement", "interval95"}
     assert set(tasks["bytes"]) >= {"kv_bytes_per_token", "fp16_bytes_per_token", "ratio"}
     assert tasks["ppl"]["ratio"] == pytest.approx(
         tasks["ppl"]["quantized"] / tasks["ppl"]["baseline"]

@@ -75,3 +75,37 @@ def test_evaluate_many_shares_the_baseline_and_scores_each_cache_as_evaluate_doe
     for name in names:
         alone = evaluate(model, windows, maker(name), "prefill", Progress())
         assert many[name].as_json(tasks) == alone.as_json(tasks)
+
+
+def test_by_position_splits_the_scored_tokens_and_sums_to_the_totals():
+    model, windows, make = _setup("int2")
+    for protocol in ("prefill", "decode"):
+        res = evaluate(model, windows, make, protocol, Progress())
+        rows = res.as_json(("ppl",))["ppl"]["by_position"]
+        assert sum(r["tokens"] for r in rows) == res.totals.tokens
+        assert all(r["start"] < r["end"] <= windows.shape[1] for r in rows)
+        kl = sum(r["kld"] * r["tokens"] for r in rows)
+        assert math.isclose(kl, res.totals.kl, rel_tol=1e-6)
+        nll = sum(r["nll_delta"] * r["tokens"] for r in rows)
+        assert math.isclose(
+            nll, res.totals.nll_quant - res.totals.nll_base, rel_tol=1e-5, abs_tol=1e-6
+        )
+        if protocol == "decode":  # only the teacher-forced second half is scored
+            assert rows[0]["start"] >= windows.shape[1] // 2 - windows.shape[1] // 8
+
+
+def test_long_windows_are_scored_in_chunks_as_one_forward_scores_them(monkeypatch):
+    """Chunked prefill (baseline through DynamicCache, the cache a chunk at a time) gives
+    the figures of one whole-window forward: what makes 8K windows fit in memory."""
+    from kvq.eval import quality
+
+    for name in ("fp16", "int4", "kivi4-g4-r4"):
+        model, windows, make = _setup(name)
+        whole = evaluate(model, windows, make, "prefill", Progress()).totals
+        monkeypatch.setattr(quality, "PREFILL_CHUNK", 6)  # 20 tokens: chunks of 6, 6, 6, 2
+        chunked = evaluate(model, windows, make, "prefill", Progress()).totals
+        monkeypatch.undo()
+        assert chunked.tokens == whole.tokens
+        assert math.isclose(chunked.nll_base, whole.nll_base, rel_tol=1e-5)
+        assert math.isclose(chunked.nll_quant, whole.nll_quant, rel_tol=2e-3), name
+        assert math.isclose(chunked.kl, whole.kl, rel_tol=5e-2, abs_tol=1e-5), name
