@@ -228,3 +228,25 @@ def test_misused_api_calls_end_in_kvq_error_or_a_correct_result(world, tmp_path)
     assert not other, other
     assert outcomes["KvqError"] > 0 and outcomes["correct"] > 0
     assert sum(outcomes.values()) == CASES
+
+
+@pytest.mark.parametrize("source", ["policy", "artifact"])
+def test_generate_under_inference_mode_matches_no_grad(world, tmp_path, source):
+    """`torch.inference_mode()` is how servers call models; its tensors carry no version
+    counter, so nothing in the cache may depend on one."""
+    model, art, _ = world
+    how = {"policy": "int8"} if source == "policy" else {"artifact": str(art)}
+
+    def run(context):
+        with context():
+            cache = kvq.make_cache(model, **how)
+            out = model.generate(PROMPT, cache=cache, max_new_tokens=4, do_sample=False)
+            cache.save(tmp_path / f"{context.__name__}.safetensors")
+            loaded = QuantizedKVCache.load(
+                tmp_path / f"{context.__name__}.safetensors", model, **how
+            )
+            return out, _next_logits(model, loaded, None)
+
+    (out, logits), (ref_out, ref_logits) = run(torch.inference_mode), run(torch.no_grad)
+    assert torch.equal(out, ref_out)
+    torch.testing.assert_close(logits, ref_logits)

@@ -70,8 +70,13 @@ def _weights_versions(model: nn.Module) -> tuple:
     named = [*model.named_parameters(remove_duplicate=False)]
     named += model.named_buffers(remove_duplicate=False)
     return tuple(
-        (n, t.data_ptr(), tuple(t.shape), t.dtype, t._version, t.device.type) for n, t in named
+        (n, t.data_ptr(), tuple(t.shape), t.dtype, _version(t), t.device.type) for n, t in named
     )
+
+
+def _version(t) -> int | None:
+    """The version counter; None for an inference tensor, which keeps none."""
+    return None if t.is_inference() else t._version
 
 
 def weights_sha256(model: nn.Module) -> str:
@@ -89,7 +94,8 @@ def weights_sha256(model: nn.Module) -> str:
     if hit is not None and hit[0]() is model and hit[1] == versions:
         return hit[2]
     digest = _weights_sha256(model)
-    if "meta" not in {v[-1] for v in versions}:  # offloaded weights have no versions to trust
+    # offloaded weights and inference tensors have no versions to trust
+    if "meta" not in {v[-1] for v in versions} and None not in {v[4] for v in versions}:
         ref = weakref.ref(model, lambda _, k=id(model), m=_WEIGHTS_MEMO: m.pop(k, None))
         _WEIGHTS_MEMO[id(model)] = (ref, versions, digest)
     return digest

@@ -432,7 +432,10 @@ def _flat_starts(count: Tensor) -> Tensor:
     write into its buffer moves), and the entry holds the view, so that buffer's address
     cannot be reused while the entry lives. A decode call whose count rows are unchanged
     (the main segment between flushes of the residual window) launches nothing for them;
-    one after an append recomputes them (3 small torch ops)."""
+    one after an append recomputes them (3 small torch ops). Counts written under
+    `torch.inference_mode` keep no version counter: they are recomputed at every call."""
+    if count.is_inference():
+        return entry_pointers(count)
     key = (count.data_ptr(), count.device, tuple(count.shape), count.stride(), count._version)
     hit = _STARTS.get(key)
     if hit is None:
