@@ -19,7 +19,15 @@ import torch
 from torch import Tensor
 
 from kvq.errors import KvqError
-from kvq.quant.qparams import check_finite, dtype_name, step, store_scale
+from kvq.quant.qparams import (
+    check_finite,
+    deferring,
+    dtype_name,
+    floored,
+    rounded_up,
+    step,
+    store_scale,
+)
 from kvq.quant.schemes import INT_BITS
 
 Dims = int | tuple[int, ...]
@@ -85,9 +93,17 @@ def quantize_symmetric(
     raise_tiny: see `store_scale` (False for the cache's live rows).
     """
     _check_bits(bits)
-    check_finite(x, "input")
     amax = x.float().abs().amax(dim=dim, keepdim=True)
-    scale = symmetric_qparams(amax, bits, scale_dtype, raise_tiny)
+    scale = None
+    if not raise_tiny and not deferring():  # the cache's rows: one device read, not four
+        nonzero = amax > 0
+        stored = rounded_up(torch.where(nonzero, amax / qmax_signed(bits), 1.0), scale_dtype)
+        back = stored.float()
+        if bool(torch.isfinite(back).all()):  # a NaN/Inf row or an overflow fails here
+            scale = floored(stored, back, nonzero)
+    if scale is None:
+        check_finite(x, "input")
+        scale = symmetric_qparams(amax, bits, scale_dtype, raise_tiny)
     return symmetric_encode(x, scale, bits), scale
 
 
@@ -112,14 +128,34 @@ def affine_qparams(
     lo, hi = torch.broadcast_tensors(lo.float(), hi.float())
     if bool((lo > hi).any()):
         raise KvqError("range minimum exceeds range maximum")
-    near = lo.to(scale_dtype)
-    down = torch.where(near.float() > lo, step(near, up=False), near)
-    varying = hi > lo
-    offset = torch.where(varying, down, near)
+    offset, varying = _offset(lo, hi, scale_dtype)
     if not bool(torch.isfinite(offset.float()).all()):
         raise KvqError(f"offset overflows {dtype_name(scale_dtype)}; use a wider scale dtype")
     scale = store_scale((hi - offset.float()) / top, scale_dtype, varying, raise_tiny)
     return scale, offset
+
+
+def _offset(lo: Tensor, hi: Tensor, scale_dtype) -> tuple[Tensor, Tensor]:
+    """(offset, varying): lo rounded down to `scale_dtype` where hi > lo, else to nearest."""
+    near = lo.to(scale_dtype)
+    down = torch.where(near.float() > lo, step(near, up=False), near)
+    varying = hi > lo
+    return torch.where(varying, down, near), varying
+
+
+def _live_qparams(lo: Tensor, hi: Tensor, bits: int, scale_dtype) -> tuple[Tensor, Tensor] | None:
+    """`affine_qparams(lo, hi, bits, scale_dtype, raise_tiny=False)` for the minima and
+    maxima of one tensor's slices, checked with a single read of the device: every
+    refusal there (a NaN or Inf row, an offset or scale past the dtype) leaves a
+    non-finite offset or scale, so one finiteness test stands for them all. None when
+    it fails (the caller explains why through the checked path)."""
+    offset, varying = _offset(lo, hi, scale_dtype)
+    ideal = torch.where(varying, (hi - offset.float()) / levels(bits), 1.0)
+    stored = rounded_up(ideal, scale_dtype)
+    back = stored.float()
+    if not bool(torch.isfinite(back + offset.float()).all()):
+        return None
+    return floored(stored, back, varying), offset
 
 
 def affine_encode(x: Tensor, scale: Tensor, offset: Tensor, bits: int) -> Tensor:
@@ -143,11 +179,16 @@ def quantize_affine(
     shaped like x with the `dim` axes kept as size 1. raise_tiny: see `store_scale`.
     """
     _check_bits(bits)
-    check_finite(x, "input")
     xf = x.float()
     lo = xf.amin(dim=dim, keepdim=True)
     hi = xf.amax(dim=dim, keepdim=True)
-    scale, offset = affine_qparams(lo, hi, bits, scale_dtype, raise_tiny)
+    live = None
+    if not raise_tiny and not deferring():  # the cache's rows: one device read, not seven
+        live = _live_qparams(lo, hi, bits, scale_dtype)
+    if live is None:
+        check_finite(x, "input")
+        live = affine_qparams(lo, hi, bits, scale_dtype, raise_tiny)
+    scale, offset = live
     return affine_encode(xf, scale, offset, bits), scale, offset
 
 

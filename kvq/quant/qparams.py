@@ -103,6 +103,21 @@ def step(x: Tensor, up: bool) -> Tensor:
     return torch.nextafter(x, target)
 
 
+def rounded_up(ideal: Tensor, dtype: torch.dtype) -> Tensor:
+    """fp32 `ideal` [...] in `dtype`, rounded up: casting rounds to nearest, and a value
+    that landed below the ideal would make the range maximum encode past the top code,
+    so it steps up one ulp. The arithmetic of `store_scale`, without its checks."""
+    stored = ideal.to(dtype)
+    return torch.where(stored.float() < ideal, step(stored, up=True), stored)
+
+
+def floored(stored: Tensor, back: Tensor, nonzero: Tensor) -> Tensor:
+    """`stored` with nonzero entries below the dtype's smallest normal raised to it
+    (`raise_tiny=False`); back: `stored.float()`."""
+    tiny = torch.finfo(stored.dtype).tiny
+    return torch.where((back < tiny) & nonzero, torch.tensor(tiny, dtype=stored.dtype), stored)
+
+
 def store_scale(
     ideal: Tensor, dtype: torch.dtype, nonzero: Tensor, raise_tiny: bool = True
 ) -> Tensor:
@@ -125,17 +140,14 @@ def store_scale(
     nonzero = nonzero.expand_as(ideal)
     if bool((ideal < 0).any()):
         raise KvqError("scale must be positive, got a negative ideal scale")
-    stored = ideal.to(dtype)
-    # Casting rounds to nearest; a value that landed below the ideal would make
-    # the range maximum encode past the top code, so step it up one ulp.
-    stored = torch.where(stored.float() < ideal, step(stored, up=True), stored)
+    stored = rounded_up(ideal, dtype)
     name = dtype_name(dtype)
     back = stored.float()
     if bool((~torch.isfinite(back) & nonzero).any()):
         raise KvqError(f"scale overflows {name} (or is NaN); use a wider scale dtype")
-    tiny = torch.finfo(dtype).tiny
     if not raise_tiny:
-        return torch.where((back < tiny) & nonzero, torch.tensor(tiny, dtype=dtype), stored)
+        return floored(stored, back, nonzero)
+    tiny = torch.finfo(dtype).tiny
     under = (back < tiny) & nonzero
     if bool(under.any()):
         smallest = float(ideal[under].min())

@@ -473,8 +473,9 @@ class KvqLayer(CacheLayerMixin):
         """Drop columns a sliding-window layer can never attend to again.
 
         Keeps at least `window - 1` columns (what the next query needs) and only compacts
-        once twice the window is stored, so eviction copies are rare. While transformers
-        records the past (assisted decoding may roll back), nothing is dropped until `crop`.
+        once twice the window is stored; eviction is views into the same buffers
+        (`RowStore.dropped_front`), so it costs no copy. While transformers records the
+        past (assisted decoding may roll back), nothing is dropped until `crop`.
         """
         if self.record_past:
             return state
@@ -495,7 +496,9 @@ class KvqLayer(CacheLayerMixin):
         if state.settled and not self.record_past:  # no rollback can need the exact copies
             drop = state.settled - self._still_exact(state)
             state = replace(
-                state, residual=state.residual.dropped_front(drop), settled=state.settled - drop
+                state,
+                residual=state.residual.dropped_front(drop, copy=True),
+                settled=state.settled - drop,
             )
         w = self.sliding_window
         if w is None or state.visible <= 2 * w:

@@ -115,13 +115,22 @@ class RowStore:
         """Whether `rows` more rows go into the buffers themselves (no growth, no copy)."""
         return bool(self.buffers) and not self.shared and self.length + rows <= self.capacity
 
-    def dropped_front(self, count: int) -> RowStore:
-        """Successor without the oldest `count` rows (sliding-window eviction); copies."""
+    def dropped_front(self, count: int, copy: bool = False) -> RowStore:
+        """Successor without the oldest `count` rows (sliding-window eviction): views that
+        start `count` rows later in the same buffers, so evicting costs no copy and the
+        free rows past the frontier stay free; the dropped rows' memory is released when
+        the buffers next grow (`_grow` copies only the committed rows). copy: a compact
+        copy of the rows kept instead (the residual window, whose buffers a replayable
+        step re-reads at the shapes it was planned with)."""
         if count <= 0:
             return self
         assert self.positions is not None
-        bufs = {n: b[:, :, count : self.length].clone() for n, b in self.buffers.items()}
-        return RowStore(bufs, self.length - count, self.positions[:, count : self.length].clone())
+        if copy:
+            bufs = {n: b[:, :, count : self.length].clone() for n, b in self.buffers.items()}
+            positions = self.positions[:, count : self.length].clone()
+            return RowStore(bufs, self.length - count, positions)
+        bufs = {n: b[:, :, count:] for n, b in self.buffers.items()}
+        return RowStore(bufs, self.length - count, self.positions[:, count:], self.shared)
 
     def select_batch(self, index: Tensor) -> RowStore:
         """Successor with batch rows reordered (beam search): codes, qparams and positions move together."""
@@ -207,10 +216,11 @@ class FlatStore:
         return FlatStore(buffers=buffers, length=need)
 
     def dropped_front(self, count: int) -> FlatStore:
+        """Successor without the oldest `count` entries: views, as `RowStore.dropped_front`."""
         if count <= 0:
             return self
-        bufs = {n: b[count : self.length].clone() for n, b in self.buffers.items()}
-        return FlatStore(bufs, self.length - count)
+        bufs = {n: b[count:] for n, b in self.buffers.items()}
+        return FlatStore(bufs, self.length - count, self.shared)
 
     def truncated(self, length: int) -> FlatStore:
         return FlatStore(self.buffers, min(length, self.length), self.shared)

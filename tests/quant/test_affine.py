@@ -177,3 +177,33 @@ def test_groups_round_trip(group):
 def test_bad_group_size(group):
     with pytest.raises(KvqError, match="group size"):
         to_groups(torch.zeros(2, 16), group)
+
+
+@pytest.mark.parametrize("bits", BITS)
+@pytest.mark.parametrize("scale_dtype", SCALE_DTYPES)
+@pytest.mark.parametrize("log_mag", [-40.0, -6.0, 0.0, 3.0, 30.0])
+def test_live_rows_match_the_checked_qparams(bits, scale_dtype, log_mag):
+    """The cache's one-read path (raise_tiny=False) gives the checked path's qparams,
+    down to tiny, zero, constant and overflowing rows."""
+    x = _data(1, 0.0, 0.0, shape=(6, 16)) * 10.0**log_mag
+    x[0] = 0.0
+    x[1] = 2.5
+    lo, hi = x.amin(-1, keepdim=True), x.amax(-1, keepdim=True)
+    try:
+        scale, offset = affine_qparams(lo, hi, bits, scale_dtype, raise_tiny=False)
+    except KvqError as e:
+        with pytest.raises(KvqError, match=str(e)[:20]):
+            quantize_affine(x, bits, -1, scale_dtype, raise_tiny=False)
+    else:
+        codes, s, o = quantize_affine(x, bits, -1, scale_dtype, raise_tiny=False)
+        assert torch.equal(s, scale) and torch.equal(o, offset)
+        assert torch.equal(codes, affine_encode(x, scale, offset, bits))
+    amax = x.abs().amax(-1, keepdim=True)
+    try:
+        scale = symmetric_qparams(amax, bits, scale_dtype, raise_tiny=False)
+    except KvqError as e:
+        with pytest.raises(KvqError, match=str(e)[:20]):
+            quantize_symmetric(x, bits, -1, scale_dtype, raise_tiny=False)
+    else:
+        codes, s = quantize_symmetric(x, bits, -1, scale_dtype, raise_tiny=False)
+        assert torch.equal(s, scale) and torch.equal(codes, symmetric_encode(x, scale, bits))

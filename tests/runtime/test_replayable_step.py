@@ -81,6 +81,20 @@ def steps(monkeypatch):
             return update(self, key, value, layer_idx, *args, **kwargs)
 
     monkeypatch.setattr(QuantizedKVCache, "update", updated)
+    publish = QuantizedKVCache._publish
+
+    def published(self, txn):
+        # the last layer's attention publishes every layer (and evicts the sliding ones,
+        # host-driven): recorded apart, so each layer's ops are its own
+        ops = rec.of(rec.ops)
+        start = len(ops)
+        try:
+            return publish(self, txn)
+        finally:
+            rec.ops.setdefault((rec.at[0], "publish"), []).extend(ops[start:])
+            del ops[start:]
+
+    monkeypatch.setattr(QuantizedKVCache, "_publish", published)
 
     def attended(module, query, key, value, *args, **kwargs):
         rec.at = (key.cache.publications, key.layer.layer_idx)

@@ -125,6 +125,8 @@ def decode_attention_reference(
     which stays in cache while keeping the number of torch calls low.
     """
     total = _check(query, segments, rope, mask)
+    if softcap is None and all(_plain_full(s) for s in segments if s.rows):
+        return _full_attention(query, [s for s in segments if s.rows], scaling, mask, total)
     b, hq, q_len, d = query.shape
     q = query.float()
     state = None  # (running max, denominator, numerator) over everything seen so far
@@ -168,6 +170,32 @@ def decode_attention_reference(
     _, denom, acc = state
     out = acc / denom.clamp_min(torch.finfo(torch.float32).tiny)[..., None]
     return out.reshape(b, hq, q_len, d)
+
+
+def _plain_full(seg: Segment) -> bool:
+    """Rows stored as floats (the fp16 policy, sinks, residual windows), keys rotated."""
+    return seg.key.kind == "full" and seg.value.kind == "full" and not seg.key.pre_rope
+
+
+def _full_attention(query: Tensor, segments: list[Segment], scaling: float, mask, total: int):
+    """`decode_attention_reference` over float rows only: one fused SDPA call, as a
+    DynamicCache's layer runs, instead of the chunked online softmax (the fp16 policy then
+    costs what transformers' own cache costs)."""
+    keys = [s.key.data for s in segments]  # [B, H_kv, T, D] each
+    values = [s.value.data for s in segments]
+    key = keys[0] if len(keys) == 1 else torch.cat(keys, dim=2)
+    value = values[0] if len(values) == 1 else torch.cat(values, dim=2)
+    q = query.float()
+    q_len = q.shape[2]
+    if mask is None and q_len > 1:
+        mask = _causal(q_len, total, query.device)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q, key.float(), value.float(), attn_mask=mask, scale=scaling,
+        enable_gqa=key.shape[1] != q.shape[1],
+    )  # fmt: skip
+    if mask is not None:  # a query that may see no row reads zeros (as the online softmax)
+        out = torch.where(mask.any(-1, keepdim=True), out, 0.0)
+    return out
 
 
 def _planes_matmul(x: Tensor, y: Tensor) -> Tensor:
