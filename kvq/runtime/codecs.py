@@ -65,6 +65,12 @@ class Codec:
         returns the variable-length entries. Bit-identical to `encode`."""
         raise NotImplementedError(f"{type(self).__name__} has no append kernel")
 
+    def encodes_like(self, other: Codec) -> bool:
+        """Whether `other` encodes rows exactly as this codec does, each (batch, head, token)
+        row on its own: then keys and values can be encoded in one call (rows stacked
+        along the batch), half the small ops of a decode step's append."""
+        return False
+
     @staticmethod
     def categories() -> dict[str, str]:
         """Stored tensor (row or flat entry) name -> ledger category."""
@@ -82,6 +88,13 @@ class IntTokenCodec(Codec):
         if head_dim % self.group:
             raise KvqError(f"group size {self.group} does not divide head_dim {head_dim}")
         self.scale_dtype = storage_dtype(scheme.scale_dtype)
+
+    def encodes_like(self, other: Codec) -> bool:
+        # qparams per (token, head, group): no row depends on another
+        mine = (self.head_dim, self.bits, self.symmetric, self.group, self.scale_dtype)
+        return type(other) is IntTokenCodec and mine == (
+            other.head_dim, other.bits, other.symmetric, other.group, other.scale_dtype
+        )  # fmt: skip
 
     def encode(self, x: Tensor) -> tuple[Rows, Flat]:
         g = affine.to_groups(x.float(), self.group)  # [B, H, T, D/G, G]

@@ -443,13 +443,14 @@ class KvqLayer(CacheLayerMixin):
         """
         kernels = resolve_backend(backend, key.device) == "triton"
         spec, encoded, direct = {}, {}, []
+        together = self._encoded_together(key, value, kernels)
         for part, codec, x in (("k", self.key_codec, key), ("v", self.value_codec, value)):
             layout = codec.row_spec(x) if kernels else None
             if layout is not None:
                 spec |= {f"{part}.{n}": s for n, s in layout.items()}
                 direct.append((part, codec, x))
                 continue
-            rows, part_flat = codec.encode(x)
+            rows, part_flat = together[part] if together else codec.encode(x)
             encoded |= {f"{part}.{n}": r for n, r in rows.items()}
             spec |= {f"{part}.{n}": (tuple(r.shape[3:]), r.dtype) for n, r in rows.items()}
             if part_flat:
@@ -468,6 +469,20 @@ class KvqLayer(CacheLayerMixin):
             if part_flat:
                 flat[part] = flat.get(part, FlatStore.empty()).prepared(part_flat)
         return successor
+
+    def _encoded_together(self, key: Tensor, value: Tensor, kernels: bool) -> dict | None:
+        """{"k": (rows, flat), "v": ...} from one encode of keys and values stacked along the
+        batch, when both sides encode alike row by row (`Codec.encodes_like`) and no append
+        kernel takes them; else None."""
+        if kernels or not self.key_codec.encodes_like(self.value_codec):
+            return None
+        if key.dtype != value.dtype or key.shape != value.shape:
+            return None
+        rows, flat = self.key_codec.encode(torch.cat([key, value]))  # [2B, H, T, D]
+        assert not flat, "encodes_like promises rows only"
+        b = key.shape[0]
+        return {"k": ({n: r[:b] for n, r in rows.items()}, flat),
+                "v": ({n: r[b:] for n, r in rows.items()}, flat)}  # fmt: skip
 
     def evict(self, state: LayerState) -> LayerState:
         """Drop columns a sliding-window layer can never attend to again.

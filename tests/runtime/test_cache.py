@@ -295,3 +295,24 @@ def test_pre_rope_positions_past_the_context_are_refused_and_tables_stay_small()
     assert cache.get_seq_length() == 2  # nothing appended
     model(_ids(1), cache=cache)  # and the cache goes on
     assert cache.layers[0]._rope[0].shape[0] <= 256
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("name", ["int8", "int4"])
+def test_keys_and_values_encoded_together_store_the_same_rows(model, monkeypatch, name):
+    """One encode of keys and values stacked along the batch (the per-token layouts: half
+    a decode step's small ops) stores every layer's rows bit for bit as two encodes do."""
+    from kvq.runtime.layers import KvqLayer
+
+    ids = _ids(9, b=2, seed=6)
+    stored, logits = {}, {}
+    for together in (True, False):
+        if not together:
+            monkeypatch.setattr(KvqLayer, "_encoded_together", lambda *a: None)
+        cache = _cache(model, name)
+        model(ids[:, :7], cache=cache)
+        logits[together] = model(ids[:, 7:8], cache=cache).logits
+        stored[together] = [layer.state.main.rows() for layer in cache.layers]
+    for a, b in zip(stored[True], stored[False], strict=True):
+        assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
+    assert torch.equal(logits[True], logits[False])

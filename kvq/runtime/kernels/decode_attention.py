@@ -41,7 +41,13 @@ from torch import Tensor
 
 from kvq.errors import KvqError
 from kvq.runtime.kernels.backend import ENV, next_pow2, resolve_backend
-from kvq.runtime.packed import ChunkDecoder, PackedRows, entry_pointers, layout_perm
+from kvq.runtime.packed import (
+    ChunkDecoder,
+    PackedRows,
+    decode_packed,
+    entry_pointers,
+    layout_perm,
+)
 from kvq.tensor_memo import Memo, memoised
 
 Rope = tuple[Tensor, Tensor]  # cos, sin tables [P, D/2] float32, indexed by RoPE position
@@ -125,8 +131,9 @@ def decode_attention_reference(
     which stays in cache while keeping the number of torch calls low.
     """
     total = _check(query, segments, rope, mask)
-    if softcap is None and all(_plain_full(s) for s in segments if s.rows):
-        return _full_attention(query, [s for s in segments if s.rows], scaling, mask, total)
+    if softcap is None and _dense_fits(query, segments, total, chunk_rows):
+        rows = [s for s in segments if s.rows]
+        return _dense_attention(query, rows, scaling, rope, mask, total)
     b, hq, q_len, d = query.shape
     q = query.float()
     state = None  # (running max, denominator, numerator) over everything seen so far
@@ -172,17 +179,31 @@ def decode_attention_reference(
     return out.reshape(b, hq, q_len, d)
 
 
-def _plain_full(seg: Segment) -> bool:
-    """Rows stored as floats (the fp16 policy, sinks, residual windows), keys rotated."""
-    return seg.key.kind == "full" and seg.value.kind == "full" and not seg.key.pre_rope
+DENSE_ELEMENTS = 1 << 23  # decoded K or V elements (32 MB of fp32) below which attention
+# dequantizes every row once and makes one SDPA call: on CPU, a step's cost is its number
+# of small ops, and one fused call replaces the chunked online softmax's dozens per segment
 
 
-def _full_attention(query: Tensor, segments: list[Segment], scaling: float, mask, total: int):
-    """`decode_attention_reference` over float rows only: one fused SDPA call, as a
-    DynamicCache's layer runs, instead of the chunked online softmax (the fp16 policy then
-    costs what transformers' own cache costs)."""
-    keys = [s.key.data for s in segments]  # [B, H_kv, T, D] each
-    values = [s.value.data for s in segments]
+def _dense_fits(query: Tensor, segments: list[Segment], total: int, chunk_rows) -> bool:
+    """Whether the rows decode whole within DENSE_ELEMENTS (and no chunking was asked)."""
+    if chunk_rows is not None or not total:
+        return False
+    hkv = next(s.key.data.shape[1] for s in segments if s.rows)
+    return query.shape[0] * hkv * total * query.shape[-1] <= DENSE_ELEMENTS
+
+
+def _dense_attention(query, segments: list[Segment], scaling: float, rope, mask, total: int):
+    """`decode_attention_reference` for rows that decode whole: every segment dequantized
+    once (`decode_packed`: the quantizers' own arithmetic; pre-RoPE keys rotated at their
+    positions), then one SDPA call, as a DynamicCache's layer runs. Equal to the online
+    softmax within fp32 rounding; a query that may see no row reads zeros, as there."""
+    keys, values = [], []
+    for seg in segments:
+        key = decode_packed(seg.key)  # [B, H_kv, T, D] fp32
+        if seg.key.pre_rope:
+            key = rotate(key, seg.positions, rope)
+        keys.append(key)
+        values.append(decode_packed(seg.value))
     key = keys[0] if len(keys) == 1 else torch.cat(keys, dim=2)
     value = values[0] if len(values) == 1 else torch.cat(values, dim=2)
     q = query.float()
@@ -190,10 +211,9 @@ def _full_attention(query: Tensor, segments: list[Segment], scaling: float, mask
     if mask is None and q_len > 1:
         mask = _causal(q_len, total, query.device)
     out = torch.nn.functional.scaled_dot_product_attention(
-        q, key.float(), value.float(), attn_mask=mask, scale=scaling,
-        enable_gqa=key.shape[1] != q.shape[1],
-    )  # fmt: skip
-    if mask is not None:  # a query that may see no row reads zeros (as the online softmax)
+        q, key, value, attn_mask=mask, scale=scaling, enable_gqa=key.shape[1] != q.shape[1]
+    )
+    if mask is not None:
         out = torch.where(mask.any(-1, keepdim=True), out, 0.0)
     return out
 
