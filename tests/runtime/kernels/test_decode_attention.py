@@ -481,3 +481,32 @@ def test_general_kernel_tunes_per_shape_bucket():
     served = da.tune_bucket(16 * 8 * 5, 6656)
     assert parity != served
     assert da.tune_bucket(16 * 8 * 5, 6656) == da.tune_bucket(16 * 8 * 5, 6600)
+
+
+@pytest.mark.parametrize("kind", ["int4-g16", "int8-sym", "nuq3", "int4-channel", "trellis3"])
+@pytest.mark.parametrize("pre_rope", [False, True])
+def test_dense_reference_equals_the_chunked_online_softmax(kind, pre_rope):
+    """The reference dequantizes small key sets whole and makes one SDPA call; it agrees
+    with its chunked online softmax (and the oracle) for every representation, pre-RoPE
+    keys, an exact sink segment, a mask, and a query that may see no row (zeros)."""
+    b, d, t = 2, 64, 41
+    k, v = _data(b, 2, t, d, seed=7)
+    rope, positions = _rope(d), torch.arange(t)[None].expand(b, t)
+    sink = Segment(
+        PackedRows("full", d, k[:, :, :2].clone(), pre_rope=pre_rope),
+        PackedRows("full", d, v[:, :, :2].clone()),
+        positions[:, :2],
+    )
+    kp, vp = _codec_segment(kind, k[:, :, 2:], v[:, :, 2:], pre_rope=pre_rope)
+    segments = [sink, Segment(kp, vp, positions[:, 2:])]
+    q = torch.randn(b, 4, 3, d, generator=torch.Generator().manual_seed(7))
+    mask = torch.rand(b, 1, 3, t, generator=torch.Generator().manual_seed(8)) > 0.3
+    mask[1, 0, 2] = False  # this query sees nothing
+    kw = dict(scaling=d**-0.5, rope=rope, mask=mask)
+    dense = decode_attention_reference(q, segments, **kw)
+    chunked = decode_attention_reference(q, segments, chunk_rows=16, **kw)
+    torch.testing.assert_close(dense, chunked, atol=2e-5, rtol=1e-5)
+    assert torch.equal(dense[1, :, 2], torch.zeros_like(dense[1, :, 2]))
+    seen = mask.any(-1)[:, 0]  # [B, Q]: the oracle's softmax over no row is NaN
+    oracle = _oracle(q, segments, d**-0.5, rope, mask)
+    torch.testing.assert_close(dense.permute(0, 2, 1, 3)[seen], oracle.permute(0, 2, 1, 3)[seen])
