@@ -22,7 +22,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from kvq.runtime.kernels import a8
+from kvq.runtime.kernels.activations import a8
 
 EPS = 1e-6
 NORM_ROWS = (1, 16, 4096)

@@ -22,7 +22,6 @@ from safetensors.torch import load_file, save_file
 
 import kvq
 from kvq.errors import KvqError
-from kvq.runtime.cache import QuantizedKVCache
 
 
 def _outcome(fn) -> str:
@@ -72,7 +71,7 @@ def main() -> None:
         def go():
             state.write_bytes(pristine)
             edit()
-            QuantizedKVCache.load(state, model, artifact=art)
+            kvq.load_cache(state, model, artifact=art)
 
         return go
 
@@ -94,7 +93,7 @@ def main() -> None:
             filled().save(tmp / "perturbed.safetensors")
         finally:
             weight[0, 0] -= 0.5
-        QuantizedKVCache.load(tmp / "perturbed.safetensors", model, artifact=art)
+        kvq.load_cache(tmp / "perturbed.safetensors", model, artifact=art)
 
     def plain_model():
         cache = filled()

@@ -32,8 +32,9 @@ from _common import add_data_args, load_model_and_windows, result_figures, write
 from rich.console import Console
 from rich.table import Table
 
+from kvq.artifacts.compat import load_artifact
 from kvq.eval.quality import evaluate_many
-from kvq.pipeline import apply_transforms, cache_for, load_artifact
+from kvq.pipeline import apply_transforms, cache_for
 from kvq.progress import Progress
 from kvq.runtime.layers import KvqLayer
 from kvq.runtime.packed import PackedRows, decode_packed

@@ -101,7 +101,7 @@ def _wrap(real):
     return rename
 _os.rename, _os.replace = _wrap(_os.rename), _wrap(_os.replace)
 try:  # kvq since 4538c82 swaps an artifact in with one atomic exchange of two names
-    import kvq.exporters.paths as _paths
+    import kvq.artifacts.paths as _paths
     _paths._exchange = _wrap(_paths._exchange)
 except (ImportError, AttributeError):
     pass

@@ -31,9 +31,9 @@ import torch
 import torch.nn.functional as F
 
 from kvq.quant import packing, vq
-from kvq.runtime.fp8_codecs import fp8_table
-from kvq.runtime.kernels import decode_attention as da
-from kvq.runtime.kernels.decode_attention import (
+from kvq.runtime.codecs.fp8 import fp8_table
+from kvq.runtime.kernels.decode import attention as da
+from kvq.runtime.kernels.decode.attention import (
     Segment,
     decode_attention_reference,
     decode_attention_triton,
@@ -241,7 +241,7 @@ def host_us(fn, calls: int = 20) -> float:
 def launch_chosen(q, seg) -> str:
     """The planned path's plan and configuration for this call, or the general kernel's
     autotuned configuration."""
-    from kvq.runtime.kernels import planned_decode
+    from kvq.runtime.kernels.decode import planned as planned_decode
 
     if da.PLANNED and planned_decode.planned_unsupported(q, [seg], None) is None:
         call = planned_decode.planned_call(q, [seg], scaling=1.0, softcap=None, half=True)

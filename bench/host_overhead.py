@@ -125,8 +125,9 @@ def main() -> None:
     ap.add_argument("--json", help="also write the counts to this JSON file")
     args = ap.parse_args()
 
+    from kvq.artifacts.compat import load_artifact
     from kvq.models.loading import load_model
-    from kvq.pipeline import cache_for, load_artifact
+    from kvq.pipeline import cache_for
 
     loaded = load_model(args.model)
     artifact = load_artifact(args.artifact, loaded) if args.artifact else None

@@ -23,10 +23,10 @@ from pathlib import Path
 import torch
 from _common import add_data_args, load_model_and_windows, totals_figures
 
+from kvq.artifacts.store import read_artifact
 from kvq.calibrators.base import tensor_kind
 from kvq.calibrators.prefix_state import extract_prefix
 from kvq.eval.quality import QualityTotals, _accumulate
-from kvq.exporters.artifact import read_artifact
 from kvq.pipeline import artifact_prefix, cache_for
 from kvq.runtime.cache import build_cache
 

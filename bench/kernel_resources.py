@@ -6,7 +6,7 @@ vector-codebook layouts VQ3 and VQ2 of `kvq calibrate vq` and the mixed widths i
 take, VQ4 (2-D) and VQ1 (4-D), the trellis codes TR4, TR3 and TR2 of `kvq calibrate auto`, plus
 Gemma's own layout,
 KV4 with pre-RoPE keys, and NUQ4 with post-RoPE keys), the launch the runtime makes at
-batch 16 x 32K is compiled for sm_90 here (`kvq.runtime.kernels.offline`): the planned
+batch 16 x 32K is compiled for sm_90 here (`kvq.runtime.kernels.offline.cubin`): the planned
 path's fixed configuration where it takes the layout (`planned_decode`), else every
 configuration the general kernel's autotuner may time, keeping the best predicted.
 
@@ -58,13 +58,13 @@ from pathlib import Path
 import gpu_decode
 import torch
 
-from kvq.runtime.kernels import _decode_attention_triton as kern
-from kvq.runtime.kernels import decode_attention as da
-from kvq.runtime.kernels.launch_plan import plan_splits
-from kvq.runtime.kernels.offline import compile_offline, runtime_arguments
+from kvq.runtime.kernels.decode import _attention_triton as kern
+from kvq.runtime.kernels.decode import attention as da
+from kvq.runtime.kernels.offline.cubin import compile_offline, runtime_arguments
+from kvq.runtime.kernels.planning.launch_plan import plan_splits
 
 try:  # the planned path (absent before it existed: then every format takes the survey)
-    from kvq.runtime.kernels import planned_decode as planned
+    from kvq.runtime.kernels.decode import planned
 except ImportError:
     planned = None
 
@@ -229,7 +229,7 @@ def layer_segments(seg) -> list:
     full-precision (fp16) rows before and after it (views of buffers with room for 64
     more rows, as a cache holds them), keys pre-RoPE like `seg`'s, positions one after
     another."""
-    from kvq.runtime.kernels.decode_attention import Segment
+    from kvq.runtime.kernels.decode.attention import Segment
     from kvq.runtime.packed import PackedRows
 
     b, hkv, t = seg.key.data.shape[:3]
@@ -291,7 +291,7 @@ def planned_row(query, segs, hkv: int, row_bytes: float, alone=None, entry_count
     packed segment's call alone; then the loop figures are those of the loop of this
     compile closest to its loop in size (the packed segment's, among one loop per
     segment)."""
-    from kvq.runtime.kernels import _decode_splits_triton as splits_kern
+    from kvq.runtime.kernels.decode import _splits_triton as splits_kern
 
     d = query.shape[-1]
     pre = any(s.key.pre_rope for s in segs)

@@ -29,9 +29,9 @@ from types import SimpleNamespace
 import gpu_decode
 import torch
 
-from kvq.runtime.kernels import _decode_splits_triton as kern
-from kvq.runtime.kernels import planned_decode as planned
-from kvq.runtime.kernels.decode_attention import Segment
+from kvq.runtime.kernels.decode import _splits_triton as kern
+from kvq.runtime.kernels.decode import planned
+from kvq.runtime.kernels.decode.attention import Segment
 from kvq.runtime.packed import PackedRows
 
 SHAPES = gpu_decode.SHAPES

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from kvq.exporters.artifact import read_artifact
+from kvq.artifacts.store import read_artifact
 from kvq.models.loading import load_model
 from kvq.pipeline import cache_for, load_windows
 

@@ -25,13 +25,14 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from kvq.artifacts.compat import load_artifact
 from kvq.calibrators.base import tensor_kind
 from kvq.calibrators.smooth_attention import channel_maxima, key_channel_spread, smooth_lambda
 from kvq.eval.quality import QualityTotals, _accumulate
 from kvq.models.adapters import rope_partners
 from kvq.models.loading import load_model
 from kvq.models.smoothing import fold_smooth
-from kvq.pipeline import load_artifact, load_windows
+from kvq.pipeline import load_windows
 from kvq.progress import Progress
 from kvq.quant.schemes import named_policy
 from kvq.runtime.cache import build_cache

@@ -35,9 +35,9 @@ from kvq.models.adapters import get_adapter
 from kvq.quant.schemes import named_policy
 from kvq.runtime.attention import kvq_attention
 from kvq.runtime.cache import build_cache, unit_scales
-from kvq.runtime.kernels import _decode_splits_triton as kern
-from kvq.runtime.kernels import append
-from kvq.runtime.kernels import planned_decode as planned
+from kvq.runtime.kernels.append import codes as append
+from kvq.runtime.kernels.decode import _splits_triton as kern
+from kvq.runtime.kernels.decode import planned
 
 SHAPES = gpu_decode.SHAPES
 POLICIES = ("int4", "int8", "fp8-e4m3")

@@ -7,11 +7,12 @@ __all__ = [
     "KvqError",
     "QuantizedKVCache",
     "load_artifact",
+    "load_cache",
     "load_model",
     "make_cache",
 ]
 
-_API = ("load_artifact", "load_model", "make_cache", "QuantizedKVCache")
+_API = ("load_artifact", "load_cache", "load_model", "make_cache", "QuantizedKVCache")
 
 
 def __getattr__(name: str):

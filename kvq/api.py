@@ -4,6 +4,7 @@ model, tokenizer = kvq.load_model("gemma3-270m")
 artifact = kvq.load_artifact("artifacts/int4", model=model)   # validates
 cache = kvq.make_cache(model, artifact=artifact)              # or policy="int8"
 out = model.generate(**inputs, cache=cache)
+cache.save("state.safetensors"); kvq.load_cache("state.safetensors", model, artifact=artifact)
 """
 
 from __future__ import annotations
@@ -11,12 +12,12 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from kvq.artifacts.compat import load_artifact as _load_artifact
+from kvq.artifacts.store import Artifact
 from kvq.errors import KvqError
-from kvq.exporters.artifact import Artifact
 from kvq.models.loading import LoadedModel
 from kvq.models.loading import load_model as _load
 from kvq.pipeline import cache_for
-from kvq.pipeline import load_artifact as _load_artifact
 from kvq.runtime.cache import QuantizedKVCache
 
 _ATTR = "_kvq_loaded"
@@ -72,3 +73,19 @@ def make_cache(
     if isinstance(artifact, (str, os.PathLike)):
         artifact = _load_artifact(artifact, loaded)
     return cache_for(loaded, artifact=artifact, policy=policy, backend=backend)
+
+
+def load_cache(
+    path: str | Path,
+    model,
+    artifact: Artifact | str | Path | None = None,
+    policy: str | None = None,
+    backend: str | None = None,
+) -> QuantizedKVCache:
+    """A cache for `model` from `artifact` or `policy` (as `make_cache`) holding the state
+    `QuantizedKVCache.save` wrote at `path`; refuses a state saved for another model,
+    artifact or layout."""
+    from kvq.runtime.saved import restore_cache
+
+    _check_type(path, (str, os.PathLike), "path", "a saved cache file (str or Path)")
+    return restore_cache(make_cache(model, artifact=artifact, policy=policy, backend=backend), path)

@@ -16,20 +16,15 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from kvq.artifacts.compat import check_model_compatible, load_artifact
+from kvq.artifacts.paths import check_artifact_out
+from kvq.artifacts.store import Artifact, read_artifact, tensor_index, write_artifact
 from kvq.calibrators.base import ChainState, FitContext, tensor_kind
 from kvq.calibrators.options import PassOptions
 from kvq.calibrators.registry import get_pass, transform_function
 from kvq.data.text import TextSource, read_corpus
 from kvq.data.windows import TokenWindows, sample_windows
 from kvq.errors import KvqError
-from kvq.exporters.artifact import (
-    Artifact,
-    check_model_compatible,
-    read_artifact,
-    tensor_index,
-    write_artifact,
-)
-from kvq.exporters.paths import check_artifact_out
 from kvq.manifests.ledger import ByteLedger
 from kvq.manifests.schema import Calibration, DatasetInfo, new_manifest
 from kvq.models.loading import LoadedModel, load_model
@@ -253,31 +248,6 @@ def apply_transforms(
         applied[kind] = digest
         done.append(kind)
     return tuple(done)
-
-
-def load_artifact(path: str | Path, loaded: LoadedModel | None = None) -> Artifact:
-    """Read and validate an artifact; with a model, also check it was made for that model."""
-    artifact = read_artifact(Path(path))
-    check_prefix_declared(artifact.manifest)
-    if loaded is not None:
-        check_model_compatible(artifact.manifest, loaded.identity, loaded.adapter.info)
-    return artifact
-
-
-def check_prefix_declared(manifest) -> None:
-    """A pass calibrated with --prefix-ids needs that prefix served: kvq before prefixes
-    were declared state kept it as sink rows and in the pass options only; refuse such an
-    artifact rather than serve it without its prefix."""
-    if manifest.policy.prefix is not None:
-        return
-    for p in manifest.passes:
-        ids = p.options.get("prefix_ids")
-        if ids not in (None, "", "none"):
-            raise KvqError(
-                f"the artifact's {p.method} pass was calibrated with --prefix-ids {ids}, but "
-                "its policy declares no prefix (made before prefixes were declared state); "
-                "calibrate it again"
-            )
 
 
 def artifact_prefix(loaded: LoadedModel, artifact: Artifact) -> Prefix | None:

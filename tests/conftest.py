@@ -21,6 +21,9 @@ if not os.environ.get("KVQ_TEST_CUDA"):
 # that spinning cost 2-3x the suite's CPU time (tests/calibrators/test_intactkv.py: 39 s
 # of CPU with 2 threads, 12 s with 1). OMP_NUM_THREADS=2 in the environment overrides it.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# The command line's tables are as wide as the terminal says (kvq/cli/render.py); pytest-xdist
+# workers are told COLUMNS=80, a plain run gets the 120-column fallback: one width for all.
+os.environ["COLUMNS"] = "120"
 
 import pytest
 import torch

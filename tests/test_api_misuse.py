@@ -20,7 +20,6 @@ import torch
 import kvq
 from kvq.calibrators.options import KVQuantOptions
 from kvq.errors import KvqError
-from kvq.runtime.cache import QuantizedKVCache
 from tests.conftest import calibrate
 
 CASES = 240
@@ -134,10 +133,10 @@ def _catalogue():
         add(f"save to {dest!r}", False, lambda m, s, c, p, w, d=dest: lambda: c.save(_dest(d, p, w)))  # fmt: skip
     for src in ("missing", "junk", 5, "dir"):
         add(f"load {src!r}", False,
-            lambda m, s, c, p, w, x=src: lambda: QuantizedKVCache.load(_dest(x, p, w), m, **s))  # fmt: skip
-    add("load into another model", False, lambda m, s, c, p, w: _save_then(c, p, lambda f: QuantizedKVCache.load(f, w[2], **s)))  # fmt: skip
+            lambda m, s, c, p, w, x=src: lambda: kvq.load_cache(_dest(x, p, w), m, **s))  # fmt: skip
+    add("load into another model", False, lambda m, s, c, p, w: _save_then(c, p, lambda f: kvq.load_cache(f, w[2], **s)))  # fmt: skip
     add("load another layout", False,
-        lambda m, s, c, p, w: _save_then(c, p, lambda f: QuantizedKVCache.load(f, m, policy="int4" if "artifact" in s else "int8-pertoken")))  # fmt: skip
+        lambda m, s, c, p, w: _save_then(c, p, lambda f: kvq.load_cache(f, m, policy="int4" if "artifact" in s else "int8-pertoken")))  # fmt: skip
     # building caches and reading artifacts
     for kw, ok in (({"artifact": 123}, False), ({"policy": 4}, False), ({"policy": "nope"}, False),
                    ({"policy": "int8", "backend": "gpu"}, False), ({"policy": "int8", "backend": 1}, False),
@@ -242,9 +241,7 @@ def test_generate_under_inference_mode_matches_no_grad(world, tmp_path, source):
             cache = kvq.make_cache(model, **how)
             out = model.generate(PROMPT, cache=cache, max_new_tokens=4, do_sample=False)
             cache.save(tmp_path / f"{context.__name__}.safetensors")
-            loaded = QuantizedKVCache.load(
-                tmp_path / f"{context.__name__}.safetensors", model, **how
-            )
+            loaded = kvq.load_cache(tmp_path / f"{context.__name__}.safetensors", model, **how)
             return out, _next_logits(model, loaded, None)
 
     (out, logits), (ref_out, ref_logits) = run(torch.inference_mode), run(torch.no_grad)

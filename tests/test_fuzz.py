@@ -26,9 +26,9 @@ from hypothesis import strategies as st
 from typer.testing import CliRunner
 
 import kvq.pipeline
+from kvq.artifacts.store import read_artifact
 from kvq.cli.app import app
 from kvq.errors import IncompatibleArtifact, KvqError
-from kvq.exporters.artifact import read_artifact
 from kvq.manifests.schema import manifest_from_json
 from kvq.models.loading import load_model
 

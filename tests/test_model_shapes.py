@@ -19,9 +19,10 @@ import copy
 import pytest
 import torch
 
+from kvq.artifacts.compat import load_artifact
 from kvq.calibrators.options import KVQuantOptions
 from kvq.models.loading import load_model
-from kvq.pipeline import cache_for, load_artifact
+from kvq.pipeline import cache_for
 from tests.cli.test_cli import _one_line_error, _run
 from tests.conftest import calibrate, make_tiny_model, tiny_tokenizer
 

@@ -39,7 +39,7 @@ from kvq.errors import KvqError
 from kvq.progress import Progress
 from kvq.quant import nuq, sparse
 from kvq.quant.schemes import FULL_PRECISION, CachePolicy, LayerPolicy, QuantScheme
-from kvq.runtime.nuq_codecs import SPARSE_DTYPE, VALUE_SPLIT, _index_dtype
+from kvq.runtime.codecs.nuq import SPARSE_DTYPE, VALUE_SPLIT, _index_dtype
 
 
 def capture_kv(

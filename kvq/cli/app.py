@@ -34,9 +34,34 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    rich_markup_mode=None,  # plain help: readable in a log, no "<bool>" on --help
     help="Calibrate, export and evaluate live-data (K/V cache) quantization.",
 )
-export_app = typer.Typer(cls=OneLineErrors, no_args_is_help=True, help="Export an artifact.")
+export_app = typer.Typer(
+    cls=OneLineErrors, no_args_is_help=True, rich_markup_mode=None, help="Export an artifact."
+)
+
+
+def _version(value: bool) -> None:
+    if value:
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            typer.echo(f"kvq {version('kvq-live')}")
+        except PackageNotFoundError:  # a source tree, not installed
+            typer.echo("kvq 0.0.0+local")
+        raise typer.Exit()
+
+
+@app.callback()
+def _options(
+    _: bool = typer.Option(
+        False, "--version", callback=_version, is_eager=True, help="print kvq's version"
+    ),
+) -> None:
+    """Calibrate, export and evaluate live-data (K/V cache) quantization."""
+
+
 app.add_typer(calibrate_app, name="calibrate")
 app.add_typer(export_app, name="export")
 
@@ -47,13 +72,13 @@ def export_manifest(
     schema_out: Path | None = typer.Option(None, "--schema-out", help="write the JSON Schema here"),
 ) -> None:
     """Validate an artifact, print its manifest, optionally write the JSON Schema."""
-    from kvq.exporters.paths import check_output_file
+    from kvq.artifacts.paths import check_output_file
 
     if schema_out is not None:
         schema_out = check_output_file(schema_out, "--schema-out", artifact_files(artifact))
 
+    from kvq.artifacts.store import read_artifact
     from kvq.cli.render import print_manifest
-    from kvq.exporters.artifact import read_artifact
     from kvq.manifests.jsonschema import json_schema
 
     art = read_artifact(artifact)
@@ -63,19 +88,24 @@ def export_manifest(
         typer.echo(f"JSON Schema written to {printable(str(schema_out))}", err=True)
 
 
-def _export_engine(engine: str, artifact: Path, model: str, out: Path, overwrite: bool) -> None:
-    from kvq.exporters.engines import check_export
+def _export_engine(
+    engine: str, artifact: Path, model: str | None, out: Path, overwrite: bool, dtype: str
+) -> None:
+    from kvq.calibrators.options import check_choice
+    from kvq.exporters.engines import EXPORT_DTYPES, check_export
     from kvq.models.spec import check_model_spec
 
-    check_model_spec(model)
-    check_export(engine, artifact, out, overwrite)  # before torch loads
+    if model is not None:
+        check_model_spec(model)
+    check_choice("--dtype", dtype, EXPORT_DTYPES)
+    check_export(engine, artifact, out, overwrite)
 
-    from kvq.cli.progress import RichProgress
+    from kvq.cli.progress import cli_progress
     from kvq.exporters.engines import export_job
 
     quiet_transformers()
-    with RichProgress() as progress:
-        marker = export_job(engine, artifact, model, out, overwrite, progress)
+    with cli_progress() as progress:
+        marker = export_job(engine, artifact, model, out, overwrite, progress, dtype)
     kv = marker["kv_cache"]
     typer.echo(
         f"{printable(str(out))}: {marker['target']} checkpoint, K/V {kv['format']} with "
@@ -85,28 +115,39 @@ def _export_engine(engine: str, artifact: Path, model: str, out: Path, overwrite
 
 EXPORT_OUT = typer.Option(..., "--out", help="checkpoint directory to write")
 EXPORT_OVERWRITE = typer.Option(False, "--overwrite", help="replace a previous kvq export")
+EXPORT_MODEL = typer.Option(
+    None, "--model", help="the model (default: the one the artifact's manifest names)"
+)
+EXPORT_DTYPE = typer.Option(
+    "auto",
+    "--dtype",
+    help="weights: auto (the source model's own dtype; bfloat16 for a GGUF), bfloat16, "
+    "float16 or float32; the K/V scales stay float32",
+)
 
 
 @export_app.command("vllm")
 def export_vllm(
     artifact: Path = typer.Argument(..., help="artifact directory"),
-    model: str = MODEL,
+    model: str | None = EXPORT_MODEL,
     out: Path = EXPORT_OUT,
     overwrite: bool = EXPORT_OVERWRITE,
+    dtype: str = EXPORT_DTYPE,
 ) -> None:
     """A compressed-tensors checkpoint vLLM loads: weights, kv_cache_scheme, k/v_scale."""
-    _export_engine("vllm", artifact, model, out, overwrite)
+    _export_engine("vllm", artifact, model, out, overwrite, dtype)
 
 
 @export_app.command("modelopt")
 def export_modelopt(
     artifact: Path = typer.Argument(..., help="artifact directory"),
-    model: str = MODEL,
+    model: str | None = EXPORT_MODEL,
     out: Path = EXPORT_OUT,
     overwrite: bool = EXPORT_OVERWRITE,
+    dtype: str = EXPORT_DTYPE,
 ) -> None:
     """A ModelOpt-layout checkpoint (TensorRT-LLM, SGLang): hf_quant_config.json + scales."""
-    _export_engine("modelopt", artifact, model, out, overwrite)
+    _export_engine("modelopt", artifact, model, out, overwrite, dtype)
 
 
 @app.command("compare")
@@ -118,9 +159,9 @@ def compare(
     json_out: Path | None = typer.Option(None, "--json", help="write the table here"),
 ) -> None:
     """One table over run-eval reports of one model, task set and dataset."""
+    from kvq.artifacts.paths import check_output_file
     from kvq.cli.render import print_compare
     from kvq.eval.compare import load_reports, pareto_plot, table
-    from kvq.exporters.paths import check_output_file
 
     for out in (plot, json_out):
         if out is not None:
@@ -137,8 +178,8 @@ def compare(
 @app.command("inspect")
 def inspect(artifact: Path = typer.Argument(..., help="artifact directory")) -> None:
     """Summary, byte ledger and validation result of an artifact."""
+    from kvq.artifacts.store import read_artifact
     from kvq.cli.render import print_inspect
-    from kvq.exporters.artifact import read_artifact
 
     print_inspect(read_artifact(artifact), artifact)
 
@@ -148,7 +189,9 @@ def run_eval(
     model: str = MODEL,
     artifact: Path | None = typer.Option(None, "--artifact", help="artifact directory"),
     policy: str | None = typer.Option(None, "--policy", help=POLICY_HELP),
-    dataset: str = typer.Option("wikitext2", "--dataset"),
+    dataset: str = typer.Option(
+        "wikitext2", "--dataset", help="wikitext2 or a .txt/.jsonl/.parquet path: the text scored"
+    ),
     tasks: str = typer.Option(
         "ppl,kld,bytes",
         "--tasks",
@@ -202,7 +245,7 @@ def run_eval(
         "artifact without one: served before every window, not scored (default none; an "
         "artifact's declared prefix is always served)",
     ),
-    seed: int = typer.Option(0, "--seed"),
+    seed: int = typer.Option(0, "--seed", help="window sampling and retrieval prompts"),
     json_out: Path | None = typer.Option(None, "--json", help="write the report here"),
     data_dir: str | None = DATA_DIR,
     backend: str | None = BACKEND,
@@ -210,6 +253,7 @@ def run_eval(
     max_memory: str | None = MAX_MEMORY,
 ) -> None:
     """Quality and cost of the quantized cache against the unquantized model, same run."""
+    from kvq.artifacts.paths import check_output_file
     from kvq.calibrators.options import parse_prefix_ids
     from kvq.data.text import check_seed, read_corpus
     from kvq.eval.inputs import (
@@ -223,15 +267,15 @@ def run_eval(
         parse_depths,
         parse_tasks,
     )
+    from kvq.eval.tasks import WINDOW_TASKS
     from kvq.eval.tasks.base import EvalParams
     from kvq.eval.verdict import parse_budget
-    from kvq.exporters.paths import check_output_file
     from kvq.models.placement import parse_placement
-    from kvq.models.spec import check_model_spec
+    from kvq.models.spec import check_fits_context, check_model_spec
 
     positive(windows=windows, seqlen=seqlen, trials=trials, new_tokens=new_tokens, prompts=prompts)
     placement = parse_placement(device_map, max_memory)
-    parse_tasks(tasks)
+    chosen = parse_tasks(tasks)
     params = EvalParams(
         contexts=parse_contexts(contexts), depths=parse_depths(depths), trials=trials,
         new_tokens=new_tokens, prompts=prompts, seed=seed,
@@ -247,17 +291,21 @@ def run_eval(
     check_seed(seed)
     check_cache_source(artifact, policy, backend)
     check_model_spec(model)
+    if any(t in WINDOW_TASKS for t in chosen):
+        check_fits_context(model, seqlen, "--seqlen")
+    if any(t not in WINDOW_TASKS for t in chosen):
+        check_fits_context(model, max(params.contexts), "--contexts")
     if json_out is not None:
         inputs = (Path(dataset), *(artifact_files(artifact) if artifact else ()))
         json_out = check_output_file(json_out, "--json", inputs)
     corpus = read_corpus(dataset, windows, seqlen, data_dir)
 
-    from kvq.cli.progress import RichProgress
+    from kvq.cli.progress import cli_progress
     from kvq.cli.render import print_eval
     from kvq.eval.run import run_eval_job
 
     quiet_transformers()
-    with RichProgress() as progress:
+    with cli_progress() as progress:
         report = run_eval_job(
             model,
             artifact,
@@ -297,11 +345,13 @@ def run_eval(
 
 @app.command("generate")
 def generate(
-    prompt: str = typer.Option(..., "--prompt"),
+    prompt: str = typer.Option(..., "--prompt", help="the text to continue"),
     model: str = MODEL,
-    artifact: Path | None = typer.Option(None, "--artifact"),
+    artifact: Path | None = typer.Option(
+        None, "--artifact", help="artifact directory (else --policy)"
+    ),
     policy: str | None = typer.Option(None, "--policy", help=POLICY_HELP),
-    max_new_tokens: int = typer.Option(64, "--max-new-tokens"),
+    max_new_tokens: int = typer.Option(64, "--max-new-tokens", help="tokens to generate"),
     backend: str | None = BACKEND,
 ) -> None:
     """Greedy generation through the quantized cache."""
@@ -323,10 +373,13 @@ def generate(
         )
     typer.echo(printable(gen.text, keep_newlines=True))  # the model's text, not commands
     ledger = gen.ledger
+    # full-precision rows (the fp16 policy, sinks, residual windows) keep the model's dtype
+    kept = f"; full-precision rows in {gen.model_dtype}" if ledger.full_precision else ""
     typer.echo(
         f"[{gen.new_tokens} new tokens in {gen.seconds:.1f} s "
         f"({gen.new_tokens / max(gen.seconds, 1e-9):.1f} tokens/s, prefill included); "
-        f"cache: {ledger.total} bytes for {ledger.tokens} tokens, {ledger.ratio:.3f} x fp16]",
+        f"cache: {ledger.total} bytes for {ledger.tokens} tokens, {ledger.ratio:.3f} x fp16"
+        f"{kept}]",
         err=True,
     )
 

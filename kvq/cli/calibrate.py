@@ -27,7 +27,9 @@ from kvq.cli.common import (
 )
 from kvq.errors import KvqError
 
-calibrate_app = typer.Typer(cls=OneLineErrors, no_args_is_help=True, help="Run a calibration pass.")
+calibrate_app = typer.Typer(
+    cls=OneLineErrors, no_args_is_help=True, rich_markup_mode=None, help="Run a calibration pass."
+)
 
 # (name, type, typer option) shared by every pass
 COMMON = [
@@ -157,21 +159,22 @@ def calibrate(
 ) -> None:
     """Check everything a calibration needs before torch loads (the model spec, the seed,
     the destination, the base artifact, the dataset, read once here), then run the chain."""
+    from kvq.artifacts.paths import check_artifact_out, replaced_meanwhile
     from kvq.data.text import check_seed, read_corpus
-    from kvq.exporters.paths import check_artifact_out, replaced_meanwhile
     from kvq.models.placement import parse_placement
-    from kvq.models.spec import check_model_spec
+    from kvq.models.spec import check_fits_context, check_model_spec
 
     positive(samples=samples, seqlen=seqlen)
     placement = parse_placement(device_map, max_memory)
     check_seed(seed)
     check_model_spec(model)
+    check_fits_context(model, seqlen, "--seqlen")
     if base is not None and not Path(base).is_dir():
         raise KvqError(f"--base {base}: no such artifact directory")
     out = check_artifact_out(out, overwrite)
     corpus = read_corpus(dataset, samples, seqlen, data_dir)
 
-    from kvq.cli.progress import RichProgress  # torch and transformers: after the checks
+    from kvq.cli.progress import cli_progress  # torch and transformers: after the checks
     from kvq.cli.render import print_calibration_summary
     from kvq.pipeline import CalibrationRequest, calibrate_job
 
@@ -189,7 +192,7 @@ def calibrate(
         base=base,
         placement=placement,
     )
-    with RichProgress() as progress:
+    with cli_progress() as progress:
         artifact = calibrate_job(request, progress, corpus)
     if replaced_meanwhile(out):  # a concurrent --overwrite of the same --out, swapped in later
         raise KvqError(f"--out {out}: another run replaced the artifact this one wrote")

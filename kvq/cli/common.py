@@ -23,7 +23,7 @@ class OneLineErrors(TyperGroup):
     """Every user error is one line on stderr and exit code 2, never a traceback."""
 
     def main(self, *args, **kwargs):
-        from kvq.exporters.paths import published
+        from kvq.artifacts.paths import published
 
         self._published = len(published())  # earlier commands of this process are not ours
         try:
@@ -39,7 +39,7 @@ class OneLineErrors(TyperGroup):
             raise
 
     def _aborted(self) -> None:
-        from kvq.exporters.paths import published
+        from kvq.artifacts.paths import published
 
         aborted(published()[self._published :])
 
@@ -117,13 +117,13 @@ def positive(**values: int) -> None:
 
 
 def artifact_files(artifact: Path) -> tuple[Path, ...]:
-    from kvq.exporters.paths import RESERVED
+    from kvq.artifacts.paths import RESERVED
 
     return tuple(Path(artifact) / name for name in RESERVED)
 
 
 def write_json(path: Path, obj) -> None:
-    from kvq.exporters.paths import write_text_atomic
+    from kvq.artifacts.paths import write_text_atomic
 
     write_text_atomic(path, json.dumps(obj, indent=2, sort_keys=False) + "\n")
 

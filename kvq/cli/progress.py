@@ -1,9 +1,23 @@
-"""A rich-backed `Progress`: one bar per stage on stderr, timings kept."""
+"""Progress on stderr for the command line: rich bars on a terminal, plain lines elsewhere.
+
+A log file or a CI console cannot redraw a bar (rich prints it once, at the end), so when
+stderr is not a terminal each stage prints a line when it starts, a line with its count,
+elapsed time and ETA at most every `PlainProgress.every` seconds, and one when it ends.
+"""
 
 from __future__ import annotations
 
+import sys
+import time
+
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
 from rich.progress import Progress as RichBars
 
 from kvq.progress import Progress, Stage
@@ -11,9 +25,21 @@ from kvq.progress import Progress, Stage
 STDERR = Console(stderr=True)
 
 
-class RichProgress(Progress):
-    """Use as a context manager so one live display spans the whole command."""
+def cli_progress(terminal: bool | None = None) -> Progress:
+    """The progress a command shows: bars on a terminal (None: whether stderr is one), else
+    plain lines. Use it as a context manager so one display spans the whole command."""
+    terminal = STDERR.is_terminal if terminal is None else terminal
+    return RichProgress() if terminal else PlainProgress(sys.stderr)
 
+
+def _clock(seconds: float) -> str:
+    s = int(round(seconds))
+    return (
+        f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}" if s >= 3600 else f"{s // 60}:{s % 60:02d}"
+    )
+
+
+class RichProgress(Progress):
     def __init__(self) -> None:
         super().__init__()
         self._bars = RichBars(
@@ -21,6 +47,8 @@ class RichProgress(Progress):
             BarColumn(),
             MofNCompleteColumn(),
             TimeElapsedColumn(),
+            TextColumn("eta"),
+            TimeRemainingColumn(),
             console=STDERR,
             transient=False,
         )
@@ -43,3 +71,53 @@ class RichProgress(Progress):
         t = self._bars.tasks[self._bars.task_ids.index(task)]
         if t.total is None:
             self._bars.update(task, total=1, completed=1)
+
+
+class PlainProgress(Progress):
+    """One line per event, flushed: `name: 3/16, 0:12 elapsed, eta 0:52`."""
+
+    every = 10.0  # seconds between count lines of one stage
+
+    def __init__(self, stream) -> None:
+        super().__init__()
+        self._stream = stream
+        self._open_stages: dict[str, tuple[float, int | None, list[int], list[float]]] = {}
+
+    def __enter__(self) -> PlainProgress:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        return None
+
+    def _say(self, line: str) -> None:
+        self._stream.write(line + "\n")
+        self._stream.flush()
+
+    def _open(self, name: str, total: int | None) -> Stage:
+        start = time.perf_counter()
+        done, last = [0], [start]
+        first: list[tuple[float, int]] = []  # (time, count) at the first advance
+        self._open_stages[name] = (start, total, done, last)
+        self._say(f"{name}: started" + (f" (0/{total})" if total else ""))
+
+        def advance(n: int) -> None:
+            done[0] += n
+            now = time.perf_counter()
+            if not first:
+                first.append((now, done[0]))
+            if now - last[0] < self.every:
+                return
+            last[0] = now
+            count = f"{done[0]}/{total}" if total else str(done[0])
+            # the rate since the first item: a stage's first item often carries its set-up
+            (t1, d1), eta = first[0], ""
+            if total and d1 < done[0] < total:
+                eta = f", eta {_clock((now - t1) / (done[0] - d1) * (total - done[0]))}"
+            self._say(f"{name}: {count}, {_clock(now - start)} elapsed{eta}")
+
+        return Stage(advance)
+
+    def _close(self, name: str) -> None:
+        start, total, done, _ = self._open_stages.pop(name)
+        count = f" ({done[0]}/{total})" if total else ""
+        self._say(f"{name}: done in {_clock(time.perf_counter() - start)}{count}")

@@ -16,8 +16,8 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from kvq.artifacts.store import Artifact
 from kvq.eval.tasks import WINDOW_TASKS, get_task
-from kvq.exporters.artifact import Artifact
 from kvq.manifests.ledger import CATEGORIES, ByteLedger
 from kvq.manifests.schema import manifest_to_json
 from kvq.textsafe import printable

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from kvq.artifacts.compat import load_artifact
 from kvq.calibrators.options import parse_prefix_ids
 from kvq.calibrators.prefix_state import ids_prefix
 from kvq.data.text import TextSource, read_corpus
@@ -29,13 +30,7 @@ from kvq.eval.verdict import default_budget, verdict
 from kvq.manifests.ledger import ByteLedger
 from kvq.models.loading import load_model
 from kvq.models.placement import Placement, input_device
-from kvq.pipeline import (
-    apply_transforms,
-    cache_for,
-    check_context,
-    load_artifact,
-    load_windows,
-)
+from kvq.pipeline import apply_transforms, cache_for, check_context, load_windows
 from kvq.progress import Progress
 from kvq.runtime.activations import quantized_linear_inputs, static_scales
 from kvq.runtime.kernels.backend import resolve_backend
@@ -214,6 +209,7 @@ class Generation:
     seconds: float  # prefill + decode, model loading excluded
     ledger: ByteLedger  # the cache after the last step
     transforms: tuple[str, ...] = ()  # model transforms the artifact applied, by kind
+    model_dtype: str = "float32"  # the activations' dtype: what full-precision rows keep
 
 
 @torch.no_grad()
@@ -252,4 +248,5 @@ def generate_text(
     seconds = time.perf_counter() - start
     new = out[0, inputs["input_ids"].shape[1] :]  # [N]
     text = loaded.tokenizer.decode(new, skip_special_tokens=True)
-    return Generation(text, int(new.numel()), seconds, cache.nbytes(), transforms)
+    dtype = str(next(loaded.model.parameters()).dtype).removeprefix("torch.")
+    return Generation(text, int(new.numel()), seconds, cache.nbytes(), transforms, dtype)

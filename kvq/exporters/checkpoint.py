@@ -3,7 +3,7 @@
 A serving export is the model's own `save_pretrained` folder (weights, config, tokenizer)
 plus the K/V scale tensors under the names an engine reads, a quantization config and
 kvq's provenance marker. It is built in a hidden sibling folder and swapped into place
-(`kvq.exporters.paths`), so `--out` holds the previous export or the new one, never a
+(`kvq.artifacts.paths`), so `--out` holds the previous export or the new one, never a
 half-written folder.
 """
 
@@ -18,8 +18,8 @@ from pathlib import Path
 import safetensors.torch
 from torch import Tensor
 
+from kvq.artifacts import paths
 from kvq.errors import KvqError
-from kvq.exporters import paths
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"

@@ -18,16 +18,18 @@ checkpoint reproducible and lets `--overwrite` recognise it.
 from __future__ import annotations
 
 import hashlib
+import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
 from torch import Tensor
 
+from kvq.artifacts.paths import EXPORT_MARKER, MANIFEST_FILE, check_artifact_out
+from kvq.artifacts.store import Artifact, read_artifact, tensor_index
 from kvq.errors import KvqError
-from kvq.exporters.artifact import Artifact, read_artifact, tensor_index
 from kvq.exporters.checkpoint import write_checkpoint
-from kvq.exporters.paths import EXPORT_MARKER, MANIFEST_FILE, check_artifact_out
 from kvq.exporters.serving import ServingScales, Target, serving_scales
 from kvq.manifests.schema import KVQ_VERSION
 from kvq.progress import Progress
@@ -142,24 +144,50 @@ def check_export(engine_name: str, artifact_path: Path, out: Path, overwrite: bo
     return check_artifact_out(out, overwrite, export=True)
 
 
+EXPORT_DTYPES = ("auto", "bfloat16", "float16", "float32")
+
+
+def source_dtype(model_spec: str) -> torch.dtype:
+    """The dtype the model's own files declare (config.json), which an export keeps: a
+    bf16 model is not written at twice its size in fp32. A GGUF holds block-quantized
+    weights, which kvq converts to fp32: bf16, the dtype engines serve, for those."""
+    from kvq.models.loading import resolve_model_dir
+    from kvq.models.spec import model_kind
+
+    if model_kind(model_spec) in ("packaged", "gguf"):
+        return torch.bfloat16
+    config = Path(resolve_model_dir(model_spec)) / "config.json"
+    declared = None
+    if config.is_file():
+        raw = json.loads(config.read_text(encoding="utf-8"))
+        declared = raw.get("dtype") or raw.get("torch_dtype")
+    return getattr(torch, declared) if declared in EXPORT_DTYPES[1:] else torch.float32
+
+
 def export_job(
     engine_name: str,
     artifact_path: Path,
-    model_spec: str,
+    model_spec: str | None,
     out: Path,
     overwrite: bool,
     progress: Progress,
+    dtype: str = "auto",
 ) -> dict:
     """Read and check the artifact (refusing what the engine cannot represent before any
     model loads), load the model, fold the artifact's transforms in, write the checkpoint.
-    Returns the scale manifest written as kvq_export.json."""
-    from kvq.pipeline import apply_transforms, load_artifact
+    Returns the scale manifest written as kvq_export.json.
+    model_spec None: the model the artifact's manifest names. dtype: of the written
+    weights; "auto" keeps the source model's (`source_dtype`). Scales stay fp32."""
+    from kvq.artifacts.compat import load_artifact
+    from kvq.pipeline import apply_transforms
 
     engine = ENGINES[engine_name]
     out = check_export(engine_name, artifact_path, out, overwrite)
     with progress.stage("read artifact"):
         artifact = read_artifact(artifact_path)
         scales = serving_scales(artifact, engine.target)
+    model_spec = model_spec or artifact.manifest.model_spec
+    weights_dtype = source_dtype(model_spec) if dtype == "auto" else getattr(torch, dtype)
     from kvq.models.loading import load_model
 
     with progress.stage("load model"):
@@ -169,6 +197,8 @@ def export_job(
     modules = {id(m): n for n, m in loaded.model.named_modules()}
     attn = {i: modules[id(loaded.adapter.attention(i))] for i in scales.key}
     marker = _marker(engine_name, engine, artifact, Path(artifact_path), model_spec, loaded, scales)
+    marker["model"]["dtype"] = str(weights_dtype).removeprefix("torch.")
+    loaded.model.to(weights_dtype)  # last use of the model: its fp32 copy is not needed
     with progress.stage(f"write {engine_name} checkpoint"):
         write_checkpoint(
             loaded.model,

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
+from kvq.artifacts.store import Artifact
 from kvq.errors import KvqError
-from kvq.exporters.artifact import Artifact
 from kvq.quant.schemes import QuantScheme
 
 

@@ -26,13 +26,13 @@ import torch
 from rich.console import Console
 from rich.text import Text
 
+from kvq.artifacts import paths
 from kvq.errors import KvqError
-from kvq.exporters import paths
 from kvq.manifests.identity import ModelIdentity
 from kvq.models.adapters import ArchitectureAdapter, get_adapter
 from kvq.models.fingerprint import model_identity
 from kvq.models.placement import Placement
-from kvq.models.spec import DEFAULT_MODEL, model_kind
+from kvq.models.spec import DEFAULT_MODEL, cache_root, model_kind
 from kvq.textsafe import printable
 
 _console = Console(stderr=True)
@@ -51,11 +51,6 @@ class LoadedModel:
     spec: str
     identity: ModelIdentity
     adapter: ArchitectureAdapter
-
-
-def cache_root() -> Path:
-    """$KVQ_CACHE, default ~/.cache/kvq."""
-    return Path(os.environ.get("KVQ_CACHE") or "~/.cache/kvq").expanduser()
 
 
 def load_model(

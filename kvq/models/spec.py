@@ -9,6 +9,7 @@ importing anything heavy, so a typo in `--model` fails in well under a second.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import struct
@@ -72,6 +73,36 @@ def check_gguf_header(path: Path, spec: str) -> None:
             f"{bad}: it claims {tensors} tensors and {kvs} metadata entries, "
             f"more than its {size} bytes can hold (truncated or corrupt)"
         )
+
+
+def cache_root() -> Path:
+    """$KVQ_CACHE, default ~/.cache/kvq."""
+    return Path(os.environ.get("KVQ_CACHE") or "~/.cache/kvq").expanduser()
+
+
+def declared_context(spec: str) -> int | None:
+    """The model's context (max_position_embeddings) when its config.json is on disk: a
+    model directory, or the packaged model once converted; None when only loading says."""
+    kind = model_kind(spec)
+    folder = {"dir": Path(spec).expanduser(), "packaged": cache_root() / "models" / spec}
+    config = folder[kind] / "config.json" if kind in folder else None
+    if config is None or not config.is_file():
+        return None
+    try:
+        raw = json.loads(config.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None  # loading will say what is wrong with it
+    raw = raw.get("text_config", raw) if isinstance(raw, dict) else {}
+    n = raw.get("max_position_embeddings") if isinstance(raw, dict) else None
+    return n if isinstance(n, int) and n > 0 else None
+
+
+def check_fits_context(spec: str, tokens: int, what: str) -> None:
+    """Refuse `tokens` past the model's context before the model loads, when its config
+    says what that is (`declared_context`); the loaded model is checked again either way."""
+    context = declared_context(spec)
+    if context is not None and tokens > context:
+        raise KvqError(f"{what} asks for {tokens} tokens; the model's context is {context}")
 
 
 def check_model_spec(spec: str) -> None:

@@ -1,6 +1,6 @@
 """A8: symmetric INT8 for the input of a linear layer, static per tensor or dynamic per
 token. The number format is `kvq.quant.affine`'s symmetric INT8 (the one the fused
-RMSNorm + INT8 producer and the W8A8 GEMM of `kvq.runtime.kernels.a8` use); scales are
+RMSNorm + INT8 producer and the W8A8 GEMM of `kvq.runtime.kernels.activations.a8` use); scales are
 stored float32 (`kv_formats.scale_for`), like the static K/V scales engines load.
 """
 

@@ -5,7 +5,7 @@ Two paths, chosen by the attention backend (`resolve_backend`):
   reference  fake-quant: the input is encoded and decoded by `kvq.quant.activations`
              (the shared symmetric INT8) and the linear runs in the model's dtype with
              its own weights, so the figures show what the activation codes cost alone;
-  triton     the W8A8 GEMM of `kvq.runtime.kernels.a8` (`int8_linear`) on the same
+  triton     the W8A8 GEMM of `kvq.runtime.kernels.activations.a8` (`int8_linear`) on the same
              activation codes and per-output-channel INT8 weight codes: what an INT8
              engine runs. The weights are quantized too, so its figures are W8A8's. With
              a8-dynamic, the RMSNorms that feed q/k/v and gate/up (`norm_feeds`) run as
@@ -114,7 +114,7 @@ def _fake_quant_hook(module: nn.Linear, scale: Tensor | None):
 def _fused_norm_hook(norm: nn.Module, eps: float, offset: float, stash: dict):
     """Replace the norm's output by the fused RMSNorm + INT8 producer's decoded codes, and
     leave (output, codes [M, K], scales [M]) in `stash` for the linears it feeds."""
-    from kvq.runtime.kernels.a8 import rmsnorm_quant
+    from kvq.runtime.kernels.activations.a8 import rmsnorm_quant
 
     def hook(_module, args, output):
         stash.clear()
@@ -139,7 +139,7 @@ def _swap_forward(
 ):
     """Replace module.forward by the W8A8 GEMM; returns the function that restores it.
     stash: the feeding norm's fused codes, used when this linear's input is its output."""
-    from kvq.runtime.kernels.a8 import int8_linear, quantize_weight_per_channel
+    from kvq.runtime.kernels.activations.a8 import int8_linear, quantize_weight_per_channel
 
     w_codes, w_scale = quantize_weight_per_channel(module.weight.detach())  # [N, K], [N]
     scale = None if scale is None else scale.to(module.weight.device)

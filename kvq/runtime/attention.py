@@ -21,8 +21,9 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
 from kvq.errors import KvqError
-from kvq.runtime.kernels.decode_attention import decode_attention
+from kvq.runtime.kernels.decode.attention import decode_attention
 from kvq.runtime.sink import kernel_mask
+from kvq.runtime.view import LayerView
 
 NAME = "kvq"
 
@@ -39,8 +40,6 @@ def kvq_attention(
 ) -> tuple[Tensor, None]:
     """query [B, H_q, Q, D] -> (output [B, Q, H_q, D], None). Gradients stop at the
     packed rows: kvq caches serve inference."""
-    from kvq.runtime.cache import LayerView  # cycle: cache installs this module
-
     if not isinstance(key, LayerView):
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs

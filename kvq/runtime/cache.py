@@ -28,9 +28,10 @@ from kvq.quant.schemes import CachePolicy
 from kvq.runtime.attention import install_attention
 from kvq.runtime.codecs import make_codec
 from kvq.runtime.kernels.backend import check_choice
-from kvq.runtime.kernels.decode_attention import Rope
+from kvq.runtime.kernels.decode.attention import Rope
 from kvq.runtime.layers import KvqLayer, LayerState
 from kvq.runtime.prefix import Prefix
+from kvq.runtime.view import LayerView
 
 
 @dataclass
@@ -43,57 +44,6 @@ class _Transaction:
     prepared: dict[int, LayerState] = field(default_factory=dict)
     query_len: int = 0
     positions: Tensor | None = None  # [B, T] RoPE positions of the new rows (all layers)
-
-
-@dataclass(frozen=True)
-class LayerView:
-    """What `update` hands to the attention function instead of K/V tensors.
-
-    The attention function calls `prepare(mask)`: the layer's new rows become its
-    transaction-private successor state, which it then reads chunk by chunk.
-    """
-
-    cache: QuantizedKVCache
-    layer: KvqLayer
-
-    @property
-    def columns(self) -> int:
-        """Mask columns once this forward's rows are appended."""
-        return self.layer.state.visible + self.cache._txn.query_len
-
-    def prepare(self, mask: Tensor | None) -> LayerState:
-        return self.cache._prepare(self.layer.layer_idx, mask)
-
-    @property
-    def query_positions(self) -> Tensor:
-        """[B, Q] RoPE positions of this forward's queries (= its new rows)."""
-        return self.cache._txn.positions
-
-    @property
-    def shape(self) -> tuple[int, ...]:  # informative only; never a real tensor
-        return (-1, -1, self.columns, -1)
-
-    # A model whose attention is not kvq's treats the view as K/V tensors: say why it fails.
-    def _not_kvq_attention(self, *_args, **_kwargs):
-        self.cache.abort()
-        raise KvqError(
-            "this kvq cache reached a model whose attention is not kvq's; build a cache for "
-            "that model with kvq.make_cache (a cache serves the model it was made for)"
-        )
-
-    __getitem__ = __iter__ = __len__ = __array__ = _not_kvq_attention
-
-    def __getattr__(self, name: str):
-        if name.startswith("__"):  # copy, pickle and friends probe dunders: stay quiet
-            raise AttributeError(name)
-        self._not_kvq_attention()
-
-    @classmethod
-    def __torch_function__(cls, func, types, args=(), kwargs=None):
-        view = next((a for a in args if isinstance(a, LayerView)), None)
-        if view is None:
-            raise KvqError("a kvq cache's layer view reached a torch function")
-        view._not_kvq_attention()
 
 
 class QuantizedKVCache(Cache):
@@ -390,19 +340,11 @@ class QuantizedKVCache(Cache):
         return index
 
     def save(self, path) -> None:
-        """Write the committed state to a safetensors file (see `kvq.runtime.saved`)."""
+        """Write the committed state to a safetensors file (see `kvq.runtime.saved`); read it
+        back with `kvq.load_cache`."""
         from kvq.runtime.saved import save_cache
 
         save_cache(self, path)
-
-    @classmethod
-    def load(cls, path, model, artifact=None, policy: str | None = None) -> QuantizedKVCache:
-        """A cache for `model` (loaded by kvq) from `artifact` or `policy`, holding the state
-        saved at `path`; refuses a state saved for another model, artifact or layout."""
-        from kvq.api import make_cache
-        from kvq.runtime.saved import restore_cache
-
-        return restore_cache(make_cache(model, artifact=artifact, policy=policy), path)
 
     # --- measurements ----------------------------------------------------------------
 

@@ -22,7 +22,7 @@ from kvq.quant.qparams import deferred_checks
 from kvq.quant.schemes import LayerPolicy
 from kvq.runtime.codecs import Codec
 from kvq.runtime.kernels.backend import resolve_backend
-from kvq.runtime.kernels.decode_attention import Rope, Segment, rotate
+from kvq.runtime.kernels.decode.attention import Rope, Segment, rotate
 from kvq.runtime.packed import PackedRows, decode_packed
 from kvq.runtime.prefix import PrefixKV, PrefixRows
 from kvq.runtime.sink import SinkRows, kernel_mask

@@ -87,14 +87,14 @@ def prefix_from_tensors(spec: PrefixSpec | None, tensors: dict[str, Tensor], lay
 
 
 def load_prefix(artifact) -> Prefix | None:
-    """The declared prefix of an artifact (a `kvq.exporters.artifact.Artifact` or its
+    """The declared prefix of an artifact (a `kvq.artifacts.store.Artifact` or its
     path): token ids, the tokenizer fingerprint and per-layer pre-RoPE K and V
     ([H_kv, P, D]); None when the artifact declares none. Calibrators use it to observe
     statistics with the prefix in place (see `prefix_dynamic_cache`)."""
     from pathlib import Path
 
     if isinstance(artifact, (str, Path)):
-        from kvq.exporters.artifact import read_artifact
+        from kvq.artifacts.store import read_artifact
 
         artifact = read_artifact(Path(artifact))
     policy = artifact.manifest.policy

@@ -28,8 +28,8 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from kvq.artifacts.paths import is_artifact_dir
 from kvq.errors import KvqError
-from kvq.exporters.paths import is_artifact_dir
 from kvq.models.fingerprint import tensor_sha256
 from kvq.runtime.prefix import PrefixRows
 from kvq.runtime.sink import SinkRows

@@ -33,11 +33,11 @@ _RULES = {
     "upper": ("channel", "finite"),
     "codebook": ("levels", "increasing"),
     "qnorm_levels": ("levels", "finite"),
-    # vector codebooks: shapes and values checked by their codec (kvq.runtime.vq_codecs)
+    # vector codebooks: shapes and values checked by their codec (kvq.runtime.codecs.vq)
     "vq_codebook": ("codec", "finite"),
     "vq_groups": ("codec", "index"),
     "vq_weight": ("channel", "nonnegative"),
-    # trellis tables: shape and values checked by their codec (kvq.runtime.trellis_codecs)
+    # trellis tables: shape and values checked by their codec (kvq.runtime.codecs.trellis)
     "trellis_table": ("codec", "finite"),
     "trellis_weight": ("channel", "nonnegative"),
 }

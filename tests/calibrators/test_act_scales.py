@@ -6,12 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvq.artifacts.store import read_artifact, write_artifact
 from kvq.calibrators.base import tensor_kind
 from kvq.calibrators.capture import capture, run_windows
 from kvq.calibrators.options import ActScalesOptions, KVScalesOptions, parse_prefix_ids
 from kvq.calibrators.prefix_state import extract_prefix
 from kvq.errors import IncompatibleArtifact, KvqError
-from kvq.exporters.artifact import read_artifact, write_artifact
 from kvq.models.loading import load_model
 from kvq.quant import kv_formats
 from kvq.quant.activations import input_scale_name

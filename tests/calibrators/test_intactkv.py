@@ -8,10 +8,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from kvq.artifacts.store import Artifact, read_artifact, write_artifact
 from kvq.calibrators.intactkv import _Trainer
 from kvq.calibrators.options import IntactKVOptions, KVQuantOptions
 from kvq.calibrators.prefix_state import extract_prefix
-from kvq.exporters.artifact import Artifact, read_artifact, write_artifact
 from kvq.manifests.schema import manifest_from_json, manifest_to_json
 from kvq.models.loading import load_model
 from kvq.pipeline import artifact_prefix, cache_for

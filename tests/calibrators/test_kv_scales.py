@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvq.artifacts.store import read_artifact
 from kvq.calibrators.capture import capture, run_windows
 from kvq.calibrators.options import KV_FORMATS, ChannelScalesOptions, KVScalesOptions
 from kvq.errors import KvqError
-from kvq.exporters.artifact import read_artifact
 from kvq.models.loading import load_model
 from kvq.pipeline import cache_for
 from kvq.quant import kv_formats

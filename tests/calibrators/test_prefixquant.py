@@ -82,8 +82,8 @@ def test_a_transformed_base_keeps_its_transform_down_the_prefix_chain(
     """smoothattention -> prefixquant --base -> kv-scales --base: the transform is carried
     (not returned again as a new one), the prefix rows come from the smoothed model, and
     the last artifact serves both."""
+    from kvq.artifacts.store import read_artifact
     from kvq.calibrators.prefix_state import extract_prefix
-    from kvq.exporters.artifact import read_artifact
     from kvq.pipeline import apply_transforms
 
     model_dir = tiny_model_dir("llama")
@@ -114,7 +114,7 @@ def test_a_recipe_calibrates_static_scales_after_the_prefix_it_finds(
 ):
     """prefixquant then kv-scales in one command: the second pass takes the first's
     declared prefix as a --base would, and gives the same artifact as the two commands."""
-    from kvq.exporters.artifact import read_artifact
+    from kvq.artifacts.store import read_artifact
 
     model_dir = tiny_model_dir("gemma3")
     recipe = tmp_path / "r.yaml"

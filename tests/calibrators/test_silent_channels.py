@@ -14,9 +14,9 @@ import pytest
 import torch
 
 import kvq
+from kvq.artifacts.store import read_artifact
 from kvq.calibrators.capture import capture, run_windows
 from kvq.calibrators.channel_scales import channel_ranges
-from kvq.exporters.artifact import read_artifact
 from kvq.models.loading import load_model
 from kvq.quant import affine, fp8, kv_formats, nuq
 from tests.cli.test_cli import _one_line_error, _run

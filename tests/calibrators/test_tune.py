@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvq.artifacts.store import read_artifact
 from kvq.calibrators.options import KVQuantOptions, TuneOptions, VQOptions
 from kvq.calibrators.tune import _Tuner
-from kvq.exporters.artifact import read_artifact
 from kvq.models.loading import load_model
 from kvq.pipeline import cache_for, load_windows
 from tests.cli.test_cli import _one_line_error, _run

@@ -7,10 +7,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from kvq.exporters.artifact import Artifact, read_artifact, write_artifact
+from kvq.artifacts.compat import load_artifact
+from kvq.artifacts.store import Artifact, read_artifact, write_artifact
 from kvq.manifests.schema import manifest_from_json, manifest_to_json
 from kvq.models.loading import load_model
-from kvq.pipeline import cache_for, load_artifact
+from kvq.pipeline import cache_for
 from kvq.quant.schemes import PrefixSpec
 from kvq.runtime.activations import quantized_linear_inputs, static_scales
 from tests.cli.test_cli import _one_line_error, _run

@@ -3,6 +3,7 @@
 import json
 
 import pytest
+import typer
 from typer.testing import CliRunner
 
 from kvq.cli.app import app
@@ -290,7 +291,7 @@ def test_cli_starts_without_torch():
 
     code = (
         "import sys, kvq, kvq.cli.app, kvq.eval.inputs, kvq.calibrators.options, "
-        "kvq.calibrators.recipe, kvq.models.spec, kvq.exporters.paths, kvq.data.text; "
+        "kvq.calibrators.recipe, kvq.models.spec, kvq.artifacts.paths, kvq.data.text; "
         "heavy = [m for m in ('torch', 'transformers') if m in sys.modules]; "
         "assert not heavy, heavy"
     )
@@ -311,3 +312,46 @@ def test_missing_model_and_dataset_are_refused_before_loading_the_model(command)
     result = _run(*command, "--model", "gemma3-270m", "--dataset", "/no/such/text.txt")
     _one_line_error(result, "dataset file", "does not exist")
     assert "load model" not in result.stderr
+
+
+def test_version_and_help_on_every_option():
+    """`kvq --version` answers; every option of every command says what it is for, and the
+    help shows no type noise on --help."""
+    import click
+
+    result = _run("--version")
+    assert result.exit_code == 0 and result.output.startswith("kvq ")
+    root = typer.main.get_command(app)
+    todo = [((), root)]
+    while todo:
+        path, command = todo.pop()
+        if isinstance(command, click.Group):
+            todo += [((*path, n), c) for n, c in command.commands.items()]
+            continue
+        for param in command.params:
+            if isinstance(param, click.Option):
+                assert param.help, f"kvq {' '.join(path)} {param.opts[0]} has no help"
+        shown = _run(*path, "--help").output
+        assert "--help" in shown and "<bool>" not in shown
+
+
+def test_lengths_past_the_context_are_refused_before_the_model_loads(
+    llama_dir, calib_txt, shared_data, monkeypatch
+):
+    import json as _json
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the model was loaded")
+
+    for module in ("kvq.pipeline", "kvq.eval.run"):
+        monkeypatch.setattr(f"{module}.load_model", no_load)
+    context = _json.loads((llama_dir / "config.json").read_text())["max_position_embeddings"]
+    over = str(context + 1)
+    eval_args = ("run-eval", "--model", llama_dir, "--policy", "int8", "--data-dir", shared_data)
+    _one_line_error(_run(*eval_args, "--seqlen", over), "--seqlen", f"context is {context}")
+    _one_line_error(_run(*eval_args, "--tasks", "passkey", "--contexts", over), "--contexts", over)
+    _one_line_error(
+        _run("calibrate", "kvquant", "--model", llama_dir, "--dataset", calib_txt,
+             "--seqlen", over, "--out", llama_dir.parent / "never"),
+        "--seqlen",
+    )  # fmt: skip

@@ -237,7 +237,9 @@ def dataset(tmp_path: Path, kind: str) -> Path:
 )
 def test_bad_datasets_are_one_line_errors(llama_dir, tmp_path, kind, needle):
     path = dataset(tmp_path, kind)
-    result = _run("run-eval", "--model", llama_dir, "--policy", "int8", "--dataset", path)
+    result = _run(
+        "run-eval", "--model", llama_dir, "--policy", "int8", "--dataset", path, "--seqlen", 64
+    )  # within the tiny model's context, so the dataset is what fails
     _one_line_error(result, needle)
 
 
@@ -245,7 +247,9 @@ def test_a_binary_wikitext_is_one_line(llama_dir, tmp_path):
     raw = tmp_path / "wikitext-2-raw"
     raw.mkdir()
     (raw / "wiki.test.raw").write_bytes(b"\xff\xfe" * 1000)
-    result = _run("run-eval", "--model", llama_dir, "--policy", "int8", "--data-dir", tmp_path)
+    result = _run(
+        "run-eval", "--model", llama_dir, "--policy", "int8", "--data-dir", tmp_path, "--seqlen", 64
+    )
     _one_line_error(result, "not UTF-8")
 
 
@@ -382,7 +386,7 @@ def test_an_interrupt_is_one_line_exit_130_and_writes_nothing(
 _SWAP_CHILD = """
 import os, signal, sys
 sys.path.insert(0, {repo!r})
-from kvq.exporters import paths
+from kvq.artifacts import paths
 paths._exchange = lambda a, b: False
 real = os.rename
 def rename(src, dst):
@@ -421,7 +425,7 @@ def _another_run_replaces(out: Path, made: Path) -> None:
 
 
 def test_the_loser_of_two_overwrites_says_so(art, made, llama_dir, calib_txt, monkeypatch):
-    from kvq.exporters import paths
+    from kvq.artifacts import paths
 
     real_swap = paths.swap_into_place
 

@@ -46,8 +46,8 @@ def test_the_cli_calibrates_evaluates_and_refuses_bad_options(
 def test_a_mismatched_table_is_refused_at_load(llama_dir, calib_txt, tmp_path):
     import torch
 
+    from kvq.artifacts.store import read_artifact
     from kvq.errors import IncompatibleArtifact
-    from kvq.exporters.artifact import read_artifact
     from kvq.runtime.validate import check_artifact_state
 
     out = tmp_path / "t2"

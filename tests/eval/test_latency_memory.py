@@ -15,7 +15,7 @@ from kvq.eval.tasks import memory as mem
 from kvq.eval.tasks.base import EvalParams, TaskContext
 from kvq.runtime import attention
 from kvq.runtime.cache import QuantizedKVCache
-from kvq.runtime.kernels import decode_attention as kernels
+from kvq.runtime.kernels.decode import attention as kernels
 from kvq.runtime.layers import KvqLayer
 from tests.conftest import SHARED_DATA
 

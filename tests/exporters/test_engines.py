@@ -5,20 +5,21 @@ from __future__ import annotations
 
 import json
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from kvq.artifacts.paths import EXPORT_MARKER
+from kvq.artifacts.store import Artifact, read_artifact, write_artifact
 from kvq.calibrators.options import (
     ChannelScalesOptions,
     KVQuantOptions,
     KVScalesOptions,
     PrefixQuantOptions,
 )
-from kvq.exporters.artifact import Artifact, read_artifact, write_artifact
 from kvq.exporters.checkpoint import read_checkpoint_tensors
-from kvq.exporters.paths import EXPORT_MARKER
 from kvq.models.loading import load_model
 from kvq.quant.schemes import CachePolicy, LayerPolicy, QuantScheme
 from tests.cli.test_cli import _one_line_error, _run
@@ -213,3 +214,34 @@ def test_an_interrupted_export_leaves_nothing(arts, llama, tmp_path, monkeypatch
     result = _run("export", "vllm", arts["tensor"], "--model", llama, "--out", tmp_path / "c")
     assert result.exit_code == 130
     assert list(tmp_path.iterdir()) == []
+
+
+def test_export_takes_the_artifacts_model_and_keeps_or_sets_the_weights_dtype(arts, tmp_path):
+    """Without --model the export loads the model the manifest names (no default model
+    loaded, then refused); the weights keep the source's declared dtype unless --dtype says
+    otherwise; the K/V scales stay fp32 either way."""
+    out = tmp_path / "ckpt"
+    result = _run("export", "vllm", arts["tensor"], "--out", out)
+    assert result.exit_code == 0, result.stderr
+    stored = read_checkpoint_tensors(out)
+    weights = {n: t for n, t in stored.items() if not n.endswith("_scale")}
+    source = json.loads(
+        (Path(read_artifact(arts["tensor"]).manifest.model_spec) / "config.json").read_text()
+    )
+    declared = source.get("dtype") or source.get("torch_dtype")
+    assert {str(t.dtype) for t in weights.values()} == {f"torch.{declared}"}
+    marker = json.loads((out / EXPORT_MARKER).read_text())
+    assert marker["model"]["dtype"] == declared
+
+    half = tmp_path / "bf16"
+    assert (
+        _run("export", "vllm", arts["tensor"], "--out", half, "--dtype", "bfloat16").exit_code == 0
+    )
+    stored = read_checkpoint_tensors(half)
+    assert {t.dtype for n, t in stored.items() if not n.endswith("_scale")} == {torch.bfloat16}
+    assert {t.dtype for n, t in stored.items() if n.endswith("_scale")} == {torch.float32}
+    _one_line_error(
+        _run("export", "vllm", arts["tensor"], "--out", tmp_path / "x", "--dtype", "int4"),
+        "--dtype",
+        "auto, bfloat16, float16 or float32",
+    )

@@ -8,8 +8,8 @@ import json
 import pytest
 import torch
 
+from kvq.artifacts.store import read_artifact
 from kvq.errors import KvqError
-from kvq.exporters.artifact import read_artifact
 from kvq.models.loading import load_model
 from kvq.models.placement import Placement, input_device, parse_placement
 from tests.cli.test_cli import _one_line_error, _run

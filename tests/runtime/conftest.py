@@ -10,7 +10,7 @@ def triton_decode_diffs(monkeypatch) -> list:
     """Run the Triton decode kernel interpreted and compare every call with the torch
     reference on the same inputs: the max |Triton - reference| of each call, appended as
     the test decodes."""
-    from kvq.runtime.kernels import decode_attention as da
+    from kvq.runtime.kernels.decode import attention as da
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     kernel, diffs = da.decode_attention_triton, []

@@ -11,7 +11,7 @@ from kvq.errors import IncompatibleArtifact, KvqError
 from kvq.models.adapters import get_adapter
 from kvq.quant import activations as a8
 from kvq.runtime.activations import quantized_linear_inputs, static_scales
-from kvq.runtime.kernels.a8 import int8_linear_reference, quantize_weight_per_channel
+from kvq.runtime.kernels.activations.a8 import int8_linear_reference, quantize_weight_per_channel
 from tests.conftest import make_tiny_model
 
 
@@ -111,7 +111,7 @@ def test_unknown_mode_is_refused(adapter):
 def test_triton_dynamic_fuses_the_norm_into_the_gemm(family, monkeypatch):
     """q/k/v and gate/up take the fused RMSNorm + INT8 codes of their norm's input (the
     reference producer's, bit for bit); o/down quantize their own input."""
-    from kvq.runtime.kernels import a8 as kernels
+    from kvq.runtime.kernels.activations import a8 as kernels
 
     adapter = get_adapter(make_tiny_model(family))
     seen = {}

@@ -7,7 +7,7 @@ from transformers import DynamicCache
 from kvq.models.adapters import get_adapter
 from kvq.quant.schemes import CachePolicy, LayerPolicy, QuantScheme, named_policy
 from kvq.runtime.cache import QuantizedKVCache, build_cache
-from kvq.runtime.kernels.decode_attention import decode_attention_reference
+from kvq.runtime.kernels.decode.attention import decode_attention_reference
 from kvq.runtime.reference import dense_attention
 from tests.conftest import make_tiny_model
 

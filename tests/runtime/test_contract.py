@@ -22,8 +22,8 @@ import pytest
 import torch
 from transformers import DynamicCache
 
+from kvq.artifacts.store import read_artifact
 from kvq.calibrators.options import ChannelScalesOptions, KVQuantOptions
-from kvq.exporters.artifact import read_artifact
 from kvq.models.loading import load_model
 from kvq.pipeline import cache_for
 from kvq.quant.schemes import CachePolicy, LayerPolicy, named_policy

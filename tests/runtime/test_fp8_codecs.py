@@ -63,7 +63,7 @@ def test_packed_rows_name_their_format_without_a_device_read(fmt):
     """Every decode step packs the rows again: a static codec hands out the same [H]
     scale and the format's one table each time, so the kernel's key fold is built once and
     the planned path tells the format by the table object (`fp8_format_of`)."""
-    from kvq.runtime.fp8_codecs import fp8_format_of, fp8_table
+    from kvq.runtime.codecs.fp8 import fp8_format_of, fp8_table
 
     x = _rows()
     codec = make_codec(_static(fmt, "tensor"), 32, torch.float32,

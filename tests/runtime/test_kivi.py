@@ -11,8 +11,8 @@ from kvq.models.adapters import get_adapter
 from kvq.quant import affine
 from kvq.quant.schemes import named_policy
 from kvq.runtime.cache import build_cache
-from kvq.runtime.kernels.decode_attention import decode_attention_reference
-from kvq.runtime.kivi import KiviKeyCodec
+from kvq.runtime.codecs.kivi import KiviKeyCodec
+from kvq.runtime.kernels.decode.attention import decode_attention_reference
 from kvq.runtime.packed import decode_packed
 from kvq.runtime.reference import dense_attention
 from tests.conftest import make_tiny_model
@@ -145,7 +145,6 @@ def test_each_sequence_of_a_padded_batch_decodes_as_it_would_alone(kivi_model, p
 @torch.no_grad()
 def test_a_padded_batch_survives_reorder_save_load_and_rollback(kivi_model, tmp_path):
     import kvq
-    from kvq.runtime.cache import QuantizedKVCache
 
     policy = "kivi4-g4-r6"
     gen = torch.Generator().manual_seed(6)
@@ -170,7 +169,7 @@ def test_a_padded_batch_survives_reorder_save_load_and_rollback(kivi_model, tmp_
     cache.reorder_cache(order)
     cache.reorder_cache(torch.argsort(order))  # and back: phases moved with their rows
     cache.save(tmp_path / "state.safetensors")
-    loaded = QuantizedKVCache.load(tmp_path / "state.safetensors", kivi_model, policy=policy)
+    loaded = kvq.load_cache(tmp_path / "state.safetensors", kivi_model, policy=policy)
     for layer in loaded.layers:
         layer.activate_past_recording()
     run(loaded, 5, 9, m)  # drafted, then rolled back: as if never appended

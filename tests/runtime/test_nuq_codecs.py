@@ -7,7 +7,7 @@ from kvq.errors import KvqError
 from kvq.quant import nuq, sparse
 from kvq.quant.schemes import QuantScheme
 from kvq.runtime.codecs import make_codec
-from kvq.runtime.nuq_codecs import SPARSE_DTYPE
+from kvq.runtime.codecs.nuq import SPARSE_DTYPE
 from tests.conftest import nuq_key_state
 
 H, D = 2, 16

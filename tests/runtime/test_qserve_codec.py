@@ -10,7 +10,8 @@ from kvq.models.adapters import get_adapter
 from kvq.quant import affine, packing
 from kvq.quant.schemes import QSERVE_KV4, QuantScheme, named_policy
 from kvq.runtime.cache import build_cache
-from kvq.runtime.codecs import QServeTokenCodec, make_codec
+from kvq.runtime.codecs import make_codec
+from kvq.runtime.codecs.integer import QServeTokenCodec
 from kvq.runtime.packed import decode_packed
 from tests.conftest import make_tiny_model
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from kvq.runtime.kernels.decode_attention import Segment, decode_attention_reference
+from kvq.runtime.kernels.decode.attention import Segment, decode_attention_reference
 from kvq.runtime.packed import PackedRows
 from kvq.runtime.reference import dense_attention
 

@@ -23,8 +23,8 @@ from kvq.models.adapters import get_adapter
 from kvq.quant.schemes import CachePolicy, LayerPolicy, named_policy
 from kvq.runtime import attention as kvq_attention_module
 from kvq.runtime.cache import QuantizedKVCache, build_cache, unit_scales
-from kvq.runtime.kernels import append as append_kernels
-from kvq.runtime.kernels import planned_decode
+from kvq.runtime.kernels.append import codes as append_kernels
+from kvq.runtime.kernels.decode import planned as planned_decode
 from tests.conftest import make_tiny_model
 from tests.runtime.kernels.helpers import (
     SYNCING,
@@ -147,7 +147,7 @@ def _launch_diff(a, b) -> list[str]:
 
 
 def _kernel(name: str):
-    from kvq.runtime.kernels import _decode_splits_triton as kern
+    from kvq.runtime.kernels.decode import _splits_triton as kern
 
     return getattr(kern, name)
 

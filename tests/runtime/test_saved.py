@@ -10,7 +10,6 @@ from safetensors.torch import load_file, save_file
 import kvq
 from kvq.calibrators.options import KVQuantOptions
 from kvq.errors import KvqError
-from kvq.runtime.cache import QuantizedKVCache
 from tests.conftest import calibrate
 
 
@@ -75,7 +74,7 @@ def test_save_and_load_round_trip(llama, tmp_path):
     cache = kvq.make_cache(model, artifact=art)
     model(ids, cache=cache)
     cache.save(tmp_path / "state.safetensors")
-    loaded = QuantizedKVCache.load(tmp_path / "state.safetensors", model, artifact=art)
+    loaded = kvq.load_cache(tmp_path / "state.safetensors", model, artifact=art)
     assert loaded.nbytes() == cache.nbytes()
     step = _ids(1, 6, b=2)
     torch.testing.assert_close(model(step, cache=loaded).logits, model(step, cache=cache).logits)
@@ -90,18 +89,18 @@ def test_load_refuses_another_layout_model_or_a_tampered_file(llama, tiny_model_
     path = tmp_path / "state.safetensors"
     cache.save(path)
     with pytest.raises(KvqError, match="another artifact"):
-        QuantizedKVCache.load(path, model, policy="int4")
+        kvq.load_cache(path, model, policy="int4")
     other, _ = kvq.load_model(str(tiny_model_dir("qwen2")))
     with pytest.raises(KvqError, match="another model"):
-        QuantizedKVCache.load(path, other, policy="int4")
+        kvq.load_cache(path, other, policy="int4")
     tensors = load_file(path)
     tensors["layers.0.main.k.codes"] = tensors["layers.0.main.k.codes"][..., :-1].contiguous()
     _forge(path, tensors)  # checksums recomputed: the layout checks behind them still hold
     with pytest.raises(KvqError, match="wrong shape"):
-        QuantizedKVCache.load(path, model, artifact=art)
+        kvq.load_cache(path, model, artifact=art)
     (tmp_path / "junk.safetensors").write_bytes(b"not a safetensors file")
     with pytest.raises(KvqError, match="cannot read"):
-        QuantizedKVCache.load(tmp_path / "junk.safetensors", model, artifact=art)
+        kvq.load_cache(tmp_path / "junk.safetensors", model, artifact=art)
 
 
 def _forge(path, tensors, edit=lambda meta: None):
@@ -136,7 +135,7 @@ def saved(llama, tmp_path):
 
 def _load(saved):
     model, art, path, _ = saved
-    return QuantizedKVCache.load(path, model, artifact=art)
+    return kvq.load_cache(path, model, artifact=art)
 
 
 def _flip(path, at: int) -> None:
@@ -199,7 +198,7 @@ def test_a_state_saved_by_other_weights_is_refused(llama, tmp_path):
     finally:
         weight[0, 0] -= 0.5
     with pytest.raises(KvqError, match="model's weights"):
-        QuantizedKVCache.load(tmp_path / "state.safetensors", model, artifact=art)
+        kvq.load_cache(tmp_path / "state.safetensors", model, artifact=art)
 
 
 def test_a_state_without_checksums_is_refused(saved):

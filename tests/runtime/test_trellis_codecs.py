@@ -8,7 +8,7 @@ from kvq.errors import KvqError
 from kvq.quant import trellis
 from kvq.quant.schemes import QuantScheme
 from kvq.runtime.codecs import make_codec
-from kvq.runtime.kernels.decode_attention import Segment, decode_path
+from kvq.runtime.kernels.decode.attention import Segment, decode_path
 from kvq.runtime.packed import decode_packed
 from tests.conftest import nuq_key_state
 

@@ -7,7 +7,7 @@ from kvq.errors import KvqError
 from kvq.quant import vq
 from kvq.quant.schemes import QuantScheme
 from kvq.runtime.codecs import make_codec
-from kvq.runtime.nuq_codecs import NuqKeyCodec
+from kvq.runtime.codecs.nuq import NuqKeyCodec
 from tests.conftest import nuq_key_state
 
 H, D = 2, 16

@@ -180,7 +180,7 @@ def recorded_paths() -> Iterator[list[str]]:
     asked for (a call over counted buffers may ask twice: planned first, then on the
     buffers cut to their rows)."""
     from kvq.runtime import attention
-    from kvq.runtime.kernels import decode_attention as kernels
+    from kvq.runtime.kernels.decode import attention as kernels
 
     seen: list[str] = []
     asked: list = []  # the DecodePaths of the call in flight

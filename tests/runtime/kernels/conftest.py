@@ -8,7 +8,7 @@ import pytest
 @pytest.fixture
 def planned_calls(monkeypatch) -> list:
     """The calls that took the planned path (`run_planned`'s positional arguments)."""
-    from kvq.runtime.kernels import planned_decode
+    from kvq.runtime.kernels.decode import planned as planned_decode
 
     calls, run = [], planned_decode.run_planned
 
@@ -23,7 +23,7 @@ def planned_calls(monkeypatch) -> list:
 @pytest.fixture
 def paths(monkeypatch) -> list:
     """The route (`triton_path`: planned or general kernel) of each Triton decode call."""
-    from kvq.runtime.kernels import decode_attention as attention
+    from kvq.runtime.kernels.decode import attention
 
     routes, route = [], attention.triton_path
 

@@ -18,7 +18,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from kvq.runtime.kernels import planned_decode
+from kvq.runtime.kernels.decode import planned as planned_decode
 
 ALLOCATING = ("empty", "empty_like", "empty_strided", "zeros", "zeros_like", "new_empty")
 SYNCING = ("_local_scalar_dense", "item", "is_nonzero", "equal", "nonzero")
@@ -129,7 +129,7 @@ def interpret_compiled_launches(monkeypatch, on_compile=None, on_launch=None):
     launched with its values in signature order) on this CPU machine: a launcher that
     takes itself for a 2-SM GPU, whose kernels' compiles (`warmup`) return `Interpreted`
     stand-ins. `on_compile(fn, kwargs)` sees each compile's arguments by name."""
-    from kvq.runtime.kernels import _decode_splits_triton as kern
+    from kvq.runtime.kernels.decode import _splits_triton as kern
 
     def warmup(fn):
         def compile_(*, grid, **kwargs):
@@ -169,7 +169,7 @@ def compile_in_child(script: str, jobs) -> list:
 def resources(row: dict):
     """A child's row (`KernelResources.as_dict()` plus its "sass" and "loop" counts) back
     as `KernelResources`."""
-    from kvq.runtime.kernels.offline import KernelResources
+    from kvq.runtime.kernels.offline.cubin import KernelResources
 
     return KernelResources(
         row["num_warps"], row["registers"], row["stack_bytes"], row["shared_bytes"],

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kvq.errors import KvqError
-from kvq.runtime.kernels import a8
+from kvq.runtime.kernels.activations import a8
 
 EPS = 1e-6
 

@@ -16,10 +16,11 @@ import torch
 from kvq.errors import KvqError
 from kvq.quant import affine, fp8, nuq, packing, sparse
 from kvq.quant.schemes import QuantScheme
-from kvq.runtime import nuq_codecs
-from kvq.runtime.codecs import IntChannelStaticCodec, IntTokenCodec, make_codec
-from kvq.runtime.kernels import append as A
-from kvq.runtime.nuq_codecs import VALUE_SPLIT
+from kvq.runtime.codecs import make_codec
+from kvq.runtime.codecs import nuq as nuq_codecs
+from kvq.runtime.codecs.integer import IntChannelStaticCodec, IntTokenCodec
+from kvq.runtime.codecs.nuq import VALUE_SPLIT
+from kvq.runtime.kernels.append import codes as A
 from tests.conftest import nuq_key_state
 
 DEVICE = "cuda" if os.environ.get("KVQ_TEST_CUDA") else "cpu"

@@ -16,7 +16,7 @@ import torch
 from kvq.quant import affine, fp8, nuq, sparse
 from kvq.quant.schemes import QuantScheme
 from kvq.runtime.codecs import make_codec
-from kvq.runtime.kernels.decode_attention import (
+from kvq.runtime.kernels.decode.attention import (
     Segment,
     combine_partials_reference,
     combine_partials_triton,
@@ -224,8 +224,8 @@ def test_pre_rope_keys_rotate_in_pair_order(kind, d):
 
 def _launch_with(monkeypatch, **options):
     """Make the interpreter launch the kernel with these options (BLOCK_T, PREFETCH, ...)."""
-    from kvq.runtime.kernels import _decode_attention_triton as kern
-    from kvq.runtime.kernels import decode_attention as da
+    from kvq.runtime.kernels.decode import _attention_triton as kern
+    from kvq.runtime.kernels.decode import attention as da
 
     launch = {"num_stages": 1, **options}
     monkeypatch.setattr(da, "PLANNED", False)  # these layouts would take the planned path
@@ -235,7 +235,7 @@ def _launch_with(monkeypatch, **options):
 
 
 def _word_flags(q, seg, rope):
-    from kvq.runtime.kernels.decode_attention import kernel_calls
+    from kvq.runtime.kernels.decode.attention import kernel_calls
 
     ((_, _, consts),) = kernel_calls(q, [seg], scaling=1.0, rope=rope, dots="ieee")[0]
     return consts["K_WORDS"], consts["V_WORDS"]
@@ -369,7 +369,7 @@ def test_fp16_dots_stay_within_fp16_rounding(kind, pre_rope, monkeypatch):
     """KVQ_TRITON_DOT=fp16 (fp16 operands, fp32 accumulation) on pre-RoPE keys and on folded
     post-RoPE ones, forced on under the interpreter: within the tf32 tolerance of the
     reference, and not identical to the exact-dot kernel (so the fp16 branch really ran)."""
-    from kvq.runtime.kernels import decode_attention as da
+    from kvq.runtime.kernels.decode import attention as da
 
     k, v = _data(1, 2, 70, 128, seed=9)
     kp, vp = _codec_segment(kind, k, v, pre_rope=pre_rope)
@@ -448,7 +448,7 @@ def test_softcap_matches_reference():
 def test_autotuned_launch_matches_reference(monkeypatch):
     """The CUDA launch path (autotuner over row tiles x warps) under the interpreter: every
     config that survives pruning runs through a stub timer and the winner is used."""
-    from kvq.runtime.kernels import decode_attention as da
+    from kvq.runtime.kernels.decode import attention as da
 
     timed = []
 
@@ -474,7 +474,7 @@ def test_autotuned_launch_matches_reference(monkeypatch):
 def test_general_kernel_tunes_per_shape_bucket():
     """The general kernel's autotuner keys on the launch's shape bucket: a configuration
     timed on a parity-sized problem is not reused at batch 16 x 32K (issue 18, item 4)."""
-    from kvq.runtime.kernels import decode_attention as da
+    from kvq.runtime.kernels.decode import attention as da
 
     assert "tune_bucket" in da.AUTOTUNE_KEY
     parity = da.tune_bucket(2 * 8 * 4, 256)  # batch 2, 8 KV heads, 4 splits of 256 rows

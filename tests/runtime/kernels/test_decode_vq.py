@@ -16,7 +16,7 @@ from kvq.errors import KvqError
 from kvq.quant import nuq, packing, sparse, vq
 from kvq.quant.schemes import QuantScheme
 from kvq.runtime.codecs import make_codec
-from kvq.runtime.kernels.decode_attention import Segment, kernel_calls
+from kvq.runtime.kernels.decode.attention import Segment, kernel_calls
 from kvq.runtime.packed import PackedRows, decode_packed
 from tests.runtime.kernels.test_decode_attention import DEVICE, _check, _data, _rope
 
@@ -219,7 +219,7 @@ def test_key_groups_that_do_not_pair_the_halves_read_their_own_indices(pre_rope)
 def test_the_tuner_times_one_pipeline_depth_for_vector_layouts():
     """Vector codes are gathers, which Triton's pipeliner leaves alone: num_stages 2 would
     compile to the num_stages 1 binary, so the tuner does not time it twice."""
-    from kvq.runtime.kernels import decode_attention as da
+    from kvq.runtime.kernels.decode import attention as da
 
     k, v = _data(1, 1, 20, 256, seed=7)
     seg = _segment(k, v, 3, 2, 2, 4, pre_rope=True, positions=torch.arange(20)[None])
@@ -240,7 +240,7 @@ def test_generate_with_a_mixed_vq_cache_matches_the_reference(monkeypatch):
     gives the reference backend's tokens, and its decode steps hand the kernel the vector
     codes themselves: no layer falls back to decoded rows."""
     from kvq.calibrators.options import VQOptions
-    from kvq.runtime.kernels import decode_attention as da
+    from kvq.runtime.kernels.decode import attention as da
     from tests.runtime.kernels.helpers import calibrated_vq, greedy
 
     model, ad, policy, tensors, g = calibrated_vq(VQOptions(bits=2, mixed=True), DEVICE)

@@ -1,11 +1,11 @@
-"""The decode launch plan (kvq.runtime.kernels.launch_plan): whole waves at the compiled
+"""The decode launch plan (kvq.runtime.kernels.planning.launch_plan): whole waves at the compiled
 occupancy, exact tile-aligned cover of the rows, a minimum of rows per split."""
 
 from __future__ import annotations
 
 import pytest
 
-from kvq.runtime.kernels.launch_plan import (
+from kvq.runtime.kernels.planning.launch_plan import (
     MIN_ROWS_PER_SPLIT,
     plan_splits,
     split_tiles,

@@ -11,8 +11,8 @@ import re
 import pytest
 import torch
 
-from kvq.runtime.kernels import _decode_splits_triton as kern
-from kvq.runtime.kernels.planned_decode import nuq_table
+from kvq.runtime.kernels.decode import _splits_triton as kern
+from kvq.runtime.kernels.decode.planned import nuq_table
 
 M32 = 0xFFFFFFFF
 

@@ -1,4 +1,4 @@
-"""The decode kernel compiled for sm_90 on this CPU-only machine (kvq.runtime.kernels.offline).
+"""The decode kernel compiled for sm_90 on this CPU-only machine (kvq.runtime.kernels.offline.cubin).
 
 The kernels run under the interpreter everywhere else in the tests; these compile the real
 launches for an H100/H200 with the ptxas Triton ships, and check what only a compile shows:
@@ -18,9 +18,9 @@ from collections import Counter
 import pytest
 import torch
 
-from kvq.runtime.kernels import _decode_attention_triton as kern
-from kvq.runtime.kernels.decode_attention import Segment, _fits, autotune_configs, kernel_calls
-from kvq.runtime.kernels.offline import KernelResources, compile_offline
+from kvq.runtime.kernels.decode import _attention_triton as kern
+from kvq.runtime.kernels.decode.attention import Segment, _fits, autotune_configs, kernel_calls
+from kvq.runtime.kernels.offline.cubin import KernelResources, compile_offline
 from kvq.runtime.packed import PackedRows
 from tests.runtime.kernels.helpers import compile_in_child, resources
 

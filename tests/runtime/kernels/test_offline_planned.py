@@ -17,10 +17,10 @@ from collections import Counter
 import pytest
 import torch
 
-from kvq.runtime.fp8_codecs import fp8_table
-from kvq.runtime.kernels.decode_attention import Segment
-from kvq.runtime.kernels.launch_plan import plan_splits
-from kvq.runtime.kernels.offline import PREFETCH_OP, KernelResources, inner_loop, main_loop
+from kvq.runtime.codecs.fp8 import fp8_table
+from kvq.runtime.kernels.decode.attention import Segment
+from kvq.runtime.kernels.offline.cubin import PREFETCH_OP, KernelResources, inner_loop, main_loop
+from kvq.runtime.kernels.planning.launch_plan import plan_splits
 from kvq.runtime.packed import PackedRows
 from tests.runtime.kernels.helpers import compile_in_child, resources
 from tests.runtime.kernels.test_decode_attention import _rope
@@ -201,9 +201,9 @@ def _layer(main: Segment, sink: int = 4, residual: int = 64) -> list[Segment]:
 
 
 def _compile(case: str) -> dict:
-    from kvq.runtime.kernels import _decode_splits_triton as kern
-    from kvq.runtime.kernels import planned_decode
-    from kvq.runtime.kernels.offline import compile_offline, runtime_arguments
+    from kvq.runtime.kernels.decode import _splits_triton as kern
+    from kvq.runtime.kernels.decode import planned as planned_decode
+    from kvq.runtime.kernels.offline.cubin import compile_offline, runtime_arguments
 
     b, hkv, d, hq = CASES[case]
     if case.startswith("fp8"):

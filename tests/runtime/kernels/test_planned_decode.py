@@ -1,4 +1,4 @@
-"""The planned decode path (kvq.runtime.kernels.planned_decode): every segment of a call in
+"""The planned decode path (kvq.runtime.kernels.decode.planned): every segment of a call in
 one launch, split by the launch plan, plus at most one reduction; parity with the
 reference under the interpreter, and what one call costs the host (launches, syncs,
 allocations) under a torch dispatch counter."""
@@ -12,9 +12,9 @@ import torch
 
 from kvq.quant.schemes import QuantScheme
 from kvq.runtime.codecs import make_codec
-from kvq.runtime.kernels import decode_attention as attention
-from kvq.runtime.kernels import planned_decode
-from kvq.runtime.kernels.decode_attention import (
+from kvq.runtime.kernels.decode import attention
+from kvq.runtime.kernels.decode import planned as planned_decode
+from kvq.runtime.kernels.decode.attention import (
     Segment,
     decode_attention,
     decode_attention_reference,

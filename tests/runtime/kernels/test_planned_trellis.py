@@ -12,8 +12,8 @@ import torch
 
 from kvq.quant.schemes import QuantScheme
 from kvq.runtime.codecs import make_codec
-from kvq.runtime.kernels import planned_decode
-from kvq.runtime.kernels.decode_attention import (
+from kvq.runtime.kernels.decode import planned as planned_decode
+from kvq.runtime.kernels.decode.attention import (
     Segment,
     decode_attention_triton,
     decode_path,
@@ -173,7 +173,7 @@ def test_generate_with_an_auto_trellis_cache_takes_the_planned_path(monkeypatch,
     planned kernel, the trellis rows included, and the appends' Viterbi searches run as
     Triton launches (`trellis_encode`)."""
     from kvq.calibrators.options import TrellisOptions
-    from kvq.runtime.kernels import _trellis_triton
+    from kvq.runtime.kernels.append import _trellis_triton
 
     searches = []
     launch = _trellis_triton.launch

@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvq.runtime.kernels import planned_decode
-from kvq.runtime.kernels.decode_attention import (
+from kvq.runtime.kernels.decode import planned as planned_decode
+from kvq.runtime.kernels.decode.attention import (
     decode_attention_reference,
     decode_attention_triton,
     decode_path,
@@ -194,7 +194,7 @@ def test_a_vq_layer_call_costs_two_launches_no_sync_and_three_allocations():
     call (which checks the groups and converts the codebooks once), the host launches the
     decode kernel and the reduction, allocates the partial states and the output, and never
     waits on the device (kernels stubbed during the count, as for the other layouts)."""
-    from kvq.runtime.kernels.decode_attention import decode_attention
+    from kvq.runtime.kernels.decode.attention import decode_attention
 
     b, d = 4, 64
     segs = _vq_layer((2, 4, 3, 2), b, 2, d, rows=300, fraction=0.05, pad=(3,), seed=9)

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from kvq.quant import trellis
-from kvq.runtime.kernels import _trellis_triton
-from kvq.runtime.kernels import trellis_encode as te
+from kvq.runtime.kernels.append import _trellis_triton
+from kvq.runtime.kernels.append import trellis as te
 from tests.runtime.kernels.helpers import compile_in_child
 from tests.runtime.kernels.test_decode_attention import DEVICE
 
@@ -93,7 +93,7 @@ COMPILES = [(4, 256), (3, 256), (2, 256)]
 
 
 def _compile(job) -> dict:
-    from kvq.runtime.kernels.offline import compile_offline
+    from kvq.runtime.kernels.offline.cubin import compile_offline
 
     bits, d = job
     q = 1 << (12 - bits)

@@ -6,7 +6,7 @@ so each work item's rows are split between programs, flash-decoding style, and a
 reduction merges their partial softmax states. The plan chooses the number of
 splits so that batch x KV heads x splits fills whole waves of the programs the
 GPU holds at once: SMs x the resident programs per SM that the *compiled* kernel
-achieves (registers, shared memory, warps; `kvq.runtime.kernels.offline` reads
+achieves (registers, shared memory, warps; `kvq.runtime.kernels.offline.cubin` reads
 them without a GPU, `torch.cuda` occupancy with one). A partly filled last wave
 leaves SMs idle for a whole program's time, and each split must keep enough rows
 that its fixed cost (loading the query, writing a partial state, one more state

@@ -1,14 +1,6 @@
-"""Row codecs: how one cached tensor family turns rows into stored tensors and back.
-
-A codec is built from a `QuantScheme` plus, for static schemes, the calibrated
-state read from the artifact. `encode` takes new rows `[B, H, T, D]` and returns
-a dict of tensors whose third dimension is T (the row axis), ready to be written
-into a `RowStore`; `decode` inverts it for any slice of rows. Static qparams
-live in the codec itself (one copy per layer, counted once in the ledger).
-
-The quantizers are the shared ones in `kvq.quant`: calibration measures error
-with the same functions the runtime encodes with.
-"""
+"""Integer codes: symmetric per-token (int8/int4/int2), QServe's KV4 zero-point layout and
+static per-tensor/head/channel scales from an artifact. KIVI's per-channel dynamic keys
+are `kvq.runtime.codecs.kivi`."""
 
 from __future__ import annotations
 
@@ -19,62 +11,8 @@ from kvq.errors import KvqError
 from kvq.quant import affine, packing
 from kvq.quant.qparams import check_finite, storage_dtype
 from kvq.quant.schemes import QuantScheme
-from kvq.runtime.packed import PackedRows, decode_packed
-
-Rows = dict[str, Tensor]  # each tensor [B, H, T, ...]
-Flat = dict[str, Tensor]  # variable-length entries, each [E, ...], ordered by (row, batch, head)
-NO_FLAT: Flat = {}
-
-
-class Codec:
-    """Base: full precision. Stores rows unchanged in the activation dtype."""
-
-    group_rows = 1  # rows encoded together (KIVI keys: a group of tokens shares qparams)
-    # every row is stored in fixed-width row tensors, never as variable-length entries
-    # (`Flat`): its rows can be written at an offset the device holds (a replayable step)
-    fixed_width = True
-
-    #: tensors of the codec's own (static) state, for the ledger
-    static: dict[str, Tensor]
-
-    def __init__(self, head_dim: int, dtype: torch.dtype):
-        self.head_dim = head_dim
-        self.dtype = dtype
-        self.static = {}
-
-    def encode(self, x: Tensor) -> tuple[Rows, Flat]:
-        """x: [B, H, T, D] -> (stored rows, variable-length entries)."""
-        return {"data": x.to(self.dtype)}, NO_FLAT
-
-    def decode(self, rows: Rows, flat: Flat) -> Tensor:
-        """stored rows (each [B, H, C, ...]) and their entries -> [B, H, C, D] float32."""
-        return decode_packed(self.packed(rows, flat))
-
-    def packed(self, rows: Rows, flat: Flat) -> PackedRows:
-        """The stored rows described for the shared decoders (reference and kernels)."""
-        return PackedRows("full", self.head_dim, rows["data"])
-
-    def row_spec(self, x: Tensor) -> dict[str, tuple[tuple[int, ...], torch.dtype]] | None:
-        """Per-row shapes and dtypes of the stored tensors when this codec has a Triton
-        append kernel (`append_into`), else None (rows come from `encode`)."""
-        return None
-
-    def append_into(self, x: Tensor, buffers: dict[str, Tensor], start: int) -> Flat:
-        """Quantize x [B, H, T, D] with the Triton append kernel straight into rows
-        [start, start + T) of `buffers` ([B, H, capacity, ...], named as `encode`'s rows);
-        returns the variable-length entries. Bit-identical to `encode`."""
-        raise NotImplementedError(f"{type(self).__name__} has no append kernel")
-
-    def encodes_like(self, other: Codec) -> bool:
-        """Whether `other` encodes rows exactly as this codec does, each (batch, head, token)
-        row on its own: then keys and values can be encoded in one call (rows stacked
-        along the batch), half the small ops of a decode step's append."""
-        return False
-
-    @staticmethod
-    def categories() -> dict[str, str]:
-        """Stored tensor (row or flat entry) name -> ledger category."""
-        return {"data": "full_precision"}
+from kvq.runtime.codecs.base import NO_FLAT, Codec, Flat, Rows, static_scale
+from kvq.runtime.packed import PackedRows
 
 
 class IntTokenCodec(Codec):
@@ -135,7 +73,7 @@ class IntTokenCodec(Codec):
         return spec if self.symmetric else spec | {"offset": qparams}
 
     def append_into(self, x: Tensor, buffers: dict[str, Tensor], start: int) -> Flat:
-        from kvq.runtime.kernels.append import append_int_token
+        from kvq.runtime.kernels.append.codes import append_int_token
 
         append_int_token(
             x, buffers["codes"], buffers["scale"], buffers.get("offset"), start, self.bits,
@@ -146,27 +84,6 @@ class IntTokenCodec(Codec):
     @staticmethod
     def categories() -> dict[str, str]:
         return {"codes": "codes", "scale": "qparams", "offset": "qparams"}
-
-
-STATIC_SCALE_SHAPES = {"tensor": "[1]", "head": "[H_kv]", "channel": "[H_kv, D]"}
-
-
-def static_scale(scale: Tensor, axis: str, top: float, where: str) -> None:
-    """Refuse a static scale the codec would misuse: wrong rank for `axis` ("tensor" [1],
-    "head" [H], "channel" [H, D]), non-finite, not positive, or so large that scale x `top`
-    (the largest code's magnitude) overflows float32 and decodes to Inf."""
-    rank = {"tensor": 1, "head": 1, "channel": 2}.get(axis)
-    if rank is None or scale.dim() != rank or (axis == "tensor" and scale.numel() != 1):
-        raise KvqError(
-            f"{where}.scale: a per-{axis} scale must be {STATIC_SCALE_SHAPES.get(axis, '?')}, "
-            f"got {list(scale.shape)}"
-        )
-    x = scale.float()
-    check_finite(x, f"{where}.scale")
-    if not bool((x > 0).all()):
-        raise KvqError(f"{where}.scale: scales must be positive")
-    if not bool(torch.isfinite(x * top).all()):
-        raise KvqError(f"{where}.scale: scale x {top:g} overflows float32")
 
 
 class QServeTokenCodec(Codec):
@@ -205,7 +122,7 @@ class QServeTokenCodec(Codec):
         return {"codes": codes, "scale": qparam, "zero_point": qparam}
 
     def append_into(self, x: Tensor, buffers: dict[str, Tensor], start: int) -> Flat:
-        from kvq.runtime.kernels.append import append_int_qserve
+        from kvq.runtime.kernels.append.codes import append_int_qserve
 
         append_int_qserve(
             x, buffers["codes"], buffers["scale"], buffers["zero_point"], start, backend="triton"
@@ -289,7 +206,7 @@ class IntChannelStaticCodec(Codec):
         return {"codes": ((packing.packed_len(x.shape[-1], self.bits),), torch.uint8)}
 
     def append_into(self, x: Tensor, buffers: dict[str, Tensor], start: int) -> Flat:
-        from kvq.runtime.kernels.append import append_int_channel
+        from kvq.runtime.kernels.append.codes import append_int_channel
 
         offset = self.static.get("offset")
         scale = self._channel_scale(x.shape[1]).to(x.device)
@@ -304,47 +221,21 @@ class IntChannelStaticCodec(Codec):
         return {"codes": "codes"}
 
 
-def make_codec(
-    scheme: QuantScheme,
-    head_dim: int,
-    activation_dtype: torch.dtype,
-    state: dict[str, Tensor],
-    where: str,
+def make(
+    scheme: QuantScheme, head_dim: int, dtype: torch.dtype, state: dict[str, Tensor], where: str
 ) -> Codec:
-    """Build the codec for `scheme`; `state` holds its static tensors (may be empty).
-
-    `where` names the policy entry (e.g. "layers.3.key") for error messages.
-    """
-    if scheme.format == "none":
-        return Codec(head_dim, activation_dtype)
     if scheme.zero_point:  # the scheme admits only QServe's KV4 layout with it
         return QServeTokenCodec(head_dim)
-    if scheme.format == "int" and scheme.axis == "token":
+    if scheme.axis == "token":
         return IntTokenCodec(scheme, head_dim)
-    if scheme.format == "int" and scheme.axis == "channel" and scheme.lifetime == "dynamic":
-        from kvq.runtime.kivi import KiviKeyCodec
+    if scheme.axis == "channel" and scheme.lifetime == "dynamic":
+        from kvq.runtime.codecs.kivi import KiviKeyCodec
 
         return KiviKeyCodec(scheme, head_dim)
-    if scheme.format == "int" and scheme.lifetime == "static":
+    if scheme.lifetime == "static":
         if "scale" not in state:
             raise KvqError(
                 f"{where}: static per-{scheme.axis} scheme but the artifact has no {where}.scale"
             )
         return IntChannelStaticCodec(scheme, head_dim, state["scale"], state.get("offset"), where)
-    if scheme.format == "fp8":
-        from kvq.runtime.fp8_codecs import make_fp8_codec
-
-        return make_fp8_codec(scheme, head_dim, state, where)
-    if scheme.format == "nuq":
-        from kvq.runtime.nuq_codecs import make_nuq_codec
-
-        return make_nuq_codec(scheme, head_dim, state, where)
-    if scheme.format == "vq":
-        from kvq.runtime.vq_codecs import make_vq_codec
-
-        return make_vq_codec(scheme, head_dim, state, where)
-    if scheme.format == "trellis":
-        from kvq.runtime.trellis_codecs import make_trellis_codec
-
-        return make_trellis_codec(scheme, head_dim, state, where)
     raise KvqError(f"{where}: no runtime codec for {scheme.describe()}")

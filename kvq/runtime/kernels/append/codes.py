@@ -4,7 +4,7 @@ Every representation has three functions with the same arguments:
 
 * `<name>_reference(...)`: pure torch, built from the shared quantizers in
   `kvq.quant` (the same calls the codecs in `kvq.runtime.codecs` /
-  `kvq.runtime.nuq_codecs` make), then written into the buffers;
+  `kvq.runtime.codecs.nuq` make), then written into the buffers;
 * `<name>_triton(...)`: one Triton launch, one program per (batch, head, row),
   which reads the row, derives its qparams, rounds them to their storage dtype,
   encodes, packs and stores;
@@ -62,7 +62,7 @@ from kvq.quant import affine, fp8, nuq, packing, sparse
 from kvq.quant.qparams import check_finite, defer_check, deferring, dtype_name
 from kvq.runtime.kernels.backend import next_pow2, resolve_backend
 
-#: sparse exception values are fp16, as in `kvq.runtime.nuq_codecs.SPARSE_DTYPE`
+#: sparse exception values are fp16, as in `kvq.runtime.codecs.nuq.SPARSE_DTYPE`
 SPARSE_DTYPE = torch.float16
 INPUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # storage dtype -> kernel code: 0 fp32, 1 fp16, 2 bf16

@@ -14,11 +14,11 @@ import pytest
 import safetensors.torch
 import torch
 
+from kvq.artifacts import paths
+from kvq.artifacts.paths import check_artifact_out, check_output_file
+from kvq.artifacts.store import Artifact, read_artifact, write_artifact
 from kvq.errors import KvqError
-from kvq.exporters import paths
-from kvq.exporters.artifact import Artifact, read_artifact, write_artifact
-from kvq.exporters.paths import check_artifact_out, check_output_file
-from tests.exporters.test_artifact import make_manifest, make_tensors
+from tests.artifacts.test_store import make_manifest, make_tensors
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -123,8 +123,8 @@ _CHILD = """
 import os, signal, sys
 sys.path.insert(0, {repo!r})
 import torch
-from kvq.exporters import artifact, paths
-from tests.exporters.test_artifact import make_manifest
+from kvq.artifacts import paths, store as artifact
+from tests.artifacts.test_store import make_manifest
 out, point = sys.argv[1], sys.argv[2]
 def die(*a, **k):
     os.kill(os.getpid(), signal.SIGKILL)

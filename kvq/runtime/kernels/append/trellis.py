@@ -37,7 +37,7 @@ def trellis_encode_triton(x: Tensor, weight: Tensor, table: Tensor, bits: int,
     if window > MAX_WINDOW:
         return trellis_encode_reference(x, weight, table, bits, window)
     check_finite(x, "normalised input")
-    from kvq.runtime.kernels import _trellis_triton
+    from kvq.runtime.kernels.append import _trellis_triton
 
     shape = x.shape
     rows = x.reshape(-1, shape[-1]).float().contiguous()

@@ -24,7 +24,7 @@ from kvq.errors import KvqError
 from kvq.quant import nuq, packing, sparse
 from kvq.quant.qparams import check_finite, storage_dtype
 from kvq.quant.schemes import QuantScheme
-from kvq.runtime.codecs import NO_FLAT, Codec, Flat, Rows
+from kvq.runtime.codecs.base import NO_FLAT, Codec, Flat, Rows
 from kvq.runtime.packed import PackedRows
 
 SPARSE_DTYPE = torch.float16
@@ -106,7 +106,7 @@ class NuqKeyCodec(_NuqCodec):
         return spec | ({"sparse_count": ((), torch.uint8)} if self.fraction else {})
 
     def append_into(self, x: Tensor, buffers: dict[str, Tensor], start: int) -> Flat:
-        from kvq.runtime.kernels.append import append_nuq_key
+        from kvq.runtime.kernels.append.codes import append_nuq_key
 
         st = self.static
         index, value = append_nuq_key(
@@ -191,7 +191,7 @@ class NuqValueCodec(_NuqCodec):
         return spec
 
     def append_into(self, x: Tensor, buffers: dict[str, Tensor], start: int) -> Flat:
-        from kvq.runtime.kernels.append import append_nuq_value
+        from kvq.runtime.kernels.append.codes import append_nuq_value
 
         append_nuq_value(
             x, buffers["codes"], buffers["scale"], buffers["center"],
@@ -226,8 +226,8 @@ class NuqValueCodec(_NuqCodec):
         }
 
 
-def make_nuq_codec(
-    scheme: QuantScheme, head_dim: int, state: dict[str, Tensor], where: str
+def make(
+    scheme: QuantScheme, head_dim: int, dtype: torch.dtype, state: dict[str, Tensor], where: str
 ) -> Codec:
     if scheme.axis == "channel" and scheme.lifetime == "static":
         return NuqKeyCodec(scheme, head_dim, state, where)

@@ -27,11 +27,11 @@ from torch import Tensor
 from kvq.errors import KvqError
 from kvq.quant import packing, trellis
 from kvq.quant.schemes import QuantScheme
-from kvq.runtime.codecs import Codec
-from kvq.runtime.kernels.trellis_encode import trellis_encode
-from kvq.runtime.nuq_codecs import _index_dtype
+from kvq.runtime.codecs.base import Codec
+from kvq.runtime.codecs.nuq import _index_dtype
+from kvq.runtime.codecs.vq import VqKeyCodec, VqValueCodec, check_search_weight
+from kvq.runtime.kernels.append.trellis import trellis_encode
 from kvq.runtime.packed import PackedRows
-from kvq.runtime.vq_codecs import VqKeyCodec, VqValueCodec, check_search_weight
 
 TRELLIS_STATE = ("trellis_table", "trellis_weight")
 
@@ -80,7 +80,9 @@ class TrellisValueCodec(_TrellisMixin, VqValueCodec):
     """Per-token normaliser from the row's inliers; a fixed number of exact exceptions."""
 
 
-def make_trellis_codec(scheme: QuantScheme, head_dim: int, state: dict[str, Tensor], where: str):
+def make(
+    scheme: QuantScheme, head_dim: int, dtype: torch.dtype, state: dict[str, Tensor], where: str
+) -> Codec:
     if scheme.axis == "channel" and scheme.lifetime == "static":
         return TrellisKeyCodec(scheme, head_dim, state, where)
     if scheme.axis == "token":

@@ -47,9 +47,9 @@ from torch import Tensor
 
 from kvq.quant import packing, trellis, vq
 from kvq.quant.fp8 import fp16_placement
-from kvq.runtime.fp8_codecs import fp8_format_of
+from kvq.runtime.codecs.fp8 import fp8_format_of
 from kvq.runtime.kernels.backend import interpreting, next_pow2
-from kvq.runtime.kernels.launch_plan import SplitPlan, plan_splits
+from kvq.runtime.kernels.planning.launch_plan import SplitPlan, plan_splits
 from kvq.runtime.packed import entry_pointers
 from kvq.tensor_memo import Memo, memoised
 
@@ -740,7 +740,7 @@ def _site(query: Tensor, segments, src: list, *, scaling: float, softcap: float 
     """The site of this call's layout: every kernel parameter, None for what the kernel
     derives from the layout or does not read (`_layout_strides`, absent segments and
     features: no runtime argument), markers for what each call fills in."""
-    from kvq.runtime.kernels import _decode_splits_triton as kern
+    from kvq.runtime.kernels.decode import _splits_triton as kern
 
     b, hq, q_len, d = query.shape
     hkv = segments[0].key.data.shape[1]
@@ -961,7 +961,7 @@ def run_planned(query: Tensor, segments, *, scaling: float, softcap: float | Non
     a call captured in a CUDA graph replays over rows written since (a split past the
     rows reads nothing). A mask's columns are the counted rows end to end (its width:
     the capacities' sum); positions span the capacities."""
-    from kvq.runtime.kernels import _decode_splits_triton as kern
+    from kvq.runtime.kernels.decode import _splits_triton as kern
 
     call = planned_call(query, segments, scaling=scaling, softcap=softcap, half=half, mask=mask,
                         rope=rope, lengths=lengths)  # fmt: skip
@@ -1004,7 +1004,7 @@ class _Launcher:
             self.sms = INTERPRETER_SMS
 
     def plan(self, call: PlannedCall) -> SplitPlan:
-        from kvq.runtime.kernels import _decode_splits_triton as kern
+        from kvq.runtime.kernels.decode import _splits_triton as kern
 
         per_sm = INTERPRETER_PROGRAMS_PER_SM
         min_rows = call.config.block_t
@@ -1042,7 +1042,7 @@ class _Launcher:
 
 def resident_programs(compiled) -> int:
     """Programs of a compiled kernel resident per SM (registers, shared memory, warps)."""
-    from kvq.runtime.kernels.offline import KernelResources
+    from kvq.runtime.kernels.offline.cubin import KernelResources
 
     res = KernelResources(compiled.metadata.num_warps, compiled.n_regs, 0,
                           compiled.metadata.shared, None)  # fmt: skip

@@ -11,15 +11,10 @@ import pytest
 import safetensors.torch
 import torch
 
+from kvq.artifacts import paths
+from kvq.artifacts.compat import check_model_compatible
+from kvq.artifacts.store import Artifact, read_artifact, tensor_index, write_artifact
 from kvq.errors import IncompatibleArtifact, KvqError
-from kvq.exporters import paths
-from kvq.exporters.artifact import (
-    Artifact,
-    check_model_compatible,
-    read_artifact,
-    tensor_index,
-    write_artifact,
-)
 from kvq.manifests.identity import RopeInfo
 from kvq.manifests.schema import SCHEMA_VERSION, TensorEntry
 from tests.manifests.test_schema import make_architecture, make_identity, make_manifest

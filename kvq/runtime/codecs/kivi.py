@@ -19,7 +19,7 @@ from kvq.errors import KvqError
 from kvq.quant import affine, packing
 from kvq.quant.qparams import storage_dtype
 from kvq.quant.schemes import QuantScheme
-from kvq.runtime.codecs import NO_FLAT, Codec, Flat, Rows
+from kvq.runtime.codecs.base import NO_FLAT, Codec, Flat, Rows
 from kvq.runtime.packed import PackedRows
 
 

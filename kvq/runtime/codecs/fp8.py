@@ -21,7 +21,7 @@ from kvq.errors import KvqError
 from kvq.quant import fp8
 from kvq.quant.qparams import check_finite, storage_dtype
 from kvq.quant.schemes import QuantScheme
-from kvq.runtime.codecs import NO_FLAT, Codec, Flat, Rows, static_scale
+from kvq.runtime.codecs.base import NO_FLAT, Codec, Flat, Rows, static_scale
 from kvq.runtime.packed import PackedRows
 
 
@@ -84,7 +84,7 @@ class Fp8StaticCodec(Codec):
         return {"codes": ((x.shape[-1],), torch.uint8)}
 
     def append_into(self, x: Tensor, buffers: dict[str, Tensor], start: int) -> Flat:
-        from kvq.runtime.kernels.append import append_fp8
+        from kvq.runtime.kernels.append.codes import append_fp8
 
         scale = self._heads(x.shape[1], x.device)
         append_fp8(x, buffers["codes"], start, scale, self.fmt, backend="triton")
@@ -128,7 +128,9 @@ class Fp8TokenCodec(Codec):
         return {"codes": "codes", "scale": "qparams"}
 
 
-def make_fp8_codec(scheme: QuantScheme, head_dim: int, state: dict[str, Tensor], where: str):
+def make(
+    scheme: QuantScheme, head_dim: int, dtype: torch.dtype, state: dict[str, Tensor], where: str
+) -> Codec:
     if scheme.lifetime == "static" and scheme.axis in ("tensor", "head"):
         if "scale" not in state:
             raise KvqError(f"{where}: static fp8 scheme but the artifact has no {where}.scale")

@@ -6,7 +6,7 @@
 
 Writing is atomic: the artifact is built in a hidden sibling directory and
 swapped into place, so a reader sees the old artifact or the new one, never a
-half-written one (`kvq.exporters.paths`). Reading trusts nothing: the schema
+half-written one (`kvq.artifacts.paths`). Reading trusts nothing: the schema
 version, every field and its range, the set of tensor names, each tensor's
 dtype, shape and sha256, and the values of every stored qparam are checked, and
 any difference is an `IncompatibleArtifact` naming the field.
@@ -19,19 +19,17 @@ import hashlib
 import json
 import os
 import shutil
-from dataclasses import dataclass, fields, is_dataclass, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
 
 import safetensors.torch
 import torch
 from torch import Tensor
 
+from kvq.artifacts import paths
+from kvq.artifacts.paths import MANIFEST_FILE, TENSORS_FILE
 from kvq.errors import IncompatibleArtifact, KvqError
-from kvq.exporters import paths
-from kvq.exporters.paths import MANIFEST_FILE, TENSORS_FILE
 from kvq.jsonio import strict_loads
-from kvq.manifests.identity import ArchitectureInfo, ModelIdentity
 from kvq.manifests.schema import Manifest, TensorEntry, manifest_from_json, manifest_to_json
 from kvq.runtime.validate import check_artifact_state
 
@@ -182,36 +180,3 @@ def _verify_tensors(index: dict[str, TensorEntry], tensors: dict[str, Tensor]) -
             raise IncompatibleArtifact(
                 f"tensors[{name}].sha256", entry.sha256, digest, "tensor data was modified"
             )
-
-
-# --- compatibility ------------------------------------------------------------------
-
-
-def check_model_compatible(
-    manifest: Manifest, identity: ModelIdentity, architecture: ArchitectureInfo
-) -> None:
-    """Refuse a model that differs from the one the artifact was made for.
-
-    Raises `IncompatibleArtifact` on the first difference, expected = the
-    manifest's value, found = the model's, with a precise path such as
-    "architecture.rope[3].theta". The model type is compared first and the
-    architecture before the fingerprints: "num_kv_heads: expected 1, found 4"
-    explains a wrong model better than two differing config hashes do.
-    """
-    _compare("identity.model_type", manifest.identity.model_type, identity.model_type)
-    _compare("architecture", manifest.architecture, architecture)
-    _compare("identity", manifest.identity, identity)
-
-
-def _compare(path: str, expected: Any, found: Any) -> None:
-    if is_dataclass(expected) and type(expected) is type(found):
-        for f in fields(expected):
-            _compare(f"{path}.{f.name}", getattr(expected, f.name), getattr(found, f.name))
-    elif isinstance(expected, tuple) and isinstance(found, tuple):
-        if len(expected) != len(found):
-            raise IncompatibleArtifact(f"len({path})", len(expected), len(found))
-        for i, (e, f) in enumerate(zip(expected, found, strict=True)):
-            _compare(f"{path}[{i}]", e, f)
-    elif expected != found:
-        hint = "the artifact was made for a different model" if "sha256" in path else ""
-        raise IncompatibleArtifact(path, expected, found, hint)

@@ -28,8 +28,8 @@ from kvq.errors import KvqError
 from kvq.quant import packing, vq
 from kvq.quant.qparams import check_finite, storage_dtype
 from kvq.quant.schemes import QuantScheme
-from kvq.runtime.codecs import Codec, Flat, Rows
-from kvq.runtime.nuq_codecs import NuqKeyCodec, NuqValueCodec, _index_dtype
+from kvq.runtime.codecs.base import Codec, Flat, Rows
+from kvq.runtime.codecs.nuq import NuqKeyCodec, NuqValueCodec, _index_dtype
 from kvq.runtime.packed import PackedRows
 
 VQ_STATE = ("vq_codebook", "vq_groups", "vq_weight")
@@ -133,7 +133,9 @@ class VqValueCodec(_VqMixin, NuqValueCodec):
         return self._rows(rows["codes"], scale, center, slots)
 
 
-def make_vq_codec(scheme: QuantScheme, head_dim: int, state: dict[str, Tensor], where: str):
+def make(
+    scheme: QuantScheme, head_dim: int, dtype: torch.dtype, state: dict[str, Tensor], where: str
+) -> Codec:
     if scheme.axis == "channel" and scheme.lifetime == "static":
         return VqKeyCodec(scheme, head_dim, state, where)
     if scheme.axis == "token":

@@ -390,7 +390,7 @@ def _mask_rows(mask: Tensor, start: int, stop: int) -> Tensor:
 def _triton_call(query, mask, segments, kernel, scaling, rope, softcap, total) -> Tensor:
     """One call of the planned or general kernel over a block that fits it."""
     if kernel == "planned":
-        from kvq.runtime.kernels import planned_decode
+        from kvq.runtime.kernels.decode import planned as planned_decode
 
         half = _dot_mode(query.device) != "ieee"
         return planned_decode.run_planned(
@@ -477,7 +477,7 @@ def combine_partials_triton(m: Tensor, denom: Tensor, acc: Tensor) -> Tensor:
     """Same contract as `combine_partials_reference`, in one launch (about a dozen torch
     calls otherwise, each a kernel launch on CUDA: at short contexts the launches cost
     more than the attention itself)."""
-    from kvq.runtime.kernels import _decode_attention_triton as kern
+    from kvq.runtime.kernels.decode import _attention_triton as kern
 
     b, h, s, r = m.shape
     d = acc.shape[-1]
@@ -574,7 +574,7 @@ def tuned_kernel(do_bench=None):
     `do_bench` replaces Triton's CUDA-event timer (tests run it under the interpreter)."""
     import triton
 
-    from kvq.runtime.kernels import _decode_attention_triton as kern
+    from kvq.runtime.kernels.decode import _attention_triton as kern
 
     return triton.autotune(
         autotune_configs(),
@@ -619,7 +619,7 @@ def _launcher(device: torch.device, head_dim: int):
     fixed config elsewhere (the interpreter, where timing means nothing)."""
     if device.type == "cuda":
         return cuda_kernel(), {}
-    from kvq.runtime.kernels import _decode_attention_triton as kern
+    from kvq.runtime.kernels.decode import _attention_triton as kern
 
     return kern.decode_attention_kernel, {"BLOCK_T": 32 if head_dim > 128 else 64, "num_stages": 1}
 
@@ -837,7 +837,7 @@ def _counted_attention(query, segments, scaling, rope, mask, softcap, backend, l
     path = decode_path(query, segments, mask, backend=backend)
     if path.kernel != "planned" or path.chunks > 1:  # chunks: on the host counts (`_cut`)
         return None
-    from kvq.runtime.kernels import planned_decode
+    from kvq.runtime.kernels.decode import planned as planned_decode
 
     half = _dot_mode(query.device) != "ieee"
     return planned_decode.run_planned(
@@ -926,7 +926,7 @@ def triton_path(query: Tensor, segments: list[Segment], mask: Tensor | None) -> 
         query = query[:, :, :chunk]
     if not PLANNED:
         return DecodePath("general", "KVQ_DECODE_PLANNED=0", **chunks)
-    from kvq.runtime.kernels.planned_decode import planned_unsupported
+    from kvq.runtime.kernels.decode.planned import planned_unsupported
 
     reason = planned_unsupported(query, segments, mask)
     return DecodePath("general", reason, **chunks) if reason else DecodePath("planned", **chunks)

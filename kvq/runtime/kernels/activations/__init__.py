@@ -1,0 +1,1 @@
+"""A8: INT8 activations into the decoder's linears (`a8.py`: kernel + reference)."""
