@@ -23,6 +23,7 @@ import os
 import pytest
 import torch
 
+from kvq.artifacts.compat import load_artifact
 from kvq.calibrators.options import (
     ActScalesOptions,
     AutoOptions,
@@ -39,7 +40,7 @@ from kvq.calibrators.options import (
 )
 from kvq.errors import KvqError
 from kvq.models.loading import load_model
-from kvq.pipeline import cache_for, load_artifact
+from kvq.pipeline import cache_for
 from kvq.runtime.prefix import load_prefix
 from tests.cli.test_cli import _one_line_error, _run
 from tests.conftest import calibrate, make_tiny_model, tiny_tokenizer
@@ -62,10 +63,10 @@ PASSES = {
     "act-scales": (ActScalesOptions(layout="kv4-qserve"),),
     "vq": (VQOptions(bits=3, fisher=False),),
     "trellis": (TrellisOptions(bits=3, fisher=False, mixed="fisher", static_tokens=0),),
-    # --no-trellis: the layouts with Triton kernels ("trellis" above is auto's default)
-    "auto2": (AutoOptions(bits=2, trellis=False),),  # rotate -> 4-D vq, --mixed loss
-    "auto3": (AutoOptions(bits=3, trellis=False),),  # rotate -> 2-D vq, --mixed fisher
-    "auto4": (AutoOptions(bits=4, trellis=False),),  # kvquant
+    # --prefer speed (the default): the layouts whose appends are cheap
+    "auto2": (AutoOptions(bits=2),),  # rotate -> 4-D vq, --mixed loss
+    "auto3": (AutoOptions(bits=3),),  # rotate -> 2-D vq, --mixed fisher
+    "auto4": (AutoOptions(bits=4),),  # kvquant
     "prefixquant": (PrefixQuantOptions(eta=2.0),),  # int8 after the found prefix
     "intactkv": (ChannelScalesOptions(bits=4, value_group=16), IntactKVOptions(steps=2)),
     "tune": (KVQuantOptions(bits=3, fisher=False), TuneOptions(steps=2, checkpoints=1)),

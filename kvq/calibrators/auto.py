@@ -2,7 +2,8 @@
 
 The choice is `AutoOptions.chosen` (`kvq.calibrators.options.AUTO_CHOICES`), per width:
 scalar KVQuant NUQ (`kvq calibrate kvquant`), vector codebooks over channel groups
-(`kvq calibrate vq`) or bit-shift trellis codes (`kvq calibrate trellis`), the latter two
+(`kvq calibrate vq`) or bit-shift trellis codes (`kvq calibrate trellis`), as `--prefer
+speed|balanced|quality` asks (measured trade-offs in `kvq.calibrators.options`), the latter two
 with KVQuant's normalisers, exact outliers and sink, and optionally per-layer, per-side
 bits from the Fisher sensitivity (within each side) or from the model's measured KL with
 each layer-side quantized alone (across sides, `--mixed loss`, vq only). The streamed bits
@@ -29,7 +30,7 @@ from kvq.calibrators.vq import calibrate_vq, fisher_sums
 def fit(ctx: FitContext) -> PassResult:
     opts = ctx.options
     chosen = opts.chosen()
-    with ctx.progress.stage(f"auto {opts.bits} bits: {opts.method()}"):
+    with ctx.progress.stage(f"auto {opts.bits} bits ({opts.why()}): {opts.method()}"):
         pass  # the stage is the announcement: it shows in the output and the stage timings
     if isinstance(chosen, KVQuantOptions):
         result = kvquant.fit(replace(ctx, options=chosen))

@@ -546,6 +546,18 @@ AUTO_CHOICES: dict[int, tuple[str, int, str]] = {
 #   4 bits, scalar NUQ4: 1.0094 / 0.0098 / 0.944 -> 1.0097 / 0.0091 / 0.945
 #   2 bits, vq 4-D + measured-loss bits: 1.1644 / 0.1473 / 0.795 -> 1.1518 / 0.1419 / 0.795
 #           (scalar NUQ2: 1.2159 / 0.1824 / 0.777 -> 1.1897 / 0.1636 / 0.787)
+# per width: what auto runs with --prefer speed, the fastest codes that meet the width's
+# default quality budget (`kvq.eval.verdict.DEFAULTS`). Measured on Gemma 3 270M, 2-core CPU
+# (reference backend), rotated, 16 x 512 prefill ratio / KLD, and `model.generate` of a
+# 2,048-token prompt + 128 tokens against DynamicCache (bench/decode_profile.py):
+#   3 bits: scalar NUQ3 1.0392 / 0.0425, 1.77x; vq (AUTO_CHOICES) 1.0266 / 0.0290, 2.42x;
+#           trellis (AUTO_TRELLIS) 1.0189 / 0.0198, ~20x (512 + 32 tokens)
+#   2 bits: scalar NUQ2 1.1897 / 0.1636 fails the 2-bit budget (ppl 1.15): vq stays
+AUTO_FAST: dict[int, tuple[str, int, str]] = {
+    2: AUTO_CHOICES[2],
+    3: ("kvquant", 0, "none"),
+    4: AUTO_CHOICES[4],
+}
 AUTO_ROTATE: dict[int, bool] = {2: True, 3: True, 4: True}
 # per width: the values' exception fraction when they are rotated first (None: --outliers,
 # 1%). Rotated values have no outlier channel left; without their exceptions (3 slots of
@@ -566,10 +578,11 @@ AUTO_V_OUTLIERS: dict[int, float | None] = {2: 0.0, 3: 0.0, 4: None}
 AUTO_K_OUTLIERS: dict[int, float | None] = {2: 0.0, 3: None, 4: None}
 
 
-# per width: what auto runs with --trellis (the default): `kvq calibrate trellis` with
-# shared tables after `rotate`, as (--mixed, keys' exception fraction, values' exception
-# fraction; None: --outliers, 1%). Measured against the choices above (--no-trellis), ratio /
-# KLD / top-1 / bytes at 512 tokens, 16 x 512 prefill (README "Trellis codes"):
+# per width: what auto runs with --prefer quality: `kvq calibrate trellis` with shared
+# tables after `rotate`, as (--mixed, keys' exception fraction, values' exception fraction;
+# None: --outliers, 1%). Measured against the choices above (--prefer balanced, the
+# default: trellis appends cost a Viterbi search per row, AUTO_FAST's figures), ratio / KLD / top-1 / bytes at 512
+# tokens, 16 x 512 prefill (docs/methods.md "Trellis codes"):
 #   2 bits: 1.1186 / 0.1192 / 0.814 / 0.1601 -> 1.0861 / 0.0822 / 0.846 / 0.1484
 #   3 bits: 1.0307 / 0.0297 / 0.907 / 0.2218 -> 1.0189 / 0.0198 / 0.919 / 0.2125 (keys keep
 #           their 1%, AUTO_K_OUTLIERS's choice for vq at 3 bits; not measured without)
@@ -612,16 +625,16 @@ class AutoOptions(PassOptions):
         "rotate the values first (`rotate` pass) at the widths where it was measured to pay",
         flag="--rotate/--no-rotate",
     )
-    trellis: bool = option(
-        True,
-        "trellis codes (the best measured quality; a Viterbi search per appended row: one "
-        "Triton launch on CUDA, torch on the CPU); --no-trellis: the best codes whose "
-        "appends are cheaper",
-        flag="--trellis/--no-trellis",
+    prefer: str = option(
+        "balanced",
+        "balanced: vector codebooks at 2-3 bits, scalar NUQ at 4; speed: scalar NUQ where it "
+        "meets the width's quality budget (3, 4 bits); quality: trellis codes, the best "
+        "perplexity, but a Viterbi search per appended row (~20x slower generation on a "
+        "CPU). docs/benchmarks.md 'auto: speed, balanced or quality'",
     )
     static_tokens: int | None = option(
         None,
-        "with --trellis and --mixed fisher widths: the context over which the tables are "
+        "with --prefer quality and --mixed fisher widths: the context over which the tables are "
         "charged to the code bits (default: --seqlen; 0: code bits only)",
         flag="--static-tokens",
     )
@@ -629,6 +642,7 @@ class AutoOptions(PassOptions):
 
     def __post_init__(self) -> None:
         check_choice("--bits", self.bits, AUTO_CHOICES, " for auto")
+        check_choice("--prefer", self.prefer, ("speed", "balanced", "quality"))
         if self.static_tokens is not None:
             check_range("--static-tokens", self.static_tokens, 0)
 
@@ -638,14 +652,14 @@ class AutoOptions(PassOptions):
         return (self,)
 
     def chosen(self) -> VQOptions | KVQuantOptions | TrellisOptions:
-        method, dim, mixed = AUTO_CHOICES[self.bits]
+        method, dim, mixed = (AUTO_FAST if self.prefer == "speed" else AUTO_CHOICES)[self.bits]
         # unrotated values keep their exceptions: their outlier channels are still there
         rotated = len(self.chain()) > 1
         exceptions = {
             "v_outliers": AUTO_V_OUTLIERS[self.bits] if rotated else None,
             "k_outliers": AUTO_K_OUTLIERS[self.bits] if rotated else None,  # measured so
         }
-        if self.trellis:
+        if self.prefer == "quality":
             method, (mixed, k_outliers, v_outliers) = "trellis", AUTO_TRELLIS[self.bits]
             exceptions = {
                 "v_outliers": v_outliers if rotated else None,
@@ -690,7 +704,16 @@ class AutoOptions(PassOptions):
 
     def as_dict(self):
         rotated = "; values rotated first (rotate pass)" if len(self.chain()) > 1 else ""
-        return super().as_dict() | {"method": self.method() + rotated}
+        return super().as_dict() | {"method": self.method() + rotated, "why": self.why()}
+
+    def why(self) -> str:
+        """Why this method: what --prefer asked for (AUTO_FAST, AUTO_CHOICES, AUTO_TRELLIS)."""
+        return {
+            "speed": "--prefer speed: the fastest codes that meet this width's quality budget",
+            "balanced": "--prefer balanced: the best quality whose appends stay cheap",
+            "quality": "--prefer quality: the best measured quality; every appended row pays "
+            "a Viterbi search (generation ~20x slower on a CPU)",
+        }[self.prefer]
 
 
 @dataclass(frozen=True)

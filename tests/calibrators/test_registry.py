@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from kvq.artifacts.store import read_artifact
 from kvq.calibrators.options import (
     ActScalesOptions,
     AutoOptions,
@@ -26,7 +27,6 @@ from kvq.calibrators.options import (
 from kvq.calibrators.recipe import read_recipe
 from kvq.calibrators.registry import PASSES, get_pass
 from kvq.errors import KvqError
-from kvq.exporters.artifact import read_artifact
 from kvq.models.loading import load_model
 from kvq.pipeline import CalibrationRequest, cache_for, calibrate_job
 from kvq.progress import Progress
@@ -43,7 +43,7 @@ SMALL = {
     "act-scales": ActScalesOptions(layout="fp8-e4m3"),  # + a calibration-free cache layout
     "vq": VQOptions(bits=3, fisher=False),
     "trellis": TrellisOptions(bits=2, window=8, fisher=False),
-    "auto": AutoOptions(bits=3, static_tokens=0),  # trellis: 24 tokens pay for no table
+    "auto": AutoOptions(bits=3, prefer="quality", static_tokens=0),  # trellis: no table charge
     "prefixquant": PrefixQuantOptions(eta=2.0),
     "intactkv": IntactKVOptions(steps=2, lr=1e-3),
     "tune": TuneOptions(steps=2, checkpoints=1),

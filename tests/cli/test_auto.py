@@ -9,11 +9,11 @@ from tests.cli.test_cli import _one_line_error, _run
 
 def _calibrate_auto(model_dir, calib_txt, out, bits, *extra, samples=4, trellis=False):
     """`kvq calibrate auto --bits bits` on samples x 32 tokens of the calibration text;
-    --no-trellis (the layouts with Triton kernels) unless trellis."""
+    the default --prefer speed (the layouts with Triton kernels) unless trellis."""
     return _run(
         "calibrate", "auto", "--model", model_dir, "--dataset", calib_txt, "--samples", samples,
         "--seqlen", 32, "--bits", bits, "--out", out, *extra,
-        *(() if trellis else ("--no-trellis",)),
+        *(("--prefer", "quality") if trellis else ()),
     )  # fmt: skip
 
 
@@ -38,7 +38,12 @@ def test_auto_records_its_choice_and_stays_within_the_bits(auto_artifact):
     assert auto["method"] == "auto" and auto["options"]["bits"] == 3
     assert auto["options"]["method"].startswith("vq:")
     assert auto["options"]["method"].endswith("values rotated first (rotate pass)")
-    assert any(s.startswith("auto 3 bits: vq") for s in auto["stage_seconds"])
+    assert any(
+        s.startswith("auto 3 bits (--prefer balanced") and "): vq:" in s
+        for s in auto["stage_seconds"]
+    )
+    assert auto["options"]["prefer"] == "balanced"
+    assert auto["options"]["why"].startswith("--prefer balanced")
     layers = manifest["policy"]["_data"]["layers"]
     keys = [layer["key"]["bits"] for layer in layers]
     assert sum(keys) == 3 * len(keys)  # mixed precision, same total code bits
@@ -161,7 +166,7 @@ def test_vq_mixed_loss_writes_a_loadable_artifact_with_its_widths_and_table(
     """`kvq calibrate vq --mixed loss` on tiny Gemma 3: the manifest records the option and
     every layer-side's width, the measured table travels as provenance, and the artifact
     evaluates."""
-    from kvq.exporters.artifact import read_artifact
+    from kvq.artifacts.store import read_artifact
 
     gemma, out = tiny_model_dir("gemma3"), tmp_path / "loss"
     result = _ok(_run(
@@ -201,7 +206,7 @@ def test_values_drop_their_exceptions_only_when_rotated():
     from kvq.calibrators.options import AUTO_V_OUTLIERS, AutoOptions
 
     def auto(bits, **kw):
-        return AutoOptions(bits=bits, trellis=False, **kw)
+        return AutoOptions(bits=bits, **kw)
 
     assert AUTO_V_OUTLIERS[2] == AUTO_V_OUTLIERS[3] == 0.0 and AUTO_V_OUTLIERS[4] is None
     assert auto(4).chosen().value_outliers == 0.01  # measured worse without
@@ -217,7 +222,7 @@ def test_keys_drop_their_exceptions_at_2_bits_only():
     from kvq.calibrators.options import AutoOptions
 
     def auto(bits, **kw):
-        return AutoOptions(bits=bits, trellis=False, **kw)
+        return AutoOptions(bits=bits, **kw)
 
     two, three = auto(2).chosen(), auto(3).chosen()
     assert two.outliers_of("key") == 0.0 and two.outliers_of("value") == 0.0
@@ -227,10 +232,10 @@ def test_keys_drop_their_exceptions_at_2_bits_only():
     assert "0% exact key outliers, 0% value outliers (the bits saved widen layers)" in text
 
 
-def test_auto_runs_trellis_codes_by_default_and_charges_their_tables(
+def test_auto_prefer_quality_runs_trellis_codes_and_charges_their_tables(
     llama_dir, calib_txt, tmp_path
 ):
-    """The default (--trellis): rotate -> trellis with AUTO_TRELLIS's settings, named in the
+    """--prefer quality: rotate -> trellis with AUTO_TRELLIS's settings, named in the
     output and manifest. Its tables are charged to the code bits over --seqlen tokens,
     which 32 tokens of a tiny model cannot pay: a one-line error says what to do."""
     from kvq.calibrators.options import AUTO_TRELLIS
@@ -249,3 +254,30 @@ def test_auto_runs_trellis_codes_by_default_and_charges_their_tables(
     charged = _calibrate_auto(llama_dir, calib_txt, tmp_path / "x", 3, trellis=True)
     _one_line_error(charged, "raise --static-tokens")
     assert not (tmp_path / "x").exists()
+
+
+def test_prefer_picks_the_measured_trade_off_and_says_why():
+    """--prefer speed|balanced|quality: scalar NUQ where it meets the width's budget, vector
+    codebooks (balanced, the default) or trellis codes; the recorded options say why."""
+    from kvq.calibrators.options import (
+        AutoOptions,
+        KVQuantOptions,
+        TrellisOptions,
+        VQOptions,
+    )
+    from kvq.errors import KvqError
+
+    kinds = {
+        (bits, prefer): type(AutoOptions(bits=bits, prefer=prefer).chosen())
+        for bits in (2, 3, 4)
+        for prefer in ("speed", "balanced", "quality")
+    }
+    assert kinds[3, "speed"] is KVQuantOptions and kinds[4, "speed"] is KVQuantOptions
+    assert kinds[2, "speed"] is VQOptions  # scalar NUQ2 misses the 2-bit budget
+    assert kinds[3, "balanced"] is VQOptions and kinds[2, "balanced"] is VQOptions
+    assert all(kinds[b, "quality"] is TrellisOptions for b in (2, 3, 4))
+    assert AutoOptions().prefer == "balanced"
+    recorded = AutoOptions(bits=3, prefer="speed").as_dict()
+    assert recorded["prefer"] == "speed" and recorded["why"].startswith("--prefer speed")
+    with pytest.raises(KvqError, match="--prefer must be speed, balanced or quality"):
+        AutoOptions(prefer="fast")

@@ -7,6 +7,7 @@ import json
 
 import pytest
 
+from kvq.artifacts.store import read_artifact
 from kvq.calibrators.options import (
     IntactKVOptions,
     KVQuantOptions,
@@ -16,7 +17,6 @@ from kvq.calibrators.options import (
 )
 from kvq.calibrators.registry import get_pass
 from kvq.errors import KvqError
-from kvq.exporters.artifact import read_artifact
 from tests.cli.test_cli import _one_line_error, _run
 from tests.conftest import calibrate
 
@@ -85,7 +85,7 @@ def test_a_base_the_pass_cannot_use_is_refused_in_one_line(
         ("rotate", "smooth", ()),  # transforms only: the smoothing stays, values rotate
         ("smoothattention", "fp16", ()),
         ("act-scales", "kvquant", ()),  # the base's policy kept
-        ("auto", "kvquant", ("--bits", 4, "--no-rotate", "--no-trellis")),
+        ("auto", "kvquant", ("--bits", 4, "--no-rotate")),
     ],
 )
 def test_a_base_the_pass_can_use_still_chains(
