@@ -7,10 +7,12 @@ DEMO_OUT ?= artifacts/demo
 DEMO_BITS ?= 4
 DEMO_WINDOWS ?= 16
 DEMO_SEQLEN ?= 512
+# test processes: one per core (each runs torch on one thread, tests/conftest.py)
+TEST_WORKERS ?= auto
 BIN := $(VENV)/bin
 export KVQ_DATA_DIR
 
-.PHONY: setup demo test check bench clean
+.PHONY: setup demo test test-quick check bench clean
 
 $(BIN)/.stamp: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -33,7 +35,12 @@ demo: setup
 	    --protocol prefill --json $(DEMO_OUT).eval.json
 
 test: setup
-	$(BIN)/python -m pytest -q -x --durations=15
+	$(BIN)/python -m pytest -q -x -n $(TEST_WORKERS) --dist loadfile --durations=15
+
+# the subset to run while iterating (under 2 minutes on 2 cores): no real-model or
+# interpreter-heavy modules (those are marked slow); `make test` is what CI runs
+test-quick: setup
+	$(BIN)/python -m pytest -q -x -n $(TEST_WORKERS) --dist loadfile -m "not slow"
 
 check: setup
 	$(BIN)/ruff check kvq tests bench
