@@ -32,6 +32,9 @@ from kvq.errors import IncompatibleArtifact, KvqError
 from kvq.manifests.schema import manifest_from_json
 from kvq.models.loading import load_model
 
+# many interpreted Triton launches or every model family: `make test-quick` skips it
+pytestmark = pytest.mark.slow
+
 runner = CliRunner()
 # KVQ_FUZZ_EXAMPLES=2000 KVQ_FUZZ_RANDOM=1 for a long hunt with fresh examples
 FUZZ = settings(

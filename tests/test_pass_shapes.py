@@ -46,6 +46,9 @@ from tests.cli.test_cli import _one_line_error, _run
 from tests.conftest import calibrate, make_tiny_model, tiny_tokenizer
 from tests.test_model_shapes import SHAPES as ODD_SHAPES
 
+# many interpreted Triton launches or every model family: `make test-quick` skips it
+pytestmark = pytest.mark.slow
+
 # Qwen2.5 0.5B's head layout (14 query heads on 2 KV heads, head_dim 64, tied embeddings):
 # 7 query heads per KV head, no power of two, in no shape of test_model_shapes
 SHAPES = ODD_SHAPES | {

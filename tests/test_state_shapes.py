@@ -26,6 +26,9 @@ from kvq.runtime.saved import restore_cache
 from tests import test_pass_shapes as shapes
 from tests.test_pass_shapes import PROMPT, _padded_batch
 
+# many interpreted Triton launches or every model family: `make test-quick` skips it
+pytestmark = pytest.mark.slow
+
 models, served = shapes.models, shapes.served  # its module fixtures: the tiny models, calibrated
 
 # (layout, shape) -> the state beyond rows its layers carry after a prompt past the window

@@ -30,6 +30,9 @@ from kvq.quant.schemes import CachePolicy, LayerPolicy, named_policy
 from kvq.runtime.cache import QuantizedKVCache, build_cache
 from tests.conftest import calibrate
 
+# many interpreted Triton launches or every model family: `make test-quick` skips it
+pytestmark = pytest.mark.slow
+
 FAMILIES = ["llama", "qwen2", "gemma3"]
 # named layouts (policy, sink tokens) and calibrated artifacts (pass options)
 NAMED = {

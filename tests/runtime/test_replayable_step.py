@@ -33,6 +33,9 @@ from tests.runtime.kernels.helpers import (
     meta,
 )
 
+# many interpreted Triton launches or every model family: `make test-quick` skips it
+pytestmark = pytest.mark.slow
+
 # (family, config overrides): head_dim 32 at least, which the planned kernel takes
 MODELS = {"llama": {"head_dim": 32}, "gemma3": {}}
 # fixed-width layouts the planned kernel takes ("-sink2": the first two tokens kept exact);

@@ -29,6 +29,9 @@ from kvq.runtime.kernels.decode.attention import (
 from kvq.runtime.packed import PackedRows, decode_packed
 from kvq.runtime.reference import dense_attention
 
+# many interpreted Triton launches or every model family: `make test-quick` skips it
+pytestmark = pytest.mark.slow
+
 # On CPU the interpreter computes exact fp32 dots: only accumulation order differs. On CUDA
 # (KVQ_TEST_CUDA=1, bench/gpu_check.sh) the dots run in tf32 unless KVQ_TRITON_DOT=ieee.
 DEVICE = "cuda" if os.environ.get("KVQ_TEST_CUDA") else "cpu"

@@ -24,6 +24,9 @@ from kvq.runtime.kernels.offline.cubin import KernelResources, compile_offline
 from kvq.runtime.packed import PackedRows
 from tests.runtime.kernels.helpers import compile_in_child, resources
 
+# many interpreted Triton launches or every model family: `make test-quick` skips it
+pytestmark = pytest.mark.slow
+
 
 def _half(*shape, lo=0.01, hi=0.05):
     return (torch.rand(*shape) * (hi - lo) + lo).half()

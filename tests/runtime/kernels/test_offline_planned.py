@@ -26,6 +26,9 @@ from tests.runtime.kernels.helpers import compile_in_child, resources
 from tests.runtime.kernels.test_decode_attention import _rope
 from tests.runtime.kernels.test_offline import _int4_segment
 
+# many interpreted Triton launches or every model family: `make test-quick` skips it
+pytestmark = pytest.mark.slow
+
 CASES = {  # name -> (batch, KV heads, head_dim, query heads)
     "kv4-llama": (16, 8, 128, 32),
     "kv4-gemma": (16, 1, 256, 4),

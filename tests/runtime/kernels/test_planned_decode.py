@@ -38,6 +38,9 @@ from tests.runtime.kernels.test_decode_attention import (
     _to,
 )
 
+# many interpreted Triton launches or every model family: `make test-quick` skips it
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(autouse=True)
 def _seeded():

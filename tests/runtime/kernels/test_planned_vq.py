@@ -27,6 +27,9 @@ from tests.runtime.kernels.test_planned_decode import (
     _window_mask,
 )
 
+# many interpreted Triton launches or every model family: `make test-quick` skips it
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(autouse=True)
 def _seeded():
