@@ -68,7 +68,7 @@ app.add_typer(export_app, name="export")
 
 @export_app.command("manifest")
 def export_manifest(
-    artifact: Path = typer.Argument(..., help="artifact directory"),
+    artifact: Path = typer.Argument(..., metavar="ARTIFACT", help="artifact directory"),
     schema_out: Path | None = typer.Option(None, "--schema-out", help="write the JSON Schema here"),
 ) -> None:
     """Validate an artifact, print its manifest, optionally write the JSON Schema."""
@@ -126,33 +126,38 @@ EXPORT_DTYPE = typer.Option(
 )
 
 
-@export_app.command("vllm")
-def export_vllm(
-    artifact: Path = typer.Argument(..., help="artifact directory"),
-    model: str | None = EXPORT_MODEL,
-    out: Path = EXPORT_OUT,
-    overwrite: bool = EXPORT_OVERWRITE,
-    dtype: str = EXPORT_DTYPE,
-) -> None:
-    """A compressed-tensors checkpoint vLLM loads: weights, kv_cache_scheme, k/v_scale."""
-    _export_engine("vllm", artifact, model, out, overwrite, dtype)
+def _export_command(engine: str, summary: str):
+    """The `kvq export ENGINE` command: the same options for every engine."""
+
+    def command(
+        artifact: Path = typer.Argument(..., metavar="ARTIFACT", help="artifact directory"),
+        model: str | None = EXPORT_MODEL,
+        out: Path = EXPORT_OUT,
+        overwrite: bool = EXPORT_OVERWRITE,
+        dtype: str = EXPORT_DTYPE,
+    ) -> None:
+        _export_engine(engine, artifact, model, out, overwrite, dtype)
+
+    command.__doc__ = summary
+    return command
 
 
-@export_app.command("modelopt")
-def export_modelopt(
-    artifact: Path = typer.Argument(..., help="artifact directory"),
-    model: str | None = EXPORT_MODEL,
-    out: Path = EXPORT_OUT,
-    overwrite: bool = EXPORT_OVERWRITE,
-    dtype: str = EXPORT_DTYPE,
-) -> None:
-    """A ModelOpt-layout checkpoint (TensorRT-LLM, SGLang): hf_quant_config.json + scales."""
-    _export_engine("modelopt", artifact, model, out, overwrite, dtype)
+export_app.command("vllm")(
+    _export_command(
+        "vllm", "A compressed-tensors checkpoint vLLM loads: weights, kv_cache_scheme, k/v_scale."
+    )
+)
+export_app.command("modelopt")(
+    _export_command(
+        "modelopt",
+        "A ModelOpt-layout checkpoint (TensorRT-LLM, SGLang): hf_quant_config.json + scales.",
+    )
+)
 
 
 @app.command("compare")
 def compare(
-    reports: list[Path] = typer.Argument(..., help="run-eval --json reports"),
+    reports: list[Path] = typer.Argument(..., metavar="REPORT", help="run-eval --json reports"),
     plot: Path | None = typer.Option(
         None, "--plot", help="write the Pareto plot (quality against bytes) to this PNG"
     ),
@@ -176,7 +181,9 @@ def compare(
 
 
 @app.command("inspect")
-def inspect(artifact: Path = typer.Argument(..., help="artifact directory")) -> None:
+def inspect(
+    artifact: Path = typer.Argument(..., metavar="ARTIFACT", help="artifact directory"),
+) -> None:
     """Summary, byte ledger and validation result of an artifact."""
     from kvq.artifacts.store import read_artifact
     from kvq.cli.render import print_inspect

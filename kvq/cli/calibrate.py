@@ -101,7 +101,9 @@ for _entry in PASSES.values():
 
 @calibrate_app.command("recipe")
 def calibrate_recipe(
-    recipe: Path = typer.Argument(..., help="YAML file: passes (and defaults for the options)"),
+    recipe: Path = typer.Argument(
+        ..., metavar="RECIPE", help="YAML file: passes (and defaults for the options)"
+    ),
     out: Path = typer.Option(..., "--out", help="artifact directory to write"),
     model: str | None = typer.Option(None, "--model", help="overrides the recipe's model"),
     dataset: str | None = typer.Option(None, "--dataset", help="overrides the recipe's dataset"),

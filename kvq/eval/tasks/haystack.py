@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from kvq.errors import KvqError
-from kvq.eval.tasks.base import TaskContext
+from kvq.eval.tasks.base import EvalTask, TaskContext
 from kvq.models.placement import input_device
 from kvq.pipeline import check_context
 from kvq.runtime.prefix import user_tokens
@@ -320,3 +320,13 @@ def plot_grid(name: str, section: dict, folder: Path) -> list[Path]:
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return [path]
+
+
+def retrieval_task(name: str, make_probe: Callable[[random.Random], Probe], answer_tokens: int):
+    """The registered task of a retrieval kind: what its module supplies is the probe."""
+    return EvalTask(
+        name=name,
+        run=lambda ctx: run_retrieval(ctx, name, make_probe, answer_tokens),
+        summary=lambda section: summary_rows(name, section),
+        plot=lambda section, folder: plot_grid(name, section, folder),
+    )

@@ -9,10 +9,8 @@ Scored by exact match of the digits in the greedy continuation (`haystack.run_re
 from __future__ import annotations
 
 import random
-from pathlib import Path
 
-from kvq.eval.tasks.base import EvalTask, TaskContext
-from kvq.eval.tasks.haystack import Probe, plot_grid, run_retrieval, summary_rows
+from kvq.eval.tasks.haystack import Probe, retrieval_task
 
 NAME = "needle"
 # a space and seven digits for a tokenizer that splits digits, and room to spare
@@ -41,16 +39,4 @@ def make_probe(rng: random.Random) -> Probe:
     )
 
 
-def run(ctx: TaskContext) -> dict:
-    return run_retrieval(ctx, NAME, make_probe, ANSWER_TOKENS)
-
-
-def summary(section: dict) -> list[tuple[str, str, str]]:
-    return summary_rows(NAME, section)
-
-
-def plot(section: dict, folder: Path) -> list[Path]:
-    return plot_grid(NAME, section, folder)
-
-
-TASK = EvalTask(name=NAME, run=run, summary=summary, plot=plot)
+TASK = retrieval_task(NAME, make_probe, ANSWER_TOKENS)

@@ -9,10 +9,8 @@ baseline and quantized cache alike (`haystack.run_retrieval`).
 from __future__ import annotations
 
 import random
-from pathlib import Path
 
-from kvq.eval.tasks.base import EvalTask, TaskContext
-from kvq.eval.tasks.haystack import Probe, plot_grid, run_retrieval, summary_rows
+from kvq.eval.tasks.haystack import Probe, retrieval_task
 
 NAME = "passkey"
 # " 71432" is six tokens for a tokenizer that splits digits (Gemma, Llama 3); room for a
@@ -29,16 +27,4 @@ def make_probe(rng: random.Random) -> Probe:
     )
 
 
-def run(ctx: TaskContext) -> dict:
-    return run_retrieval(ctx, NAME, make_probe, ANSWER_TOKENS)
-
-
-def summary(section: dict) -> list[tuple[str, str, str]]:
-    return summary_rows(NAME, section)
-
-
-def plot(section: dict, folder: Path) -> list[Path]:
-    return plot_grid(NAME, section, folder)
-
-
-TASK = EvalTask(name=NAME, run=run, summary=summary, plot=plot)
+TASK = retrieval_task(NAME, make_probe, ANSWER_TOKENS)
