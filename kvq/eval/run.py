@@ -114,6 +114,7 @@ def run_eval_job(
     first_cache = make_cache()  # fail fast on an unusable policy
     spec = first_cache.policy.prefix
     sections: dict = {}
+    prefix = None  # [P] the declared prefix's ids, served before every window
     if windowed:
         ids, prefix = served_windows(loaded, spec, tw.ids)
         scales = None

@@ -122,3 +122,14 @@ def test_every_task_runs_through_the_command_line(art, llama_dir, shared_data, t
     assert len(r["plots"]) >= 5
     for name in REGISTRY:  # each task's summary rows reach the terminal table
         assert r["tasks"][name]["seconds"] >= 0
+
+
+def test_a_task_without_windows_runs_alone(art, llama_dir, shared_data, tmp_path):
+    """--tasks passkey alone (no perplexity windows) writes its report; it used to fail at
+    the very end, after the whole grid had run."""
+    report = tmp_path / "r.json"
+    result = _eval(llama_dir, shared_data, "--artifact", art, "--tasks", "passkey",
+                   "--contexts", "96", "--depths", "0", "--trials", 1, "--json", report)  # fmt: skip
+    assert result.exit_code == 0, result.output + result.stderr
+    r = json.loads(report.read_text())
+    assert set(r["tasks"]) == {"passkey"} and r["prefix"] is None and r["windows_sha256"] is None
