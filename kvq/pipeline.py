@@ -29,6 +29,7 @@ from kvq.manifests.ledger import ByteLedger
 from kvq.manifests.schema import Calibration, DatasetInfo, new_manifest
 from kvq.models.loading import LoadedModel, load_model
 from kvq.models.placement import Placement, input_device
+from kvq.models.spec import refuse_past_context
 from kvq.progress import Progress
 from kvq.quant.qparams import count_floored
 from kvq.quant.schemes import CachePolicy, named_policy
@@ -54,9 +55,7 @@ def load_windows(
 def check_context(loaded: LoadedModel, tokens: int, what: str) -> None:
     """Refuse sequences longer than the model's context: beyond it the model was never
     trained, and its figures would describe extrapolation, not quantization."""
-    context = loaded.adapter.max_positions
-    if context is not None and tokens > context:
-        raise KvqError(f"{what} asks for {tokens} tokens; the model's context is {context}")
+    refuse_past_context(tokens, loaded.adapter.max_positions, what)
 
 
 @torch.no_grad()

@@ -100,7 +100,12 @@ def declared_context(spec: str) -> int | None:
 def check_fits_context(spec: str, tokens: int, what: str) -> None:
     """Refuse `tokens` past the model's context before the model loads, when its config
     says what that is (`declared_context`); the loaded model is checked again either way."""
-    context = declared_context(spec)
+    refuse_past_context(tokens, declared_context(spec), what)
+
+
+def refuse_past_context(tokens: int, context: int | None, what: str) -> None:
+    """Beyond its context the model was never trained: its figures would describe
+    extrapolation, not quantization. The one rule before and after the model loads."""
     if context is not None and tokens > context:
         raise KvqError(f"{what} asks for {tokens} tokens; the model's context is {context}")
 

@@ -98,6 +98,22 @@ def static_scale(scale: Tensor, axis: str, top: float, where: str) -> None:
         raise KvqError(f"{where}.scale: scale x {top:g} overflows float32")
 
 
+def require(state: dict[str, Tensor], names, where: str) -> None:
+    """Refuse an artifact whose static state lacks one of `names` (under `where`)."""
+    for name in names:
+        if name not in state:
+            raise KvqError(f"{where}: the artifact has no {where}.{name}")
+
+
+def key_or_value(key_codec, value_codec, scheme: QuantScheme, head_dim, state, where, what):
+    """The codebook formats' pair: static per-channel keys, per-token values."""
+    if scheme.axis == "channel" and scheme.lifetime == "static":
+        return key_codec(scheme, head_dim, state, where)
+    if scheme.axis == "token":
+        return value_codec(scheme, head_dim, state, where)
+    raise KvqError(f"{where}: no {what} codec for {scheme.describe()}")
+
+
 def make(
     scheme: QuantScheme, head_dim: int, dtype: torch.dtype, state: dict[str, Tensor], where: str
 ) -> Codec:

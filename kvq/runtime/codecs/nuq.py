@@ -24,7 +24,7 @@ from kvq.errors import KvqError
 from kvq.quant import nuq, packing, sparse
 from kvq.quant.qparams import check_finite, storage_dtype
 from kvq.quant.schemes import QuantScheme
-from kvq.runtime.codecs.base import NO_FLAT, Codec, Flat, Rows
+from kvq.runtime.codecs.base import NO_FLAT, Codec, Flat, Rows, key_or_value, require
 from kvq.runtime.packed import PackedRows
 
 SPARSE_DTYPE = torch.float16
@@ -62,11 +62,8 @@ class NuqKeyCodec(_NuqCodec):
     """Static per-channel normaliser and thresholds; variable-length exact exceptions."""
 
     def __init__(self, scheme: QuantScheme, head_dim: int, state: dict[str, Tensor], where: str):
-        for name in ("codebook", "scale", "center") + (
-            ("lower", "upper") if scheme.outlier_fraction else ()
-        ):
-            if name not in state:
-                raise KvqError(f"{where}: the artifact has no {where}.{name}")
+        bounds = ("lower", "upper") if scheme.outlier_fraction else ()
+        require(state, ("codebook", "scale", "center", *bounds), where)
         super().__init__(scheme, head_dim, state["codebook"], state.get("qnorm_levels"))
         self.static |= {n: state[n] for n in ("scale", "center", "lower", "upper") if n in state}
         self._scale = state["scale"][None, :, None, :]  # [1, H, 1, D]
@@ -229,8 +226,4 @@ class NuqValueCodec(_NuqCodec):
 def make(
     scheme: QuantScheme, head_dim: int, dtype: torch.dtype, state: dict[str, Tensor], where: str
 ) -> Codec:
-    if scheme.axis == "channel" and scheme.lifetime == "static":
-        return NuqKeyCodec(scheme, head_dim, state, where)
-    if scheme.axis == "token":
-        return NuqValueCodec(scheme, head_dim, state, where)
-    raise KvqError(f"{where}: no NUQ codec for {scheme.describe()}")
+    return key_or_value(NuqKeyCodec, NuqValueCodec, scheme, head_dim, state, where, "NUQ")

@@ -24,10 +24,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from kvq.errors import KvqError
 from kvq.quant import packing, trellis
 from kvq.quant.schemes import QuantScheme
-from kvq.runtime.codecs.base import Codec
+from kvq.runtime.codecs.base import Codec, key_or_value, require
 from kvq.runtime.codecs.nuq import _index_dtype
 from kvq.runtime.codecs.vq import VqKeyCodec, VqValueCodec, check_search_weight
 from kvq.runtime.kernels.append.trellis import trellis_encode
@@ -40,9 +39,7 @@ class _TrellisMixin:
     """Dense trellis codes; the vq codecs supply normaliser, exceptions and row layout."""
 
     def _setup(self, scheme: QuantScheme, head_dim: int, state: dict[str, Tensor], where: str):
-        for name in TRELLIS_STATE:
-            if name not in state:
-                raise KvqError(f"{where}: the artifact has no {where}.{name}")
+        require(state, TRELLIS_STATE, where)
         trellis.check_table(state["trellis_table"], scheme.window, where)
         weight = state["trellis_weight"]
         check_search_weight(weight, head_dim, f"{where}.trellis_weight")
@@ -83,8 +80,6 @@ class TrellisValueCodec(_TrellisMixin, VqValueCodec):
 def make(
     scheme: QuantScheme, head_dim: int, dtype: torch.dtype, state: dict[str, Tensor], where: str
 ) -> Codec:
-    if scheme.axis == "channel" and scheme.lifetime == "static":
-        return TrellisKeyCodec(scheme, head_dim, state, where)
-    if scheme.axis == "token":
-        return TrellisValueCodec(scheme, head_dim, state, where)
-    raise KvqError(f"{where}: no trellis codec for {scheme.describe()}")
+    return key_or_value(
+        TrellisKeyCodec, TrellisValueCodec, scheme, head_dim, state, where, "trellis"
+    )

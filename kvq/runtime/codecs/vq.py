@@ -28,7 +28,7 @@ from kvq.errors import KvqError
 from kvq.quant import packing, vq
 from kvq.quant.qparams import check_finite, storage_dtype
 from kvq.quant.schemes import QuantScheme
-from kvq.runtime.codecs.base import Codec, Flat, Rows
+from kvq.runtime.codecs.base import Codec, Flat, Rows, key_or_value, require
 from kvq.runtime.codecs.nuq import NuqKeyCodec, NuqValueCodec, _index_dtype
 from kvq.runtime.packed import PackedRows
 
@@ -36,9 +36,7 @@ VQ_STATE = ("vq_codebook", "vq_groups", "vq_weight")
 
 
 def _vq_state(scheme: QuantScheme, head_dim: int, state: dict[str, Tensor], where: str):
-    for name in VQ_STATE:
-        if name not in state:
-            raise KvqError(f"{where}: the artifact has no {where}.{name}")
+    require(state, VQ_STATE, where)
     vq.check_codebook(state["vq_codebook"], scheme.bits, scheme.vector_dim, where)
     groups = state["vq_groups"]
     m = scheme.vector_dim
@@ -96,9 +94,7 @@ class VqKeyCodec(_VqMixin, NuqKeyCodec):
 
     def __init__(self, scheme: QuantScheme, head_dim: int, state: dict[str, Tensor], where: str):
         names = ("scale", "center") + (("lower", "upper") if scheme.outlier_fraction else ())
-        for name in names:
-            if name not in state:
-                raise KvqError(f"{where}: the artifact has no {where}.{name}")
+        require(state, names, where)
         self._setup(scheme, head_dim, state, where)
         self.static |= {n: state[n] for n in names}
         self._scale = state["scale"][None, :, None, :]  # [1, H, 1, D]
@@ -136,8 +132,4 @@ class VqValueCodec(_VqMixin, NuqValueCodec):
 def make(
     scheme: QuantScheme, head_dim: int, dtype: torch.dtype, state: dict[str, Tensor], where: str
 ) -> Codec:
-    if scheme.axis == "channel" and scheme.lifetime == "static":
-        return VqKeyCodec(scheme, head_dim, state, where)
-    if scheme.axis == "token":
-        return VqValueCodec(scheme, head_dim, state, where)
-    raise KvqError(f"{where}: no vq codec for {scheme.describe()}")
+    return key_or_value(VqKeyCodec, VqValueCodec, scheme, head_dim, state, where, "vq")
