@@ -24,6 +24,7 @@ from kvq.calibrators.options import PassOptions
 from kvq.calibrators.registry import get_pass, transform_function
 from kvq.data.text import TextSource, read_corpus
 from kvq.data.windows import TokenWindows, sample_windows
+from kvq.engines.formats import policy_by_name
 from kvq.errors import KvqError
 from kvq.manifests.ledger import ByteLedger
 from kvq.manifests.schema import Calibration, DatasetInfo, new_manifest
@@ -32,7 +33,7 @@ from kvq.models.placement import Placement, input_device
 from kvq.models.spec import refuse_past_context
 from kvq.progress import Progress
 from kvq.quant.qparams import count_floored
-from kvq.quant.schemes import CachePolicy, named_policy
+from kvq.quant.schemes import CachePolicy
 from kvq.runtime.cache import QuantizedKVCache, build_cache, unit_scales
 from kvq.runtime.prefix import Prefix, check_tokenizer, load_prefix
 
@@ -133,6 +134,7 @@ def calibrate_job(
     )
     seen: dict[str, float] = {}
     for i, options in enumerate(r.passes):
+        options = keys_the_model_can_rotate(options, loaded)
         state = run_pass(loaded, windows, options, progress, state)
         if i == len(r.passes) - 1:
             with progress.stage("measure ledger"):
@@ -153,6 +155,24 @@ def calibrate_job(
     )
     write_artifact(Artifact(manifest=manifest, tensors=state.tensors), out, overwrite=r.overwrite)
     return read_artifact(out)
+
+
+def keys_the_model_can_rotate(options: PassOptions, loaded: LoadedModel) -> PassOptions:
+    """Pre-RoPE keys need RoPE over the whole head (the runtime rotates with half-head
+    tables); a partial-rotary model (Phi-4-mini, StableLM) has the pass quantize its keys
+    after RoPE instead, as the manifest's options then say."""
+    rope = loaded.adapter.info.rope
+    if getattr(options, "key_stage", None) != "pre-rope":
+        return options
+    if all(r.rotary_dim == loaded.adapter.head_dim for r in rope):
+        return options
+    logging.getLogger("kvq").warning(
+        "%s: RoPE turns %d of %d channels; its keys are quantized after RoPE",
+        options.NAME,
+        min(r.rotary_dim for r in rope),
+        loaded.adapter.head_dim,
+    )
+    return replace(options, key_stage="post-rope")
 
 
 def run_pass(
@@ -300,7 +320,7 @@ def cache_for(
         cache.identity["artifact"] = hashlib.sha256(json.dumps(index).encode()).hexdigest()
         return cache
     info = loaded.adapter.info
-    named = named_policy(policy, info.num_layers, info.head_dim).only(quantize)
+    named = policy_by_name(policy, info.num_layers, info.head_dim).only(quantize)
     if prefix is not None:
         named = named.with_prefix(prefix.spec)
     return build_cache(loaded.model, named, unit_scales(named), loaded.adapter, backend, prefix)

@@ -120,7 +120,40 @@ def _tiny_config(family: str, vocab: int, **overrides):
             tie_word_embeddings=True,
         )
         return Gemma3TextConfig(**{**gemma, **overrides})
+    if family in FAMILY_CONFIGS:
+        from transformers import AutoConfig
+
+        model_type, extra = FAMILY_CONFIGS[family]
+        return AutoConfig.for_model(model_type, **{**common, **extra, **overrides})
     raise ValueError(f"unknown tiny family {family!r}")
+
+
+_ALTERNATING = ["sliding_attention", "full_attention"] * 2
+_MOE = dict(num_local_experts=4, num_experts_per_tok=2)
+# family -> (model_type, config facts beyond the common tiny shape): each exercises what
+# sets its family apart (the adapter must derive it, `verify_adapter` checks it)
+FAMILY_CONFIGS = {
+    "llama3": ("llama", dict(rope_parameters={
+        "rope_type": "llama3", "rope_theta": 500_000.0, "factor": 8.0, "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0, "original_max_position_embeddings": 64})),
+    "qwen3": ("qwen3", {}),  # per-head q/k RMSNorm on the [B, T, H, D] view
+    "qwen3_moe": ("qwen3_moe", dict(num_experts=4, num_experts_per_tok=2,
+                                    moe_intermediate_size=32, decoder_sparse_step=1)),
+    "gemma2": ("gemma2", dict(num_hidden_layers=4, layer_types=_ALTERNATING, sliding_window=8,
+                              query_pre_attn_scalar=24, attn_logit_softcapping=5.0,
+                              final_logit_softcapping=30.0, tie_word_embeddings=True)),
+    "phi3": ("phi3", dict(rope_parameters={  # fused qkv_proj, partial RoPE
+        "rope_type": "default", "rope_theta": 10_000.0, "partial_rotary_factor": 0.5})),
+    "olmo2": ("olmo2", {}),  # q/k RMSNorm over the whole projection, post-norm layers
+    "granite": ("granite", dict(attention_multiplier=0.2, embedding_multiplier=2.0,
+                                residual_multiplier=0.5, logits_scaling=2.0)),
+    "mixtral": ("mixtral", dict(**_MOE, sliding_window=8)),
+    "gpt_oss": ("gpt_oss", dict(num_hidden_layers=4, layer_types=_ALTERNATING,
+                                sliding_window=8, attention_bias=True, num_local_experts=4,
+                                num_experts_per_tok=2, rope_parameters={
+        "rope_type": "yarn", "rope_theta": 150_000.0, "factor": 4.0, "beta_fast": 32.0,
+        "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 64})),
+}  # fmt: skip
 
 
 def make_tiny_model(family: str, **overrides):

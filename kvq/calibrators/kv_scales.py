@@ -103,7 +103,8 @@ def fit(ctx: FitContext) -> PassResult:
             else:
                 for part in ("key", "value"):
                     obs = observers.pop((i, part))
-                    tensors[f"layers.{i}.{part}.scale"] = fit_scale(obs, options).contiguous()
+                    name = "global_scale" if options.kv_format == "nvfp4" else "scale"
+                    tensors[f"layers.{i}.{part}.{name}"] = fit_scale(obs, options).contiguous()
                 layers.append(LayerPolicy(scheme, scheme, "post-rope", sink_tokens=sinks[i]))
             bar.advance()
     name = f"kv-scales-{options.kv_format}-{options.granularity}"

@@ -283,7 +283,7 @@ class KVQuantOptions(_SideExceptions, PassOptions):
         check_choice("key_outliers", self.key_outliers, ("fisher", "uniform"))
 
 
-KVFormat = Literal["fp8-e4m3", "fp8-e5m2", "int8"]
+KVFormat = Literal["fp8-e4m3", "fp8-e5m2", "int8", "nvfp4"]
 Granularity = Literal["tensor", "head"]
 ScaleMethod = Literal["absmax", "percentile", "mse"]
 KV_FORMATS = typing.get_args(KVFormat)
@@ -343,7 +343,9 @@ class KVScalesOptions(PassOptions):
         "Static FP8/INT8 K and V scales per tensor or KV head, post-RoPE, as engines serve."
     )
 
-    kv_format: KVFormat = option("fp8-e4m3", "fp8-e4m3, fp8-e5m2 or int8", flag="--format")
+    kv_format: KVFormat = option(
+        "fp8-e4m3", "fp8-e4m3, fp8-e5m2, int8 or nvfp4 (its global scale)", flag="--format"
+    )
     granularity: Granularity = option("tensor", "one scale per tensor or per KV head")
     method: ScaleMethod = option("absmax", "absmax, percentile or mse (clip search)")
     percentile: float = option(99.99, "|x| percentile for --method percentile")
@@ -356,6 +358,11 @@ class KVScalesOptions(PassOptions):
         check_choice("--granularity", self.granularity, GRANULARITIES)
         _check_scale_method(self.method, self.percentile)
         parse_skip_layers(self.skip_layers)
+        if self.kv_format == "nvfp4" and (self.granularity, self.method) != ("tensor", "absmax"):
+            raise KvqError(
+                "--format nvfp4 calibrates one global scale per tensor from its absmax (the "
+                "engines' convention): --granularity tensor --method absmax"
+            )
 
     @property
     def skipped(self) -> tuple[str | int, ...]:

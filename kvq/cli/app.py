@@ -180,6 +180,67 @@ def compare(
         typer.echo(f"plot: {pareto_plot(loaded, plot)}")
 
 
+@app.command("advise")
+def advise(
+    model: str = MODEL,
+    engine: str = typer.Option(
+        ..., "--engine", help="vllm, sglang, trtllm, llamacpp or all: whose formats to sweep"
+    ),
+    dataset: str = typer.Option("wikitext2", "--dataset", help="the text scored"),
+    windows: int = typer.Option(16, "--windows", help="scored windows"),
+    seqlen: int = typer.Option(512, "--seqlen", help="tokens per window"),
+    seed: int = typer.Option(0, "--seed", help="window sampling seed"),
+    data_dir: str | None = DATA_DIR,
+    calibration: str | None = typer.Option(
+        None,
+        "--calibration",
+        help="text to calibrate per-tensor scales on, for formats whose engine loads scales "
+        "(e.g. groups_merged.txt); omitted: only the engines' uncalibrated defaults",
+    ),  # fmt: skip
+    samples: int = typer.Option(16, "--samples", help="calibration windows"),
+    artifacts: list[Path] = typer.Option(
+        [], "--artifact", help="a kvq artifact to score beside them (repeatable)"
+    ),
+    max_kld: float = typer.Option(0.02, "--max-kld", help="budget: mean KLD (nats/token)"),
+    max_ppl_ratio: float = typer.Option(1.02, "--max-ppl-ratio", help="budget: ppl ratio"),
+    json_out: Path | None = typer.Option(None, "--json", help="write the report here"),
+    plot: Path | None = typer.Option(None, "--plot", help="write KLD vs bytes to this PNG"),
+) -> None:
+    """Sweep a serving engine's K/V cache formats on this model: quality, bytes, flags."""
+    from kvq.artifacts.paths import check_output_file
+    from kvq.data.text import read_corpus
+    from kvq.engines.formats import menu
+    from kvq.models.spec import check_fits_context, check_model_spec
+
+    menu(engine)  # an unknown engine is one line, before any work
+    positive(windows=windows, seqlen=seqlen, samples=samples)
+    check_model_spec(model)
+    check_fits_context(model, seqlen, "--seqlen")
+    for out, flag in ((json_out, "--json"), (plot, "--plot")):
+        if out is not None:
+            check_output_file(out, flag, (Path(dataset), *artifacts))
+    read_corpus(dataset, windows, seqlen, data_dir)  # a missing text fails before the model
+
+    from kvq.cli.progress import cli_progress
+    from kvq.cli.render import print_advise
+    from kvq.engines.advise import advise_job, advise_plot
+
+    quiet_transformers()
+    with cli_progress() as progress:
+        report = advise_job(
+            model, engine, progress, dataset=dataset, windows=windows, seqlen=seqlen,
+            seed=seed, data_dir=data_dir, calibration=calibration, samples=samples,
+            artifacts=tuple(artifacts), max_kld=max_kld, max_ppl_ratio=max_ppl_ratio,
+        )  # fmt: skip
+    if plot is not None:
+        report["plot"] = str(advise_plot(report, plot))
+    if json_out is not None:
+        write_json(json_out, report)
+    print_advise(report)
+    if plot is not None:
+        typer.echo(f"plot: {plot}")
+
+
 @app.command("inspect")
 def inspect(
     artifact: Path = typer.Argument(..., metavar="ARTIFACT", help="artifact directory"),

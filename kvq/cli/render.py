@@ -290,3 +290,25 @@ def print_compare(columns: list[str], rows: list[list]) -> None:
         cells = [_t(row[0])] + ["—" if v is None else f"{v:.4g}" for v in row[1:]]
         table.add_row(*cells)
     OUT.print(table)
+
+
+def print_advise(report: dict) -> None:
+    b = report["budget"]
+    table = Table(title=f"{report['engine']} K/V formats on {report['model']} "
+                        f"({report['windows']} x {report['seqlen']}, {report['dataset']})")  # fmt: skip
+    for col in ("format", "kind", "ppl ratio", "KLD", "top-1", "bytes/token", "vs fp16", "budget"):
+        table.add_column(col, justify="left" if col in ("format", "kind") else "right")
+    for r in sorted(report["rows"], key=lambda r: (-r["bytes_per_token"], r["kld"])):
+        table.add_row(
+            _t(r["name"]), r["kind"], f"{r['ppl_ratio']:.4f}", f"{r['kld']:.5f}",
+            f"{r['top1']:.4f}", f"{r['bytes_per_token']:.0f}",
+            "—" if r["ratio_to_fp16"] is None else f"{r['ratio_to_fp16']:.3f}",
+            "within" if r["within_budget"] else "over",
+        )  # fmt: skip
+    OUT.print(table)
+    limits = f"KLD <= {b['max_kld']:g}, ppl ratio <= {b['max_ppl_ratio']:g}"
+    if report["recommendation"] is None:
+        OUT.print(f"verdict: no {report['engine']} format is within the budget ({limits})")
+    else:
+        OUT.print(f"verdict: {_t(report['recommendation'])}, the fewest bytes within the budget "
+                  f"({limits}); pass the engine: {_t(report['recommended_flags'])}")  # fmt: skip

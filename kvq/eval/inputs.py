@@ -9,13 +9,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from kvq.engines.formats import policy_by_name
 from kvq.errors import KvqError
 from kvq.eval.tasks import ALL_TASKS
 from kvq.quant.schemes import (  # check_quantize: re-exported beside the other checks
     ACTIVATION_MODES,
     NAMED_POLICIES,
     check_quantize,  # noqa: F401
-    named_policy,
 )
 from kvq.runtime.kernels.backend import check_choice
 
@@ -44,7 +44,7 @@ def check_cache_source(artifact_path: Path | None, policy: str | None, backend: 
     if (artifact_path is None) == (policy is None):
         raise KvqError("give exactly one of --artifact or --policy")
     if policy is not None and policy not in NAMED_POLICIES:
-        named_policy(policy, 1)  # raises the one-line "unknown policy" error
+        policy_by_name(policy, 1)  # raises the one-line "unknown policy" error
     if artifact_path is not None and not Path(artifact_path).exists():
         raise KvqError(f"artifact {artifact_path} does not exist")
 

@@ -53,6 +53,16 @@ CT_STRATEGY = {"tensor": "tensor", "head": "attn_head"}
 
 def kv_cache_scheme(s: ServingScales) -> dict:
     """compressed-tensors' QuantizationArgs of the K/V cache, as JSON."""
+    if s.kv_format == "nvfp4":  # compressed-tensors' NVFP4 arguments, on K and V rows
+        return {
+            "num_bits": 4,
+            "type": "float",
+            "strategy": "tensor_group",
+            "group_size": 16,
+            "dynamic": "local",  # block scales at run time, the global scale static
+            "symmetric": True,
+            "scale_dtype": "float8_e4m3fn",
+        }
     return {
         "num_bits": 8,
         "type": "int" if s.kv_format == "int8" else "float",
@@ -64,6 +74,11 @@ def kv_cache_scheme(s: ServingScales) -> dict:
 
 def _vllm_tensors(s: ServingScales, attn: dict[int, str]) -> dict[str, Tensor]:
     out = {}
+    if s.kv_format == "nvfp4":  # compressed-tensors names a global scale <base>_global_scale
+        for i, name in attn.items():
+            out[f"{name}.k_global_scale"] = s.key[i].float().reshape(-1)  # [1]
+            out[f"{name}.v_global_scale"] = s.value[i].float().reshape(-1)
+        return out
     for i, name in attn.items():
         out[f"{name}.k_scale"] = s.key[i].float().reshape(-1)  # [1] or [H_kv]
         out[f"{name}.v_scale"] = s.value[i].float().reshape(-1)
@@ -85,12 +100,12 @@ def _vllm_config(s: ServingScales) -> Callable[[dict], None]:
 
 
 VLLM = Engine(
-    Target("vLLM (compressed-tensors)", ("fp8-e4m3", "int8"), ("tensor", "head")),
+    Target("vLLM (compressed-tensors)", ("fp8-e4m3", "int8", "nvfp4"), ("tensor", "head")),
     _vllm_tensors,
     _vllm_config,
     lambda s: {},
     lambda s: (
-        "vllm serve DIR --kv-cache-dtype fp8"
+        f"vllm serve DIR --kv-cache-dtype {'nvfp4' if s.kv_format == 'nvfp4' else 'fp8'}"
         + (" (per-head scales: the FlashAttention backend)" if s.granularity == "head" else "")
     ),
 )
@@ -102,8 +117,11 @@ VLLM = Engine(
 def _modelopt_tensors(s: ServingScales, attn: dict[int, str]) -> dict[str, Tensor]:
     out = {}
     for i, name in attn.items():
-        out[f"{name}.k_proj.k_scale"] = s.key[i].float().reshape(())  # scalar per layer
-        out[f"{name}.v_proj.v_scale"] = s.value[i].float().reshape(())
+        k, v = s.key[i].float().reshape(()), s.value[i].float().reshape(())  # scalar per layer
+        if s.kv_format == "nvfp4":  # ModelOpt's second-level scale: amax / (6 * 448) = 1 / g
+            k, v = 1.0 / k, 1.0 / v
+        out[f"{name}.k_proj.k_scale"] = k
+        out[f"{name}.v_proj.v_scale"] = v
     return out
 
 
@@ -112,14 +130,14 @@ def hf_quant_config(s: ServingScales) -> dict:
         "producer": {"name": "kvq", "version": KVQ_VERSION},
         "quantization": {
             "quant_algo": None,
-            "kv_cache_quant_algo": "INT8" if s.kv_format == "int8" else "FP8",
+            "kv_cache_quant_algo": {"int8": "INT8", "nvfp4": "NVFP4"}.get(s.kv_format, "FP8"),
             "exclude_modules": [],
         },
     }
 
 
 MODELOPT = Engine(
-    Target("ModelOpt (TensorRT-LLM, SGLang)", ("fp8-e4m3", "int8"), ("tensor",)),
+    Target("ModelOpt (TensorRT-LLM, SGLang)", ("fp8-e4m3", "int8", "nvfp4"), ("tensor",)),
     _modelopt_tensors,
     lambda s: lambda config: None,
     lambda s: {"hf_quant_config.json": hf_quant_config(s)},

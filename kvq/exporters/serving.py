@@ -37,7 +37,7 @@ class Target:
 class ServingScales:
     """The one K/V format of an artifact and its scales, layer by layer."""
 
-    kv_format: str  # "fp8-e4m3", "fp8-e5m2" or "int8"
+    kv_format: str  # "fp8-e4m3", "fp8-e5m2", "int8" or "nvfp4" (scales: its global ones)
     granularity: str  # "tensor" or "head"
     key: dict[int, Tensor]  # layer -> float32 [1] (tensor) or [H_kv] (head)
     value: dict[int, Tensor]
@@ -49,6 +49,8 @@ def scheme_format(scheme: QuantScheme) -> str | None:
         return f"fp8-{scheme.fp8_format}"
     if scheme.format == "int" and scheme.bits == 8 and scheme.symmetric:
         return "int8"
+    if scheme.format == "nvfp4":
+        return "nvfp4"
     return None
 
 
@@ -63,6 +65,10 @@ def _check_scheme(target: Target, where: str, scheme: QuantScheme) -> tuple[str,
         raise _refuse(
             target, f"{where}.outlier_fraction", scheme.outlier_fraction, "sparse exceptions"
         )
+    if scheme.format == "nvfp4":  # block scales at run time, one static global scale
+        if "nvfp4" not in target.formats:
+            raise _refuse(target, f"{where}.format", "nvfp4", "a format it does not store")
+        return "nvfp4", "tensor"
     if scheme.format == "nuq":
         raise _refuse(target, f"{where}.format", "nuq", "a non-uniform codebook")
     if scheme.format == "int" and scheme.bits != 8:
@@ -114,5 +120,10 @@ def serving_scales(artifact: Artifact, target: Target) -> ServingScales:
                     target, f"{where}.{part}", " per-".join(got),
                     f"one format and scale shape for all K and V (layer 0 has {' per-'.join(chosen)})",
                 )  # fmt: skip
-            (key if part == "key" else value)[i] = artifact.tensors[f"layers.{i}.{part}.scale"]
+            # NVFP4: the calibrated global scale (its block scales are computed at append)
+            name = "global_scale" if got[0] == "nvfp4" else "scale"
+            if f"layers.{i}.{part}.{name}" not in artifact.tensors:  # a named policy's 1.0
+                raise _refuse(target, f"{where}.{part}", "no calibrated scale",
+                              "scales from `kvq calibrate kv-scales`")  # fmt: skip
+            (key if part == "key" else value)[i] = artifact.tensors[f"layers.{i}.{part}.{name}"]
     return ServingScales(chosen[0], chosen[1], key, value)

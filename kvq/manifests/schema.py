@@ -198,6 +198,7 @@ LATER_FIELDS = {
     ("QuantScheme", "zero_point"),
     ("QuantScheme", "vector_dim"),
     ("QuantScheme", "window"),
+    ("QuantScheme", "ggml_type"),
     ("LayerPolicy", "residual_tokens"),
     ("CachePolicy", "prefix"),
     ("ByteLedger", "prefix"),

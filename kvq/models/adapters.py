@@ -1,9 +1,13 @@
-"""Architecture adapters: the ONLY place in kvq that knows model families.
+"""Architecture adapters: with `families`, the ONLY place in kvq that knows model families.
 
-An adapter answers, for one loaded HF causal LM: where are q/k/v produced (hook sites and how
-to reshape their outputs to heads), which RoPE does each layer use (computed by the model's own
-rotary module, so rope scaling is honoured exactly), what softmax scale and sliding window each
-layer has, and how to rotate / un-rotate a pre-RoPE key. Everything else in kvq is
+One adapter class serves every family kvq takes. For one loaded HF causal LM it answers:
+where q/k/v are produced (hook sites, and how to reshape their outputs to heads), which RoPE
+each layer uses (computed by the model's own rotary module, so rope scaling is honoured
+exactly), each layer's softmax scale and sliding window, and how to rotate / un-rotate a
+pre-RoPE key. It derives all of it from the config and the attention modules (separate or
+fused q/k/v, per-head or whole-projection q/k norms, (1 + w) norms, per-layer-type RoPE,
+half cos/sin tables, the module's own scale, soft-capping, learned sinks) and checks what
+it derived on one short forward (`verify_adapter`). Everything else in kvq is
 family-agnostic and goes through this interface.
 
 Shapes: B batch, T tokens, H_q / H_kv query / key-value heads, D head_dim, R rotary_dim.
@@ -11,15 +15,16 @@ Shapes: B batch, T tokens, H_q / H_kv query / key-value heads, D head_dim, R rot
 
 from __future__ import annotations
 
+import inspect
 import json
 from collections.abc import Callable
-from typing import ClassVar
 
 import torch
 from torch import Tensor, nn
 
 from kvq.errors import KvqError
 from kvq.manifests.identity import ArchitectureInfo, LayerType, RopeInfo
+from kvq.models.families import check_architecture
 
 HeadFn = Callable[[Tensor], Tensor]
 
@@ -32,11 +37,6 @@ def _split_heads(num_heads: int, head_dim: int) -> HeadFn:
         return x.view(b, t, num_heads, head_dim).transpose(1, 2)
 
     return split
-
-
-def _already_heads(x: Tensor) -> Tensor:
-    """Gemma 3 normalises q/k after the head split, so its norm output is already [B, H, T, D]."""
-    return x
 
 
 def _rotate_half(x: Tensor) -> Tensor:
@@ -68,13 +68,35 @@ def _canonical_scaling(params: dict) -> str | None:
     return json.dumps(rest, sort_keys=True, separators=(",", ":"))
 
 
-class ArchitectureAdapter:
-    """Base adapter: Llama-style attention (q/k/v_proj, rotate-half RoPE, one rotary module)."""
+def _norm_offset(norm: nn.Module | None) -> float | None:
+    """1.0 for an RMSNorm that scales by (1 + w) (Gemma), 0.0 for one that scales by w,
+    None when `norm` is no weighted RMSNorm (LayerNorm, none): measured on one probe row
+    with the weight temporarily set to 0.5 (its forward called without hooks), not read
+    from the class name."""
+    weight = getattr(norm, "weight", None)
+    if not isinstance(weight, Tensor) or weight.dim() != 1 or weight.device.type == "meta":
+        return None
+    x = torch.linspace(-1.0, 2.0, weight.numel(), device=weight.device)[None]  # [1, N]
+    unit = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True))  # RMS-normalised, no weight
+    saved = weight.detach().clone()
+    try:
+        with torch.no_grad():
+            weight.fill_(0.5)
+            out = type(norm).forward(norm, x.to(weight.dtype)).float()  # no hooks fire
+    except Exception:  # a norm this probe cannot call: no fused producer for it
+        return None
+    finally:
+        with torch.no_grad():
+            weight.copy_(saved)
+    for offset in (0.0, 1.0):
+        if torch.allclose(out, unit * (0.5 + offset), rtol=1e-2, atol=1e-3):
+            return offset
+    return None
 
-    model_types: ClassVar[tuple[str, ...]] = ()
-    qk_norm: ClassVar[bool] = False
-    qk_norm_offset_one: ClassVar[bool] = False
-    norm_offset_one: ClassVar[bool] = False  # decoder RMSNorms scale by (1 + w)
+
+class ArchitectureAdapter:
+    """The adapter of any decoder whose attention kvq can read: everything derived from
+    the config and the modules (Llama style by default)."""
 
     def __init__(self, model: nn.Module):
         self.model = model
@@ -84,6 +106,33 @@ class ArchitectureAdapter:
         self.text_model = self._find_text_model(model)
         self._layers = list(self.text_model.layers)
         self._info: ArchitectureInfo | None = None
+        attn = self.attention(0)
+        # Phi-3 computes q, k and v in one projection, [q | k | v] along its output rows
+        self.fused_qkv = isinstance(getattr(attn, "qkv_proj", None), nn.Linear)
+        self.qk_norm_kind = self._qk_norm_kind(attn)  # None, "head" or "projection"
+        # a per-head norm runs on [B, T, H, D] (Qwen3) or after the transpose on [B, H, T, D]
+        # (Gemma 3): `verify_adapter` measures which
+        self.qk_norm_heads_first = False
+        self.qk_norm_offset_one = bool(self.qk_norm_kind and _norm_offset(attn.k_norm) == 1.0)
+        first = self._layers[0]
+        self.norm_offset_one = _norm_offset(getattr(first, "input_layernorm", None)) == 1.0
+
+    @property
+    def qk_norm(self) -> bool:
+        return self.qk_norm_kind is not None
+
+    def _qk_norm_kind(self, attn: nn.Module) -> str | None:
+        """ "head": one [D] norm over each head (Qwen3, Gemma 3); "projection": one norm over
+        the whole [H*D] projection (OLMo 2); None: no q/k norm."""
+        norm = getattr(attn, "k_norm", None)
+        weight = getattr(norm, "weight", None)
+        if not isinstance(weight, Tensor):
+            return None
+        if weight.numel() == self.head_dim:
+            return "head"
+        if weight.numel() == self.num_kv_heads * self.head_dim:
+            return "projection"
+        raise KvqError(f"{self.model_type}: a k_norm of {weight.numel()} weights kvq cannot place")
 
     @staticmethod
     def _find_text_model(model: nn.Module) -> nn.Module:
@@ -92,7 +141,10 @@ class ArchitectureAdapter:
         for cand in (getattr(inner, "language_model", None), inner, model):
             if cand is not None and hasattr(cand, "layers") and hasattr(cand, "rotary_emb"):
                 return cand
-        raise KvqError(f"cannot find the decoder layers of {type(model).__name__}")
+        raise KvqError(
+            f"kvq cannot take {type(model).__name__}: no decoder layers with a rotary "
+            "embedding (absolute or ALiBi positions are not supported)"
+        )
 
     # ---- layout -------------------------------------------------------------------------
     @property
@@ -120,7 +172,14 @@ class ArchitectureAdapter:
 
     def layer_type(self, layer_idx: int) -> LayerType:
         types = getattr(self.config, "layer_types", None)
-        return types[layer_idx] if types else "full_attention"
+        if types:
+            return types[layer_idx]
+        # Mistral, Mixtral, Phi-3 have no layer_types: every layer slides when a window is set
+        return (
+            "sliding_attention"
+            if getattr(self.config, "sliding_window", None)
+            else ("full_attention")
+        )
 
     def sliding_window(self, layer_idx: int) -> int | None:
         """Tokens a sliding layer attends to (incl. itself); None for full attention."""
@@ -129,11 +188,25 @@ class ArchitectureAdapter:
         return None
 
     def attention_scaling(self, layer_idx: int) -> float:
-        """Softmax scale applied to q·k."""
-        return self.head_dim**-0.5
+        """Softmax scale applied to q·k: the attention module's own (Gemma's
+        query_pre_attn_scalar, Granite's attention_multiplier)."""
+        scaling = getattr(self.attention(layer_idx), "scaling", None)
+        return float(scaling) if scaling is not None else self.head_dim**-0.5
+
+    def softcap(self, layer_idx: int) -> float | None:
+        """Gemma 2's attention-logit soft-cap (None: none)."""
+        cap = getattr(self.attention(layer_idx), "attn_logit_softcapping", None)
+        return float(cap) if cap else None
+
+    def sinks(self, layer_idx: int) -> Tensor | None:
+        """GPT-OSS's learned sink logits [H_q] (None: none)."""
+        sinks = getattr(self.attention(layer_idx), "sinks", None)
+        return sinks if isinstance(sinks, Tensor) else None
 
     def rope_parameters(self, layer_idx: int) -> dict:
-        return dict(self.config.rope_parameters)
+        params = dict(self.config.rope_parameters)
+        # Gemma 3 keeps one rope dict per layer type
+        return dict(params.get(self.layer_type(layer_idx), params))
 
     @property
     def info(self) -> ArchitectureInfo:
@@ -182,59 +255,123 @@ class ArchitectureAdapter:
         return found
 
     def norm_feeds(self) -> list[tuple[nn.Module, float, float, tuple[str, ...]]]:
-        """The RMSNorms whose output is the whole input of some decoder linears: (norm, eps,
-        weight offset (1 for a (1 + w) norm), the linears' `decoder_linears` names) — where a
-        fused RMSNorm + INT8 producer can replace the norm and the linears' quantizer."""
-        offset = 1.0 if self.norm_offset_one else 0.0
+        """The RMSNorms whose output is the whole input of some decoder linears and of
+        nothing else: (norm, eps, weight offset (1 for a (1 + w) norm), the linears'
+        `decoder_linears` names) — where a fused RMSNorm + INT8 producer can replace the
+        norm and the linears' quantizer. Post-norm layers (OLMo 2), LayerNorms and MoE
+        blocks (their experts are no linears) have none."""
         feeds = []
         for i, layer in enumerate(self._layers):
-            attn = tuple(f"layers.{i}.self_attn.{p}_proj" for p in ("q", "k", "v"))
-            mlp = tuple(f"layers.{i}.mlp.{p}_proj" for p in ("gate", "up"))
-            for norm, names in ((layer.input_layernorm, attn), (self._pre_mlp_norm(layer), mlp)):
+            attn = ("qkv",) if self.fused_qkv else ("q", "k", "v")
+            pairs = [(getattr(layer, "input_layernorm", None),
+                      tuple(f"layers.{i}.self_attn.{p}_proj" for p in attn))]  # fmt: skip
+            mlp = self._dense_mlp_inputs(layer)
+            if mlp:
+                pairs.append((self._pre_mlp_norm(layer), tuple(f"layers.{i}.mlp.{n}" for n in mlp)))
+            for norm, names in pairs:
+                offset = _norm_offset(norm)
+                if offset is None:
+                    continue
                 eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
                 feeds.append((norm, float(eps), offset, names))
         return feeds
 
-    def _pre_mlp_norm(self, layer: nn.Module) -> nn.Module:
-        return layer.post_attention_layernorm  # Llama, Qwen2: the norm before the MLP
+    def _dense_mlp_inputs(self, layer: nn.Module) -> tuple[str, ...]:
+        """The linears reading a dense MLP's input (gate/up, or Phi-3's gate_up); () for an
+        MoE block, whose experts also read it."""
+        mlp = getattr(layer, "mlp", None)
+        if mlp is None:
+            return ()
+        linears = {n: m for n, m in mlp.named_children() if isinstance(m, nn.Linear)}
+        owned = sum(p.numel() for m in linears.values() for p in m.parameters())
+        if owned != sum(p.numel() for p in mlp.parameters()):  # experts, routers' extras
+            return ()
+        hidden = int(self.config.hidden_size)
+        return tuple(n for n, m in linears.items() if m.in_features == hidden)
+
+    def _pre_mlp_norm(self, layer: nn.Module) -> nn.Module | None:
+        if hasattr(layer, "pre_feedforward_layernorm"):  # Gemma: post_attention_... is a post-norm
+            return layer.pre_feedforward_layernorm
+        if hasattr(layer, "post_feedforward_layernorm"):  # OLMo 2: post-norms only
+            return None
+        return getattr(layer, "post_attention_layernorm", None)  # Llama, Qwen, ...
 
     def attention(self, layer_idx: int) -> nn.Module:
         return self._layers[layer_idx].self_attn
 
+    def _projection_rows(self, layer_idx: int, which: str) -> tuple[nn.Linear, slice]:
+        """The linear producing `which` ("q", "k" or "v") and its rows in it: all rows of
+        q/k/v_proj, or one block of a fused qkv_proj ([q | k | v])."""
+        attn = self.attention(layer_idx)
+        if not self.fused_qkv:
+            return getattr(attn, f"{which}_proj"), slice(None)
+        q, kv = self.num_q_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        start = {"q": 0, "k": q, "v": q + kv}[which]
+        return attn.qkv_proj, slice(start, start + (q if which == "q" else kv))
+
+    def _projection_site(self, layer_idx: int, which: str, heads: int) -> tuple[nn.Module, HeadFn]:
+        proj, rows = self._projection_rows(layer_idx, which)
+        split = _split_heads(heads, self.head_dim)
+        if rows == slice(None):
+            return proj, split
+        return proj, lambda x: split(x[..., rows])
+
+    def _pre_rope_site(self, layer_idx: int, which: str, heads: int) -> tuple[nn.Module, HeadFn]:
+        if self.qk_norm_kind is None:
+            return self._projection_site(layer_idx, which, heads)
+        norm = getattr(self.attention(layer_idx), f"{which}_norm")
+        if self.qk_norm_kind == "projection":  # OLMo 2: norm over [B, T, H*D]
+            return norm, _split_heads(heads, self.head_dim)
+        return norm, self._heads_from_norm
+
+    def _heads_from_norm(self, x: Tensor) -> Tensor:
+        """A per-head q/k norm's output -> [B, H, T, D]."""
+        return x if self.qk_norm_heads_first else x.transpose(1, 2)
+
     def key_pre_rope_site(self, layer_idx: int) -> tuple[nn.Module, HeadFn]:
         """(module, fn): fn(module output) is the pre-RoPE key [B, H_kv, T, D]."""
-        return self.attention(layer_idx).k_proj, _split_heads(self.num_kv_heads, self.head_dim)
+        return self._pre_rope_site(layer_idx, "k", self.num_kv_heads)
 
     def value_site(self, layer_idx: int) -> tuple[nn.Module, HeadFn]:
         """(module, fn): fn(module output) is the value [B, H_kv, T, D] as cached."""
-        return self.attention(layer_idx).v_proj, _split_heads(self.num_kv_heads, self.head_dim)
+        return self._projection_site(layer_idx, "v", self.num_kv_heads)
 
     def query_pre_rope_site(self, layer_idx: int) -> tuple[nn.Module, HeadFn]:
         """(module, fn): fn(module output) is the pre-RoPE query [B, H_q, T, D]."""
-        return self.attention(layer_idx).q_proj, _split_heads(self.num_q_heads, self.head_dim)
+        return self._pre_rope_site(layer_idx, "q", self.num_q_heads)
 
     def mlp_down_site(self, layer_idx: int) -> nn.Module:
-        """The MLP's down projection: its input [B, T, I] is where token-wise activation
-        outliers are largest (PrefixQuant's statistic)."""
-        return self._layers[layer_idx].mlp.down_proj
+        """Where token-wise activation outliers are largest (PrefixQuant's statistic): the
+        input [B, T, I] of the MLP's down projection; for MoE blocks, whose experts hold no
+        linears, the decoder layer's input [B, T, hidden] (the residual stream, where the
+        same tokens carry massive activations)."""
+        layer = self._layers[layer_idx]
+        down = getattr(getattr(layer, "mlp", None), "down_proj", None)
+        return down if isinstance(down, nn.Linear) else layer
 
     # ---- RoPE ---------------------------------------------------------------------------
     def _rotary_call(self, layer_idx: int, x: Tensor, position_ids: Tensor):
-        return self.text_model.rotary_emb(x, position_ids)
+        rotary = self.text_model.rotary_emb
+        if "layer_type" in inspect.signature(rotary.forward).parameters:  # Gemma 3
+            return rotary(x, position_ids, self.layer_type(layer_idx))
+        return rotary(x, position_ids)
 
     def _inv_freq(self, layer_idx: int) -> Tensor:
-        return self.text_model.rotary_emb.inv_freq
+        rotary = self.text_model.rotary_emb
+        per_type = getattr(rotary, f"{self.layer_type(layer_idx)}_inv_freq", None)
+        return per_type if per_type is not None else rotary.inv_freq
 
     @torch.no_grad()
     def rope_cos_sin(self, layer_idx: int, positions: Tensor) -> tuple[Tensor, Tensor]:
         """cos, sin for `positions` [T] (long), each [T, R] float32, from the model's own module."""
         inv_freq = self._inv_freq(layer_idx)
-        probe = torch.empty(
-            0, dtype=torch.float32, device=inv_freq.device
-        )  # only dtype/device used
+        probe = torch.empty(0, dtype=torch.float32, device=inv_freq.device)  # dtype/device only
         pos = positions.to(device=inv_freq.device, dtype=torch.long).reshape(1, -1)
         cos, sin = self._rotary_call(layer_idx, probe, pos)
-        return cos[0].float(), sin[0].float()
+        cos, sin = cos[0].float(), sin[0].float()
+        if cos.shape[-1] == inv_freq.numel():  # GPT-OSS: one half, applied to both halves
+            cos, sin = torch.cat((cos, cos), -1), torch.cat((sin, sin), -1)
+        return cos, sin
 
     @staticmethod
     def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -265,7 +402,17 @@ class ArchitectureAdapter:
     def check_qk_scalable(self) -> None:
         """Raise KvqError when per-(KV head, channel) q/k scales cannot be folded exactly
         into this model's weights."""
-        self._require_linear(("q_proj", "k_proj"), "q/k scales")
+        if self.qk_norm_kind == "head" and self.num_kv_heads != 1:
+            # q/k are RMS-normalised after the projection, so a scale there would be
+            # normalised away; it goes into the norm weights, which one [D] vector per layer
+            # shares across all heads: per-head scales fit only a model with one KV head
+            raise KvqError(
+                f"{self.model_type} with {self.num_kv_heads} KV heads: its q/k RMSNorm weights "
+                "are shared by all heads, so per-head q/k scales cannot be folded"
+            )
+        if self.qk_norm_kind is None:
+            self._require_linear(("qkv_proj",) if self.fused_qkv else ("q_proj", "k_proj"),
+                                 "q/k scales")  # fmt: skip
 
     def _require_linear(self, names: tuple[str, ...], what: str) -> None:
         """Raise KvqError unless every layer's attention has each of `names` as a Linear
@@ -284,24 +431,33 @@ class ArchitectureAdapter:
         query head by its KV head's row), its keys divided, pre-RoPE. With lam equal within
         each RoPE pair the scaling commutes with the rotation, so q.k is unchanged.
 
-        Here: the q/k projection rows and their biases ([H*D, hidden] rows, head-major)."""
-        attn = self.attention(layer_idx)
+        Where: the q/k projection rows and biases ([H*D, hidden] rows, head-major); with a
+        q/k norm, its weights (normalisation comes first, so a weight scale is an output
+        scale): the whole-projection norm's [H*D] weights, or the per-head norm's shared
+        [D] weights (one KV head only, `check_qk_scalable`)."""
         group = self.num_q_heads // self.num_kv_heads  # query head j reads KV head j // group
-        for proj, factor in (
-            (attn.q_proj, lam.repeat_interleave(group, 0)),
-            (attn.k_proj, 1 / lam),
-        ):
+        factors = {"q": lam.repeat_interleave(group, 0), "k": 1 / lam}
+        attn = self.attention(layer_idx)
+        for which, factor in factors.items():
+            if self.qk_norm_kind is not None:
+                f = factor[0] if self.qk_norm_kind == "head" else factor.reshape(-1)
+                w = getattr(attn, f"{which}_norm").weight
+                off = 1.0 if self.qk_norm_offset_one else 0.0
+                w.copy_((off + w.float()) * f.float().to(w.device) - off)
+                continue
+            proj, rows = self._projection_rows(layer_idx, which)
             f = factor.reshape(-1).to(proj.weight)  # [H*D], head-major like the rows
-            proj.weight.mul_(f[:, None])
+            proj.weight[rows].mul_(f[:, None])
             if proj.bias is not None:
-                proj.bias.mul_(f)
+                proj.bias[rows].mul_(f)
 
     # ---- per-head value rotation (`rotate`) ---------------------------------------------
     def check_values_rotatable(self) -> None:
         """Raise KvqError when a rotation of each KV head's values cannot be folded exactly
         into this model's weights (values must be a linear map of the layer input, and the
         output projection must read the heads' attention outputs side by side)."""
-        self._require_linear(("v_proj", "o_proj"), "a rotation")
+        v = ("qkv_proj",) if self.fused_qkv else ("v_proj",)
+        self._require_linear((*v, "o_proj"), "a rotation")
         for i in range(self.num_layers):
             if getattr(self.attention(i), "v_norm", None) is not None:  # it would undo it
                 raise KvqError(f"{self.model_type}: layer {i} normalises its values")
@@ -309,102 +465,96 @@ class ArchitectureAdapter:
     @torch.no_grad()
     def rotate_values(self, layer_idx: int, rot: Tensor) -> None:
         """Fold rot [H_kv, D, D] (orthogonal) into layer `layer_idx`: each KV head's values
-        v -> R v (v_proj rows and bias, head-major), each query head's attention output
+        v -> R v (v rows and bias, head-major), each query head's attention output
         o -> R^T o before o_proj (its columns times R^T), so the layer output is unchanged."""
         attn = self.attention(layer_idx)
         h_kv, d = self.num_kv_heads, self.head_dim
         group = self.num_q_heads // h_kv  # query head j reads KV head j // group
-        v = attn.v_proj
+        v, rows = self._projection_rows(layer_idx, "v")
         r = rot.to(v.weight)
-        v.weight.copy_(torch.einsum("hij,hjk->hik", r, v.weight.view(h_kv, d, -1)).flatten(0, 1))
+        w = v.weight[rows]
+        v.weight[rows] = torch.einsum("hij,hjk->hik", r, w.reshape(h_kv, d, -1)).flatten(0, 1)
         if v.bias is not None:
-            v.bias.copy_(torch.einsum("hij,hj->hi", r, v.bias.view(h_kv, d)).flatten())
+            b = v.bias[rows]
+            v.bias[rows] = torch.einsum("hij,hj->hi", r, b.reshape(h_kv, d)).flatten()
         o = attn.o_proj
         r = rot.to(o.weight).repeat_interleave(group, 0)  # [H_q, D, D]
         cols = o.weight.view(o.weight.shape[0], self.num_q_heads, d)  # [out, H_q, D]
         o.weight.copy_(torch.einsum("ohj,hij->ohi", cols, r).flatten(1))
 
 
-class LlamaAdapter(ArchitectureAdapter):
-    """Llama and Mistral: no biases, no q/k norm, one RoPE for all layers."""
+@torch.no_grad()
+def verify_adapter(adapter: ArchitectureAdapter) -> None:
+    """Check, on one forward of a few tokens, that what the adapter reads is what the model
+    caches: RoPE(pre-RoPE key site) equals every layer's cached key and the value site its
+    cached value. A family kvq reads wrongly (interleaved RoPE, layers without RoPE, an
+    unusual fused projection) is refused here instead of calibrating the wrong tensors."""
+    from transformers import DynamicCache
 
-    model_types = ("llama", "mistral")
+    model = adapter.model
+    n = next(t for t in range(5, 64) if t not in (adapter.num_q_heads, adapter.num_kv_heads))
+    from kvq.models.placement import input_device  # a dispatched model's weights may be meta
 
-    def layer_type(self, layer_idx: int) -> LayerType:
-        if self.model_type == "mistral":
-            # Mistral has no layer_types: every layer slides when sliding_window is set.
-            return "sliding_attention" if self.config.sliding_window else "full_attention"
-        return super().layer_type(layer_idx)
+    device = input_device(model)
+    vocab = int(getattr(adapter.config, "vocab_size", 0) or 0) or 32
+    ids = (torch.arange(n, device=device) * 7 + 3).remainder(vocab)[None]  # [1, n]
+    raw: dict[tuple[str, int], Tensor] = {}  # site outputs, before the adapter's reshape
+    sites = {"key": adapter.key_pre_rope_site, "value": adapter.value_site}
+    hooks = []
+    for i in range(adapter.num_layers):
+        for name, site in sites.items():
 
+            def hook(_m, _args, out, name=name, i=i):
+                raw[name, i] = out.detach()
 
-class Qwen2Adapter(ArchitectureAdapter):
-    """Qwen2: like Llama plus q/k/v biases (inside the projections, so the sites are the same);
-    sliding layers per config.layer_types only when use_sliding_window is on."""
-
-    model_types = ("qwen2",)
-
-
-class Gemma3Adapter(ArchitectureAdapter):
-    """Gemma 3: per-head q/k RMSNorm with (1 + w) weight before RoPE, sliding/full layers with
-    separate RoPE parameters per layer type, softmax scale query_pre_attn_scalar**-0.5."""
-
-    model_types = ("gemma3_text", "gemma3")
-    qk_norm = True
-    qk_norm_offset_one = True
-    norm_offset_one = True
-
-    def attention_scaling(self, layer_idx: int) -> float:
-        return float(self.config.query_pre_attn_scalar) ** -0.5
-
-    def _pre_mlp_norm(self, layer: nn.Module) -> nn.Module:
-        # post_attention_layernorm normalises the attention output before the residual add
-        return layer.pre_feedforward_layernorm
-
-    def rope_parameters(self, layer_idx: int) -> dict:
-        # 5.x keeps one rope dict per layer type (rope_local_base_freq became
-        # rope_parameters["sliding_attention"]["rope_theta"]).
-        return dict(self.config.rope_parameters[self.layer_type(layer_idx)])
-
-    def key_pre_rope_site(self, layer_idx: int) -> tuple[nn.Module, HeadFn]:
-        return self.attention(layer_idx).k_norm, _already_heads
-
-    def query_pre_rope_site(self, layer_idx: int) -> tuple[nn.Module, HeadFn]:
-        return self.attention(layer_idx).q_norm, _already_heads
-
-    def _rotary_call(self, layer_idx: int, x: Tensor, position_ids: Tensor):
-        return self.text_model.rotary_emb(x, position_ids, self.layer_type(layer_idx))
-
-    def check_qk_scalable(self) -> None:
-        # q/k are RMS-normalised after the projection, so a scale there would be normalised
-        # away; it goes into the norm weights, which one [D] vector per layer shares across
-        # all heads: per-head scales fit only a model with one KV head (270M, 1B)
-        if self.num_kv_heads != 1:
-            raise KvqError(
-                f"{self.model_type} with {self.num_kv_heads} KV heads: its q/k RMSNorm weights "
-                "are shared by all heads, so per-head q/k scales cannot be folded"
-            )
-
-    @torch.no_grad()
-    def scale_qk(self, layer_idx: int, lam: Tensor) -> None:
-        """Here: into the q/k RMSNorm weights, in Gemma's (1 + w) parametrisation."""
-        attn = self.attention(layer_idx)
-        (row,) = lam  # one KV head (check_qk_scalable)
-        for norm, factor in ((attn.q_norm, row), (attn.k_norm, 1 / row)):
-            w = norm.weight
-            w.copy_((1.0 + w.float()) * factor.float().to(w.device) - 1.0)
-
-    def _inv_freq(self, layer_idx: int) -> Tensor:
-        return getattr(self.text_model.rotary_emb, f"{self.layer_type(layer_idx)}_inv_freq")
+            hooks.append(site(i)[0].register_forward_hook(hook))
+    cache = DynamicCache(config=adapter.model.config)
+    try:
+        model(input_ids=ids, cache=cache, use_cache=True)
+    finally:
+        for h in hooks:
+            h.remove()
+    if adapter.qk_norm_kind == "head":  # [B, n, H, D] or [B, H, n, D]: n differs from H
+        adapter.qk_norm_heads_first = raw["key", 0].shape[2] == n
+    seen = {(name, i): sites[name](i)[1](out).float() for (name, i), out in raw.items()}
+    # the model rotates in its own dtype, kvq in fp32: a few roundings of that dtype apart
+    # (a wrong RoPE pairing or projection slice is wrong by the size of the tensor itself)
+    tolerance = max(1e-4, 8 * torch.finfo(cache.layers[0].keys.dtype).eps)
+    for i in range(adapter.num_layers):
+        cos, sin = adapter.rope_cos_sin(i, torch.arange(n))
+        key = seen["key", i]
+        expected = {"key": adapter.apply_rope(key, cos.to(key.device), sin.to(key.device)),
+                    "value": seen["value", i]}  # fmt: skip
+        cached = {"key": cache.layers[i].keys.float(), "value": cache.layers[i].values.float()}
+        for name in ("key", "value"):
+            got = cached[name]
+            want = expected[name][..., -got.shape[-2] :, :].to(got.device)
+            if got.shape != want.shape or _relative_error(got, want) > tolerance:
+                how = "its projections and rotate-half RoPE" if name == "key" else "v_proj"
+                raise KvqError(
+                    f"kvq cannot take {adapter.model_type}: layer {i} caches {name}s that "
+                    f"differ from {how} (an interleaved RoPE, layers without RoPE or another "
+                    "projection layout)"
+                )
 
 
-_ADAPTERS: tuple[type[ArchitectureAdapter], ...] = (LlamaAdapter, Qwen2Adapter, Gemma3Adapter)
-SUPPORTED = ("gemma3", "gemma3_text", "llama", "mistral", "qwen2")
+def _relative_error(got: Tensor, want: Tensor) -> float:
+    return float((got - want).norm() / want.norm().clamp_min(1e-30))
 
 
-def get_adapter(model: nn.Module) -> ArchitectureAdapter:
-    """The adapter for `model`, chosen by config.model_type; KvqError if unsupported."""
-    model_type = getattr(getattr(model, "config", None), "model_type", None)
-    for cls in _ADAPTERS:
-        if model_type in cls.model_types:
-            return cls(model)
-    raise KvqError(f"unsupported architecture {model_type!r}; supported: {', '.join(SUPPORTED)}")
+def get_adapter(model: nn.Module, *, verify: bool = True) -> ArchitectureAdapter:
+    """The adapter for `model`, checked on one short forward (`verify_adapter`); KvqError
+    (one line) for a model kvq cannot take."""
+    config = getattr(model, "config", None)
+    check_architecture(config)
+    try:
+        adapter = ArchitectureAdapter(model)
+        if verify:
+            verify_adapter(adapter)
+    except (AttributeError, TypeError, RuntimeError, KeyError, ValueError, IndexError) as e:
+        first = (str(e).splitlines() or [""])[0][:200]
+        raise KvqError(
+            f"kvq cannot take {getattr(config, 'model_type', type(model).__name__)}: reading "
+            f"its attention failed ({type(e).__name__}: {first})"
+        ) from e
+    return adapter

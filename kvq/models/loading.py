@@ -30,6 +30,7 @@ from kvq.artifacts import paths
 from kvq.errors import KvqError
 from kvq.manifests.identity import ModelIdentity
 from kvq.models.adapters import ArchitectureAdapter, get_adapter
+from kvq.models.families import check_architecture
 from kvq.models.fingerprint import model_identity
 from kvq.models.placement import Placement
 from kvq.models.spec import DEFAULT_MODEL, cache_root, model_kind
@@ -90,6 +91,7 @@ def _load_dir(where: Path | str, *, dtype: torch.dtype, what: str, placement=Non
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     kw = placement.load_kwargs() if placement is not None else {}
+    _refuse_before_loading(where, what)
     try:
         model = AutoModelForCausalLM.from_pretrained(
             where, dtype=dtype, local_files_only=True, **kw
@@ -103,6 +105,18 @@ def _load_dir(where: Path | str, *, dtype: torch.dtype, what: str, placement=Non
             ) from e
         raise KvqError(f"cannot load model {what!r}: {str(e).splitlines()[0]}") from e
     return model.eval(), tokenizer
+
+
+def _refuse_before_loading(where: Path | str, what: str) -> None:
+    """A model kvq cannot take (`families.check_architecture`) is refused from its config,
+    before its weights are read; a config that cannot be read is left to the loader."""
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(where, local_files_only=True)
+    except (OSError, ValueError, KeyError):
+        return
+    check_architecture(config)
 
 
 def _packaged_gemma3_270m() -> Path:

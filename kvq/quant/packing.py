@@ -3,7 +3,8 @@
 Bit order is little-endian within a byte: the first code of a unit sits in the
 lowest bits. Units: 8 bits -> 1 code per byte, 4 bits -> 2 codes per byte,
 2 bits -> 4 codes per byte, 1 bit -> 8 codes per byte, 3 bits -> 8 codes per 3
-bytes and 6 bits -> 4 codes per 3 bytes (one 24-bit little-endian word). The last dimension is zero-padded to whole units.
+bytes, 5 bits -> 8 codes per 5 bytes and 6 bits -> 4 codes per 3 bytes (one 24- or
+40-bit little-endian word). The last dimension is zero-padded to whole units.
 Signed codes must be offset to unsigned by the caller before packing.
 """
 
@@ -15,7 +16,7 @@ from torch import Tensor
 from kvq.errors import KvqError
 
 # bits -> (codes per unit, bytes per unit)
-_UNITS = {8: (1, 1), 4: (2, 1), 2: (4, 1), 1: (8, 1), 3: (8, 3), 6: (4, 3)}
+_UNITS = {8: (1, 1), 4: (2, 1), 2: (4, 1), 1: (8, 1), 3: (8, 3), 5: (8, 5), 6: (4, 3)}
 
 
 def _unit(bits: int) -> tuple[int, int]:
@@ -30,6 +31,10 @@ def packed_len(n: int, bits: int) -> int:
     if n < 0:
         raise KvqError(f"code count must be >= 0, got {n}")
     return -(-n // codes) * nbytes
+
+
+def _word(nbytes: int) -> torch.dtype:
+    return torch.int32 if nbytes <= 3 else torch.int64
 
 
 def _shifts(bits: int, count: int, device: torch.device) -> Tensor:
@@ -51,8 +56,8 @@ def pack_bits(codes: Tensor, bits: int) -> Tensor:
     lead, n = codes.shape[:-1], codes.shape[-1]
     units = -(-n // per)
     padded = torch.nn.functional.pad(codes, (0, units * per - n))
-    # int32 holds a whole unit (at most 24 bits) so the shifts cannot overflow.
-    grouped = padded.reshape(*lead, units, per).to(torch.int32)  # [..., U, per]
+    # the word holds a whole unit (24 bits in int32, 5-bit codes' 40 in int64)
+    grouped = padded.reshape(*lead, units, per).to(_word(nbytes))  # [..., U, per]
     word = (grouped << _shifts(bits, per, codes.device)).sum(-1)  # [..., U]
     byte_shifts = _shifts(8, nbytes, codes.device)
     out = (word.unsqueeze(-1) >> byte_shifts) & 0xFF  # [..., U, nbytes]
@@ -77,7 +82,7 @@ def unpack_bits(packed: Tensor, bits: int, n: int) -> Tensor:
         codes = torch.stack(planes, dim=-1).flatten(-2)  # [..., bytes * per]
         return codes[..., :n] if codes.shape[-1] != n else codes
     lead, units = packed.shape[:-1], packed.shape[-1] // nbytes
-    grouped = packed.reshape(*lead, units, nbytes).to(torch.int32)  # [..., U, nbytes]
+    grouped = packed.reshape(*lead, units, nbytes).to(_word(nbytes))  # [..., U, nbytes]
     word = (grouped << _shifts(8, nbytes, packed.device)).sum(-1)  # [..., U]
     codes = (word.unsqueeze(-1) >> _shifts(bits, per, packed.device)) & (2**bits - 1)
     return codes.to(torch.uint8).reshape(*lead, units * per)[..., :n].contiguous()

@@ -19,7 +19,7 @@ from kvq.errors import KvqError
 
 SCHEME_VERSION = 1
 
-Format = Literal["int", "fp8", "nuq", "vq", "trellis", "none"]
+Format = Literal["int", "fp8", "nuq", "vq", "trellis", "ggml", "nvfp4", "none"]
 Axis = Literal["token", "channel", "head", "tensor"]
 Lifetime = Literal["static", "dynamic"]
 KeyStage = Literal["pre-rope", "post-rope"]
@@ -30,6 +30,10 @@ INT_BITS = (2, 3, 4, 8)
 VQ_DIMS = (2, 4)  # kvq.quant.vq.DIMS (no torch here)
 VQ_MAX_CENTROIDS = 4096
 TRELLIS_WINDOWS = range(2, 17)  # kvq.quant.trellis.MAX_WINDOW (no torch here)
+# llama.cpp block formats: type -> code bits (kvq.quant.ggml_blocks.FORMATS, no torch here)
+GGML_TYPES = {"q8_0": 8, "q4_0": 4, "q4_1": 4, "q5_0": 5, "q5_1": 5}
+GGML_BLOCK = 32
+NVFP4_BLOCK = 16  # kvq.quant.nvfp4.BLOCK
 MAX_GROUP = 4096  # channels per qparam group: at most a head (head_dim <= 4096)
 # run-eval --activations: decoder linear inputs unquantized, INT8 per token, INT8 static
 ACTIVATION_MODES = ("none", "a8-dynamic", "a8-static")
@@ -45,7 +49,11 @@ class QuantScheme:
                 channels, stored as `vector_dim` digits of `bits` bits), "trellis"
                 (NUQ's normalisation, then a bit-shift trellis code: one `bits`-bit digit
                 per element, each element decoded from the last `window` bits of its
-                row, `kvq.quant.trellis`) or "none" (kept in full precision).
+                row, `kvq.quant.trellis`), "ggml" (one of llama.cpp's block formats,
+                `ggml_type`, with ggml's numerics: `kvq.quant.ggml_blocks`), "nvfp4"
+                (FP4 E2M1 codes per block of 16 channels of a row, an FP8 E4M3 scale per
+                block and a float32 global scale per tensor: `kvq.quant.nvfp4`) or "none"
+                (kept in full precision).
     bits:       payload bits per element (16 for "none", 8 for fp8).
     symmetric:  int only: signed codes and no offset, else unsigned codes with
                 a floating offset (x ~ code * scale + offset).
@@ -76,11 +84,40 @@ class QuantScheme:
     zero_point: bool = False
     vector_dim: int | None = None  # vq: channels coded jointly (2 or 4)
     window: int | None = None  # trellis: state bits (a table of 2^window levels)
+    ggml_type: str | None = None  # ggml: "q8_0", "q4_0", "q4_1", "q5_0" or "q5_1"
 
     def __post_init__(self) -> None:
         if self.format == "none":
             if self.bits != 16:
                 raise KvqError(f"full-precision scheme must declare 16 bits, got {self.bits}")
+            return
+        if self.format == "nvfp4":
+            nvfp4 = (4, "token", True, NVFP4_BLOCK, "float32", "dynamic")
+            found = (self.bits, self.axis, self.symmetric, self.group_size, self.scale_dtype,
+                     self.lifetime)  # fmt: skip
+            others = (self.fp8_format, self.outlier_fraction, self.qnorm, self.zero_point,
+                      self.vector_dim, self.window, self.ggml_type)  # fmt: skip
+            if found != nvfp4 or others != (None, 0.0, False, False, None, None, None):
+                raise KvqError(
+                    f"an nvfp4 scheme is NVFP4 exactly: 4 bits, per-token blocks of "
+                    f"{NVFP4_BLOCK}, symmetric, a float32 global scale"
+                )
+            return
+        if (self.format == "ggml") != (self.ggml_type is not None):
+            raise KvqError("ggml_type is set exactly for format='ggml'")
+        if self.format == "ggml":
+            # one of llama.cpp's block formats exactly (`kvq.quant.ggml_blocks`)
+            expected = (GGML_TYPES.get(self.ggml_type), "token", self.ggml_type.endswith("_0"),
+                        GGML_BLOCK, "float16", "dynamic")  # fmt: skip
+            found = (self.bits, self.axis, self.symmetric, self.group_size, self.scale_dtype,
+                     self.lifetime)  # fmt: skip
+            others = (self.fp8_format, self.outlier_fraction, self.qnorm, self.zero_point,
+                      self.vector_dim, self.window)  # fmt: skip
+            if found != expected or others != (None, 0.0, False, False, None, None):
+                raise KvqError(
+                    f"a ggml scheme is one of llama.cpp's block formats ({', '.join(GGML_TYPES)}) "
+                    f"exactly: its bits, per-token blocks of {GGML_BLOCK}, fp16 scales"
+                )
             return
         if self.format in ("int", "nuq") and self.bits not in INT_BITS:
             raise KvqError(f"bits must be one of {INT_BITS}, got {self.bits}")
@@ -142,6 +179,10 @@ class QuantScheme:
     def describe(self) -> str:
         if self.format == "none":
             return "fp16"
+        if self.format == "ggml":
+            return f"llama.cpp {self.ggml_type} (blocks of {GGML_BLOCK}, fp16 scales)"
+        if self.format == "nvfp4":
+            return f"nvfp4 (E2M1 blocks of {NVFP4_BLOCK}, E4M3 block scales, global scale)"
         name = f"{self.format}{self.bits}" if self.format != "fp8" else f"fp8-{self.fp8_format}"
         group = f"/g{self.group_size}" if self.group_size else ""
         kind = "sym" if self.symmetric else "asym"

@@ -14,6 +14,8 @@ causality, sliding windows and padding all come from one place.
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 from torch import Tensor
 from transformers import AttentionInterface
@@ -41,6 +43,9 @@ def kvq_attention(
     """query [B, H_q, Q, D] -> (output [B, Q, H_q, D], None). Gradients stop at the
     packed rows: kvq caches serve inference."""
     if not isinstance(key, LayerView):
+        if kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None:
+            return _family_eager(module, query, key, value, attention_mask, dropout, scaling,
+                                 **kwargs)  # fmt: skip
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
@@ -76,10 +81,28 @@ def _attend(module, query: Tensor, view, attention_mask, scaling, **kwargs):
         softcap=kwargs.get("softcap"),
         backend=view.cache.backend,
         lengths=lengths,
+        sinks=kwargs.get("s_aux"),
     )
     view.cache.attended(view.layer.layer_idx)
     assert out.shape[2] == q_len
     return out.to(query.dtype).transpose(1, 2).contiguous(), None
+
+
+def _family_eager(module, query, key, value, attention_mask, dropout, scaling, **kwargs):
+    """SDPA has neither soft-capping (Gemma 2) nor learned sinks (GPT-OSS): plain K/V of
+    such a model go through its family's own eager attention, with the boolean mask kvq
+    registers turned into the additive mask that function adds to the logits."""
+    eager = inspect.getmodule(type(module)).eager_attention_forward
+    q_len, k_len = query.shape[2], key.shape[2]
+    if attention_mask is None and q_len > 1:  # SDPA's mask skipped as purely causal
+        cols = torch.arange(k_len, device=query.device)
+        rows = torch.arange(k_len - q_len, k_len, device=query.device)
+        attention_mask = (cols[None, :] <= rows[:, None])[None, None]  # [1, 1, Q, K]
+    if attention_mask is not None and attention_mask.dtype == torch.bool:
+        blocked = torch.finfo(query.dtype).min
+        attention_mask = torch.where(attention_mask, 0.0, blocked).to(query.dtype)
+    return eager(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                 **kwargs)  # fmt: skip
 
 
 def _bool_mask(mask: Tensor | None, query: Tensor, kv_len: int) -> Tensor | None:

@@ -40,6 +40,8 @@ _RULES = {
     # trellis tables: shape and values checked by their codec (kvq.runtime.codecs.trellis)
     "trellis_table": ("codec", "finite"),
     "trellis_weight": ("channel", "nonnegative"),
+    # NVFP4's per-tensor global scale: checked by its codec (kvq.runtime.codecs.nvfp4)
+    "global_scale": ("codec", "finite"),
 }
 # a static scale of a whole KV head or tensor (FP8/INT8 as serving engines store them)
 _STATIC_AXIS_SHAPES = {"head": lambda heads: (heads,), "tensor": lambda heads: (1,)}

@@ -157,7 +157,7 @@ def test_cli_kv_scales_and_its_refusals(tiny_model_dir, data, tmp_path):
     assert art.manifest.passes[0].options["method"] == "mse"
     assert art.manifest.policy.layers[0].key.fp8_format == "e5m2"
     bad = _run("calibrate", "kv-scales", *args, "--format", "int4", "--out", tmp_path / "B")
-    _one_line_error(bad, "--format", "fp8-e4m3, fp8-e5m2 or int8")
+    _one_line_error(bad, "--format", "fp8-e4m3, fp8-e5m2, int8 or nvfp4")
     bad = _run("calibrate", "kv-scales", *args, "--skip-layers", "x", "--out", tmp_path / "B")
     _one_line_error(bad, "--skip-layers")
     assert not (tmp_path / "B").exists()

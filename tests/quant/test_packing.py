@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from kvq.errors import KvqError
 from kvq.quant.packing import pack_bits, packed_len, unpack_bits, unpack_lookup
 
-BITS = (1, 2, 3, 4, 6, 8)
+BITS = (1, 2, 3, 4, 5, 6, 8)
 
 
 @pytest.mark.parametrize("bits", BITS)
@@ -45,10 +45,10 @@ def test_unpack_lookup_rejects_a_wrong_table():
 
 
 def test_packed_len():
-    assert [packed_len(9, b) for b in BITS] == [2, 3, 6, 5, 9, 9]
+    assert [packed_len(9, b) for b in BITS] == [2, 3, 6, 5, 10, 9, 9]
     assert packed_len(0, 3) == 0
     with pytest.raises(KvqError):
-        packed_len(4, 5)
+        packed_len(4, 7)
 
 
 def test_layout_little_endian():
@@ -70,6 +70,6 @@ def test_bad_inputs_rejected():
     with pytest.raises(KvqError):
         pack_bits(torch.tensor([1, 2], dtype=torch.int8), 4)
     with pytest.raises(KvqError):
-        pack_bits(torch.zeros(4, dtype=torch.uint8), 5)
+        pack_bits(torch.zeros(4, dtype=torch.uint8), 7)
     with pytest.raises(KvqError):
         unpack_bits(torch.zeros(3, dtype=torch.uint8), 4, 8)  # needs 4 bytes

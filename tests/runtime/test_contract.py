@@ -28,7 +28,7 @@ from kvq.models.loading import load_model
 from kvq.pipeline import cache_for
 from kvq.quant.schemes import CachePolicy, LayerPolicy, named_policy
 from kvq.runtime.cache import QuantizedKVCache, build_cache
-from tests.conftest import calibrate
+from tests.conftest import FAMILY_CONFIGS, calibrate
 
 # many interpreted Triton launches or every model family: `make test-quick` skips it
 pytestmark = pytest.mark.slow
@@ -107,7 +107,15 @@ class Case:
         return self.model.generate(ids, cache=cache, **kwargs)
 
 
-@pytest.fixture(params=[(f, lay) for f in FAMILIES for lay in LAYOUTS], ids=lambda p: "-".join(p))
+# every other family kvq takes, on the layouts that differ in kind: exact rows, residual
+# groups, calibrated pre-RoPE codes with sink tokens
+MORE_FAMILIES = list(FAMILY_CONFIGS)
+MORE_LAYOUTS = ["int8", "kivi2-g8-r8", "kvquant"]
+CASES = [(f, lay) for f in FAMILIES for lay in LAYOUTS]
+CASES += [(f, lay) for f in MORE_FAMILIES for lay in MORE_LAYOUTS]
+
+
+@pytest.fixture(params=CASES, ids=lambda p: "-".join(p))
 def case(request, setups):
     family, layout = request.param
     loaded, artifacts = setups(family)

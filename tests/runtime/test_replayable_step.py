@@ -100,6 +100,8 @@ def steps(monkeypatch):
     monkeypatch.setattr(QuantizedKVCache, "_publish", published)
 
     def attended(module, query, key, value, *args, **kwargs):
+        if not hasattr(key, "cache"):  # plain K/V (get_adapter's check): not a kvq step
+            return kvq_attention_module.kvq_attention(module, query, key, value, *args, **kwargs)
         rec.at = (key.cache.publications, key.layer.layer_idx)
         with OpRecorder(rec.of(rec.ops)):
             return kvq_attention_module.kvq_attention(module, query, key, value, *args, **kwargs)

@@ -26,6 +26,8 @@ FORMATS: dict[str, str] = {
     "nuq": "nuq",
     "vq": "vq",
     "trellis": "trellis",
+    "ggml": "ggml",  # llama.cpp's block formats
+    "nvfp4": "nvfp4",
 }
 
 

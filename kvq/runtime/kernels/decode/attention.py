@@ -123,15 +123,18 @@ def decode_attention_reference(
     mask: Tensor | None = None,
     softcap: float | None = None,
     chunk_rows: int | None = None,
+    sinks: Tensor | None = None,
 ) -> Tensor:
     """query [B, H_q, Q, D]; mask [B, 1, Q, K] bool (True = attend) or None -> [B, H_q, Q, D] fp32.
 
     softcap: logits become softcap * tanh(logits / softcap) before the softmax (Gemma 2).
+    sinks: [H_q] learned sink logits (GPT-OSS): one more softmax column per head whose
+    value is zero, so it takes probability mass without adding to the output.
     chunk_rows: rows decoded at a time; by default about 2 MB of fp32 per decoded chunk,
     which stays in cache while keeping the number of torch calls low.
     """
     total = _check(query, segments, rope, mask)
-    if softcap is None and _dense_fits(query, segments, total, chunk_rows):
+    if softcap is None and sinks is None and _dense_fits(query, segments, total, chunk_rows):
         rows = [s for s in segments if s.rows]
         return _dense_attention(query, rows, scaling, rope, mask, total)
     b, hq, q_len, d = query.shape
@@ -174,7 +177,10 @@ def decode_attention_reference(
         col += seg.rows
     if state is None:
         raise KvqError("attention over an empty key set")
-    _, denom, acc = state
+    top, denom, acc = state
+    if sinks is not None:  # the sink column: exp(sink - running max) more in the denominator
+        rows = sinks.float().view(hkv, group, 1).expand(hkv, group, q_len).reshape(hkv, -1)
+        denom = denom + (rows - top.clamp_min(torch.finfo(top.dtype).min)).exp()
     out = acc / denom.clamp_min(torch.finfo(torch.float32).tiny)[..., None]
     return out.reshape(b, hq, q_len, d)
 
@@ -336,6 +342,10 @@ def triton_unsupported(query: Tensor, segments: list[Segment], mask: Tensor | No
         for p in (seg.key, seg.value):
             if p.kind != "full" and p.data.stride(-1) != 1:
                 return "packed rows must be contiguous along the last dimension"
+            if p.kind == "lookup" and p.scale.dim() == 4 and p.scale.shape[-1] > 1:
+                return "per-block lookup scales (NVFP4) decode on the reference only"
+            if p.kind != "full" and p.bits == 5:
+                return "5-bit codes (llama.cpp q5_0 / q5_1) decode on the reference only"
     return None
 
 
@@ -804,8 +814,10 @@ def decode_attention(
     softcap: float | None = None,
     backend: str | None = None,
     lengths: tuple[Tensor, tuple[int, ...]] | None = None,
+    sinks: Tensor | None = None,
 ) -> Tensor:
     """Attention of `query` over packed segments on the chosen backend (see module doc).
+    sinks: learned sink logits [H_q] (GPT-OSS); only the reference takes them so far.
 
     With backend auto, calls the kernel cannot take (per-head masks) and long query blocks
     (prefill, see `decode_path`) run on the reference; an explicit "triton" refuses the
@@ -816,6 +828,14 @@ def decode_attention(
     CUDA graph; any other path runs on the segments cut to the host counts.
     """
     _check(query, segments, rope, mask)
+    if sinks is not None:
+        if backend == "triton":
+            raise KvqError("triton decode attention: learned attention sinks (reference only)")
+        if lengths is not None:
+            segments = [_cut(s, n) for s, n in zip(segments, lengths[1], strict=True)]
+        return decode_attention_reference(
+            query, segments, scaling=scaling, rope=rope, mask=mask, softcap=softcap, sinks=sinks
+        )
     if lengths is not None:
         out = _counted_attention(query, segments, scaling, rope, mask, softcap, backend, lengths)
         if out is not None:

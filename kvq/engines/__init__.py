@@ -1,0 +1,1 @@
+"""Serving engines' K/V cache formats as kvq layouts (`formats`), and `kvq advise` (`advise`)."""

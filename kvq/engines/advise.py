@@ -1,0 +1,189 @@
+"""`kvq advise`: what each of a serving engine's K/V cache formats does to this model, and
+which one to pick.
+
+Every format of the engine's menu (`formats.menu`) runs through kvq's cache with the
+engine's numerics, on the same WikiText-2 windows, against one shared unquantized baseline
+(`evaluate_many`); formats whose engine loads scales from a checkpoint also run with
+scales kvq calibrates (`kv-scales`, per tensor), the scales `kvq export vllm|modelopt`
+writes. kvq's own layouts (calibration-free ones, and any `--artifact`) run beside them at
+their own bytes. The recommendation is the engine format with the fewest bytes per token
+within the budget (`--max-kld`, `--max-ppl-ratio`).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvq.engines.formats import EngineFormat, menu
+from kvq.errors import KvqError
+from kvq.progress import Progress
+
+DEFAULT_MAX_KLD = 0.02  # nats/token: about run-eval's default budget for 4-bit caches
+DEFAULT_MAX_PPL_RATIO = 1.02
+KVQ_LAYOUTS = ("int8", "int4", "kivi4", "kivi2")  # calibration-free kvq rows beside them
+# llama.cpp's common split: keys keep 8 bits (their errors pass through the softmax)
+LLAMACPP_SPLITS = ("llamacpp:q8_0/q4_0", "llamacpp:q8_0/q5_0")
+
+
+@dataclass(frozen=True)
+class Candidate:
+    name: str
+    kind: str  # "engine" (its uncalibrated default), "engine + kvq scales" or "kvq"
+    flags: str | None
+    engine_bits: float | None  # the engine's own storage per element (None: kvq's ledger)
+
+
+def candidates(engine: str, calibrated: bool) -> list[tuple[Candidate, EngineFormat | None]]:
+    from kvq.engines.formats import parse
+
+    formats = menu(engine)
+    if engine in ("llamacpp", "all"):
+        formats += [parse(n) for n in LLAMACPP_SPLITS]
+    out = []
+    for fmt in formats:
+        out.append((Candidate(fmt.name, "engine", fmt.flags(), fmt.bits_per_element), fmt))
+        if calibrated and fmt.loads_scales:
+            name = f"{fmt.name} + kvq scales"
+            flags = f"{fmt.flags()} with `kvq export {fmt.engine}` scales"
+            if fmt.engine == "sglang":
+                flags = f"{fmt.flags()} with the scales of `kvq export modelopt`"
+            out.append((Candidate(name, "engine + kvq scales", flags, fmt.bits_per_element), fmt))
+    return out
+
+
+def advise_job(
+    model_spec: str,
+    engine: str,
+    progress: Progress,
+    *,
+    dataset: str = "wikitext2",
+    windows: int = 16,
+    seqlen: int = 512,
+    seed: int = 0,
+    data_dir: str | None = None,
+    calibration: str | None = None,
+    samples: int = 16,
+    artifacts: tuple[Path, ...] = (),
+    max_kld: float = DEFAULT_MAX_KLD,
+    max_ppl_ratio: float = DEFAULT_MAX_PPL_RATIO,
+    kvq_layouts: tuple[str, ...] = KVQ_LAYOUTS,
+) -> dict:
+    """The advise report: one row per candidate and the recommendation (plain data)."""
+    from kvq.artifacts.compat import load_artifact
+    from kvq.calibrators.options import KVScalesOptions
+    from kvq.data.text import read_corpus
+    from kvq.eval.quality import evaluate_many
+    from kvq.models.loading import load_model
+    from kvq.pipeline import cache_for, load_windows, run_pass
+    from kvq.runtime.cache import build_cache
+
+    if max_kld <= 0 or max_ppl_ratio < 1:
+        raise KvqError("--max-kld must be > 0 and --max-ppl-ratio >= 1")
+    chosen = candidates(engine, calibration is not None)  # refuses an unknown engine first
+    corpus = read_corpus(dataset, windows, seqlen, data_dir)
+    start = time.perf_counter()
+    with progress.stage("load model"):
+        loaded = load_model(model_spec)
+    with progress.stage("sample windows"):
+        ev = load_windows(loaded, dataset, windows, seqlen, seed, data_dir, corpus)
+    factories, rows = {}, {}
+    scales: dict[str, object] = {}  # kv-scales --format -> its calibrated state
+    for cand, fmt in chosen:
+        policy = fmt.name
+        cache_for(loaded, policy=policy)  # refuse what the model cannot take before any work
+        if cand.kind == "engine":
+            factories[cand.name] = lambda p=policy: cache_for(loaded, policy=p)
+        else:
+            fmt_name = fmt.key.calibrated
+            if fmt_name not in scales:
+                cal = load_windows(loaded, calibration, samples, seqlen, seed, data_dir)
+                opts = KVScalesOptions(kv_format=fmt_name)
+                scales[fmt_name] = run_pass(loaded, cal, opts, progress)
+            state = scales[fmt_name]
+
+            def make(state=state):
+                static = {n: t for n, t in state.tensors.items() if ".key." in n or ".value." in n}
+                return build_cache(loaded.model, state.policy, static, loaded.adapter)
+
+            factories[cand.name] = make
+        rows[cand.name] = cand
+    for name in kvq_layouts:
+        factories[f"kvq {name}"] = lambda n=name: cache_for(loaded, policy=n)
+        rows[f"kvq {name}"] = Candidate(f"kvq {name}", "kvq", f"--policy {name}", None)
+    for path in artifacts:
+        art = load_artifact(path, loaded)
+        factories[f"kvq {path.name}"] = lambda a=art: cache_for(loaded, artifact=a)
+        rows[f"kvq {path.name}"] = Candidate(f"kvq {path.name}", "kvq", f"--artifact {path}", None)
+    results = evaluate_many(loaded.model, ev.ids, factories, progress,
+                            title=f"eval {len(factories)} caches (shared baseline)")  # fmt: skip
+    table = []
+    for name, result in results.items():
+        # bytes as measured on the cache at --seqlen (sliding layers hold their window):
+        # kvq stores each engine format's codes and scales at the engine's own size
+        cand, t, ledger = rows[name], result.totals, result.ledger
+        ratio, kld = t.ppl_quant() / t.ppl_base(), t.kl / t.tokens
+        stored = ledger.total
+        if cand.engine_bits == 16:  # the engine keeps 16-bit K/V (kvq: the model's dtype)
+            stored = ledger.fp16_bytes
+        table.append({
+            "name": name, "kind": cand.kind, "flags": cand.flags,
+            "engine_bits_per_element": cand.engine_bits,
+            "ppl_ratio": ratio, "kld": kld, "top1": t.top1_agree / t.tokens,
+            "kld_interval95": t.interval().get("kld"),
+            "bytes_per_token": stored / ledger.tokens,
+            "ratio_to_fp16": stored / ledger.fp16_bytes if ledger.fp16_bytes else None,
+            "within_budget": kld <= max_kld and ratio <= max_ppl_ratio,
+        })  # fmt: skip
+    engine_rows = [r for r in table if r["kind"] != "kvq"]
+    fits = sorted((r for r in engine_rows if r["within_budget"]),
+                  key=lambda r: (r["bytes_per_token"], r["kld"]))  # fmt: skip
+    return {
+        "model": model_spec,
+        "engine": engine,
+        "dataset": corpus[1].spec,
+        "windows": windows,
+        "seqlen": seqlen,
+        "seed": seed,
+        "calibration": calibration,
+        "budget": {"max_kld": max_kld, "max_ppl_ratio": max_ppl_ratio},
+        "baseline_ppl": next(iter(results.values())).totals.ppl_base(),
+        "fp16_bytes_per_token": next(iter(results.values())).ledger.fp16_bytes_per_token,
+        "rows": table,
+        "recommendation": fits[0]["name"] if fits else None,
+        "recommended_flags": fits[0]["flags"] if fits else None,
+        "identity": {
+            "model_type": loaded.identity.model_type,
+            "weights_sha256": loaded.identity.weights_sha256,
+            "dataset_sha256": corpus[1].sha256,
+        },  # fmt: skip
+        "seconds": {**progress.seconds, "total": round(time.perf_counter() - start, 3)},
+    }
+
+
+def advise_plot(report: dict, path: Path) -> Path:
+    """KLD against bytes per token, one point per row, the budget as a line."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    colors = {"engine": "tab:blue", "engine + kvq scales": "tab:green", "kvq": "tab:orange"}
+    for r in report["rows"]:
+        ax.scatter(r["bytes_per_token"], max(r["kld"], 1e-6), color=colors[r["kind"]])
+        ax.annotate(r["name"], (r["bytes_per_token"], max(r["kld"], 1e-6)), fontsize=7,
+                    xytext=(3, 3), textcoords="offset points")  # fmt: skip
+    ax.axhline(report["budget"]["max_kld"], color="gray", linestyle="--", label="--max-kld")
+    for kind, c in colors.items():
+        ax.scatter([], [], color=c, label=kind)
+    ax.set_yscale("log")
+    ax.set_xlabel(f"K/V bytes per token at {report['seqlen']} tokens")
+    ax.set_ylabel("KLD vs unquantized (nats/token)")
+    ax.set_title(f"{report['model']}: {report['engine']} K/V formats")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

@@ -1,0 +1,190 @@
+"""Serving engines' K/V cache formats, reproduced as kvq layouts named ENGINE:FORMAT.
+
+Each entry reproduces what that engine stores for a cached key or value row: its number
+format, what one scale covers, its rounding and clamping, and the scale it assumes when a
+checkpoint has none. `--policy ENGINE:FORMAT` runs it through kvq's cache like any layout;
+`kvq advise` sweeps an engine's menu. Where the engine takes K and V formats apart
+(llama.cpp's -ctk / -ctv), `ENGINE:K/V` names both (`llamacpp:q8_0/q4_0`).
+
+Sources the numerics were read from (public code; see also the README):
+- llama.cpp: ggml-org/llama.cpp ggml/src/ggml-quants.c (`quantize_row_q8_0_ref`,
+  `quantize_row_q4_0_ref`, ...) and gguf-py/gguf/quants.py, which kvq's tests compare
+  against bit for bit; K rows are stored after RoPE, V rows along head_dim (flash
+  attention), blocks of 32 channels.
+- vLLM / SGLang: FP8 E4M3 / E5M2 of x / scale, saturated to the format's largest finite
+  value, one scale per K or V tensor of a layer, 1.0 when the checkpoint carries none
+  (compressed-tensors' `quantize` is the reference the tests compare against).
+- TensorRT-LLM: FP8 per tensor as above; INT8 per tensor needs calibrated scales.
+- NVFP4 (vLLM, TensorRT-LLM): E2M1 codes in blocks of 16, FP8 E4M3 block scales, a
+  float32 global scale per tensor (compressed-tensors' `generate_gparam`,
+  `calculate_qparams`, `quantize`, bit-exact in the tests; 1.0 uncalibrated).
+
+No torch here: `policy_by_name` resolves these names (and kvq's own) before the model
+loads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvq.errors import KvqError
+from kvq.quant.schemes import (
+    FULL_PRECISION,
+    GGML_BLOCK,
+    GGML_TYPES,
+    CachePolicy,
+    LayerPolicy,
+    QuantScheme,
+    named_policy,
+)
+
+
+def _ggml(name: str) -> QuantScheme:
+    return QuantScheme(
+        format="ggml", bits=GGML_TYPES[name], axis="token", symmetric=name.endswith("_0"),
+        group_size=GGML_BLOCK, ggml_type=name,
+    )  # fmt: skip
+
+
+NVFP4 = QuantScheme(format="nvfp4", bits=4, axis="token", symmetric=True, group_size=16,
+                    scale_dtype="float32")  # fmt: skip
+
+
+def _fp8_tensor(fmt: str) -> QuantScheme:
+    return QuantScheme(
+        format="fp8", bits=8, axis="tensor", symmetric=True, scale_dtype="float32",
+        lifetime="static", fp8_format=fmt,
+    )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class StoredAs:
+    """One side's format in an engine: the kvq scheme and the engine's bits per element."""
+
+    scheme: QuantScheme
+    bits: float  # what the engine stores per element, scales included
+    calibrated: str | None = None  # the kv-scales --format whose scales the engine loads
+
+
+_GGML_BITS = {"q8_0": 8.5, "q4_0": 4.5, "q4_1": 5.0, "q5_0": 5.5, "q5_1": 6.0}
+LLAMACPP = {"f16": StoredAs(FULL_PRECISION, 16.0)} | {
+    name: StoredAs(_ggml(name), bits) for name, bits in _GGML_BITS.items()
+}
+_FP8 = {
+    "fp8_e4m3": StoredAs(_fp8_tensor("e4m3"), 8.0, "fp8-e4m3"),
+    "fp8_e5m2": StoredAs(_fp8_tensor("e5m2"), 8.0, "fp8-e5m2"),
+}
+# engine -> its K/V formats; "fp8" is vLLM's alias of fp8_e4m3
+ENGINES: dict[str, dict[str, StoredAs]] = {
+    "llamacpp": LLAMACPP,
+    "vllm": {
+        "auto": StoredAs(FULL_PRECISION, 16.0),
+        **_FP8,
+        "fp8": _FP8["fp8_e4m3"],
+        "nvfp4": StoredAs(NVFP4, 4.5, "nvfp4"),
+    },  # fmt: skip
+    "sglang": {"auto": StoredAs(FULL_PRECISION, 16.0), **_FP8},
+    "trtllm": {"fp8": _FP8["fp8_e4m3"], "nvfp4": StoredAs(NVFP4, 4.5, "nvfp4")},
+}
+SPLIT_KV = ("llamacpp",)  # engines with separate K and V formats
+# formats these engines have that kvq does not reproduce yet: named apart from a typo
+NOT_YET = {
+    "vllm": ("int8_per_token_head", "int4_per_token_head", "fp8_per_token_head"),
+    "sglang": ("fp4_e2m1",),
+    "trtllm": ("int8",),
+    "llamacpp": ("iq4_nl",),
+}
+UNIT_SCALE = 1.0  # the scale an engine assumes when the checkpoint carries none
+
+
+@dataclass(frozen=True)
+class EngineFormat:
+    engine: str
+    key_name: str  # the engine's own names of the K and V formats
+    value_name: str
+
+    @property
+    def key(self) -> StoredAs:
+        return ENGINES[self.engine][self.key_name]
+
+    @property
+    def value(self) -> StoredAs:
+        return ENGINES[self.engine][self.value_name]
+
+    @property
+    def name(self) -> str:
+        k, v = self.key_name, self.value_name
+        return f"{self.engine}:{k}" if k == v else f"{self.engine}:{k}/{v}"
+
+    @property
+    def bits_per_element(self) -> float:
+        """The engine's storage, mean of K and V."""
+        return (self.key.bits + self.value.bits) / 2
+
+    @property
+    def loads_scales(self) -> bool:
+        return self.key.calibrated is not None
+
+    def flags(self) -> str:
+        """What to pass the engine for this format."""
+        k, v = self.key_name, self.value_name
+        if self.engine == "llamacpp":
+            fa = " -fa on" if v != "f16" else ""  # a quantized V cache needs flash attention
+            return f"-ctk {k} -ctv {v}{fa}"
+        if self.engine in ("vllm", "sglang"):
+            return f"--kv-cache-dtype {k}"
+        algo = "NVFP4" if k == "nvfp4" else "FP8"
+        return f"kv_cache_quant_algo {algo} (a ModelOpt checkpoint: kvq export modelopt)"
+
+
+def parse(name: str) -> EngineFormat:
+    """ "ENGINE:FORMAT" or "ENGINE:K/V" -> EngineFormat; one-line KvqError otherwise."""
+    engine, _, rest = name.partition(":")
+    if engine not in ENGINES:
+        raise KvqError(f"unknown engine {engine!r} in {name!r}; known: {', '.join(ENGINES)}")
+    menu = ENGINES[engine]
+    k, slash, v = rest.partition("/")
+    if slash and engine not in SPLIT_KV:
+        raise KvqError(f"{engine} takes one K/V cache format, not separate K and V ({name!r})")
+    v = v if slash else k
+    for side in (k, v):
+        if side in NOT_YET.get(engine, ()):
+            raise KvqError(f"kvq does not reproduce {engine}'s {side} K/V cache format yet")
+        if side not in menu:
+            raise KvqError(f"{engine} has no K/V cache format {side!r}; it has: {', '.join(menu)}")
+    return EngineFormat(engine, k, v)
+
+
+def menu(engine: str) -> list[EngineFormat]:
+    """Every format of `engine` ("all": of every engine), K and V alike, aliases once."""
+    if engine == "all":
+        return [f for e in ENGINES for f in menu(e)]
+    if engine not in ENGINES:
+        raise KvqError(f"unknown engine {engine!r}; known: {', '.join(ENGINES)}, all")
+    seen, out = set(), []
+    for name, side in ENGINES[engine].items():
+        if (side.scheme, side.bits) not in seen:  # an alias (vllm:fp8) once
+            seen.add((side.scheme, side.bits))
+            out.append(EngineFormat(engine, name, name))
+    return out
+
+
+def engine_policy(name: str, num_layers: int, head_dim: int | None = None) -> CachePolicy:
+    """The kvq cache policy of an engine format: every layer, keys stored after RoPE."""
+    fmt = parse(name)
+    for side in (fmt.key, fmt.value):
+        if side.scheme.format == "ggml" and head_dim is not None and head_dim % GGML_BLOCK:
+            # as llama.cpp refuses it when it creates the context
+            raise KvqError(
+                f"{name}: llama.cpp's {side.scheme.ggml_type} blocks of {GGML_BLOCK} do not divide "
+                f"head_dim {head_dim} (llama.cpp refuses this K/V cache type for this model)"
+            )
+    layer = LayerPolicy(key=fmt.key.scheme, value=fmt.value.scheme, key_stage="post-rope")
+    return CachePolicy(name=fmt.name, layers=(layer,) * num_layers)
+
+
+def policy_by_name(name: str, num_layers: int, head_dim: int | None = None) -> CachePolicy:
+    """Any calibration-free layout a user can name: an engine's (ENGINE:FORMAT) or kvq's."""
+    if ":" in name:
+        return engine_policy(name, num_layers, head_dim)
+    return named_policy(name, num_layers, head_dim)

@@ -1,0 +1,106 @@
+"""llama.cpp's block formats for its K/V cache (`-ctk` / `-ctv`): q8_0, q4_0, q4_1, q5_0,
+q5_1, with ggml's own numerics (ggml-quants.c, `quantize_row_*_ref`), so that kvq's cache
+holds the codes llama.cpp would hold, bit for bit (tests compare with the `gguf` package's
+quantizers).
+
+Each block is 32 consecutive channels of one row with one fp16 scale d (and, for the
+`_1` formats, an fp16 minimum m):
+
+* q8_0: d = amax / 127, q = roundf(x / d) (half away from zero) in [-127, 127], x ~ q d;
+* q4_0 / q5_0: d = v / -8 (-16), v the block's value of largest magnitude (its sign
+  kept), q = min(15 (31), trunc(x / d + 8.5 (16.5))), x ~ (q - 8 (16)) d;
+* q4_1 / q5_1: d = (max - min) / 15 (31), q = min(15 (31), trunc((x - min) / d + 0.5)),
+  x ~ q d + m with m = fp16(min).
+
+The codes are computed with the fp32 d (through its fp32 reciprocal), the stored d is
+fp16: ggml's convention, which this module keeps. Codes come back unsigned, with the
+constant `zero` to subtract at decode.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from kvq.errors import KvqError
+
+BLOCK = 32  # channels per block (QK8_0 = QK4_0 = QK4_1 = QK5_0 = QK5_1 = 32)
+
+
+@dataclass(frozen=True)
+class BlockFormat:
+    name: str
+    bits: int  # code bits
+    zero: int  # subtracted from the unsigned code at decode (0: the format has a minimum)
+    has_min: bool
+
+    @property
+    def bits_per_element(self) -> float:
+        """llama.cpp's storage: codes, the fp16 d (and m) per block of 32."""
+        return self.bits + (32 if self.has_min else 16) / BLOCK
+
+
+FORMATS = {
+    "q8_0": BlockFormat("q8_0", 8, 128, False),
+    "q4_0": BlockFormat("q4_0", 4, 8, False),
+    "q4_1": BlockFormat("q4_1", 4, 0, True),
+    "q5_0": BlockFormat("q5_0", 5, 16, False),
+    "q5_1": BlockFormat("q5_1", 5, 0, True),
+}
+
+
+def block_format(name: str) -> BlockFormat:
+    if name not in FORMATS:
+        raise KvqError(f"unknown llama.cpp block format {name!r}; known: {', '.join(FORMATS)}")
+    return FORMATS[name]
+
+
+def _reciprocal(d: Tensor) -> Tensor:
+    return torch.where(d == 0, torch.zeros_like(d), 1.0 / d)
+
+
+def _roundf(x: Tensor) -> Tensor:
+    """C roundf: half away from zero, computed as ggml's reference does for the gguf
+    package (floor(|x|) plus one when the fraction is at least a half)."""
+    a = x.abs()
+    floored = torch.floor(a)
+    return torch.sign(x) * (floored + torch.floor(2 * (a - floored)))
+
+
+def quantize(x: Tensor, name: str) -> tuple[Tensor, Tensor, Tensor | None]:
+    """x [..., D] (D a multiple of 32) -> (codes uint8 [..., D] unsigned, d fp16
+    [..., D/32], m fp16 [..., D/32] or None)."""
+    fmt = block_format(name)
+    d_ch = x.shape[-1]
+    if d_ch % BLOCK:
+        raise KvqError(f"{name}: {d_ch} channels are not a whole number of blocks of {BLOCK}")
+    blocks = x.float().reshape(*x.shape[:-1], d_ch // BLOCK, BLOCK)  # [..., N, 32]
+    top = (1 << fmt.bits) - 1
+    if fmt.name == "q8_0":
+        d = blocks.abs().amax(-1, keepdim=True) / 127
+        q = _roundf(blocks * _reciprocal(d)) + 128
+        m = None
+    elif not fmt.has_min:
+        idx = blocks.abs().argmax(-1, keepdim=True)  # the first of equal magnitudes, as ggml
+        d = blocks.gather(-1, idx) / -float(1 << (fmt.bits - 1))
+        q = torch.trunc(blocks * _reciprocal(d) + (fmt.zero + 0.5)).clamp(0, top)
+        m = None
+    else:
+        lo = blocks.amin(-1, keepdim=True)
+        d = (blocks.amax(-1, keepdim=True) - lo) / top
+        q = torch.trunc((blocks - lo) * _reciprocal(d) + 0.5).clamp(0, top)
+        m = lo.squeeze(-1).to(torch.float16)
+    codes = q.to(torch.uint8).reshape(x.shape)
+    return codes, d.squeeze(-1).to(torch.float16), m
+
+
+def dequantize(codes: Tensor, d: Tensor, m: Tensor | None, name: str) -> Tensor:
+    """The inverse as llama.cpp decodes: (q - zero) d (+ m), fp32 [..., D]."""
+    fmt = block_format(name)
+    q = codes.float().unflatten(-1, (-1, BLOCK)) - fmt.zero  # [..., N, 32]
+    x = q * d.float()[..., None]
+    if m is not None:
+        x = x + m.float()[..., None]
+    return x.flatten(-2)
