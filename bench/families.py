@@ -2,8 +2,8 @@
 families it has no entry for and the ones it refuses.
 
 For each tested family a tiny random model (tests/conftest.py's shapes; its output layer
-scaled x10 so that the next-token distributions are peaked and K/V errors show in the
-figures) is saved with the tiny tokenizer, then `kvq calibrate kvquant --bits 4` (1 %
+scaled x10 and its q.k logits x9, so that next-token and attention distributions are
+peaked and K/V errors show in the figures) is saved with the tiny tokenizer, then `kvq calibrate kvquant --bits 4` (1 %
 outliers, 1 sink token, no Fisher pass) and `kvq run-eval` (ppl, kld, bytes) run as
 subprocesses, as a user runs them. Families without an entry go through `kvq.load_model`
 and a greedy `model.generate` with an fp16 kvq cache against DynamicCache; refused ones
@@ -41,9 +41,30 @@ FAMILIES = ["llama", "mistral", "qwen2", "gemma3", *FAMILY_CONFIGS]
 KVQ = [sys.executable, "-m", "kvq"]
 
 
-def _save(model, where: Path) -> Path:
+def _peaked(model):
+    """Output layer x10 and q.k logits x9 (q and k x3 where they are produced: the
+    projections' rows, or the q/k norms' weights), so that a random model's next-token and
+    attention distributions are peaked and K/V errors show in the figures."""
+    from kvq.models.adapters import get_adapter
+
+    adapter = get_adapter(model)
     with torch.no_grad():
         model.get_output_embeddings().weight.mul_(10.0)
+        off = 1.0 if adapter.qk_norm_offset_one else 0.0
+        for i in range(adapter.num_layers):
+            for which in ("q", "k"):
+                if adapter.qk_norm:
+                    w = getattr(adapter.attention(i), f"{which}_norm").weight
+                    w.copy_((off + w) * 3.0 - off)
+                else:
+                    proj, rows = adapter._projection_rows(i, which)
+                    proj.weight[rows] *= 3.0
+                    if proj.bias is not None:
+                        proj.bias[rows] *= 3.0
+    return model
+
+
+def _save(model, where: Path) -> Path:
     model.save_pretrained(where)
     tiny_tokenizer().save_pretrained(where)
     return where
@@ -55,7 +76,7 @@ def _kvq(*args) -> subprocess.CompletedProcess:
 
 
 def tested_row(family: str, tmp: Path, windows: int, seqlen: int) -> dict:
-    model_dir = _save(make_tiny_model(family), tmp / family)
+    model_dir = _save(_peaked(make_tiny_model(family)), tmp / family)
     art, report = tmp / f"{family}-art", tmp / f"{family}.json"
     cal = _kvq("calibrate", "kvquant", "--model", model_dir, "--dataset", CALIBRATION,
                "--samples", 4, "--seqlen", seqlen, "--bits", 4, "--no-fisher", "--out", art)  # fmt: skip
@@ -78,7 +99,7 @@ def tested_row(family: str, tmp: Path, windows: int, seqlen: int) -> dict:
 def unlisted_row(model_type: str, tmp: Path) -> dict:
     import kvq
 
-    where = _save(_unlisted(model_type), tmp / model_type)
+    where = _save(_unlisted(model_type).eval(), tmp / model_type)
     try:
         model, _ = kvq.load_model(str(where))
     except kvq.KvqError as e:
@@ -117,12 +138,12 @@ def main() -> None:
         unlisted = [unlisted_row(m, tmp) for m in [*DERIVED_WORK, *DERIVED_REFUSED]]
     refused = [refused_row(m) for m in REFUSED]
     print(f"tested families: kvquant NUQ4 (1 % outliers, sink 1), run-eval "
-          f"{args.windows} x {args.seqlen} WikiText-2, tiny random models (output x10)")  # fmt: skip
+          f"{args.windows} x {args.seqlen} WikiText-2, tiny random models (output x10, q.k x9)")  # fmt: skip
     print("| family | model_type | ppl ratio | KLD | top-1 | bytes vs fp16 |")
     print("|---|---|---|---|---|---|")
     for r in tested:
         if r["works"]:
-            print(f"| {r['family']} | {r['model_type']} | {r['ppl_ratio']:.4f} | {r['kld']:.5f} "
+            print(f"| {r['family']} | {r['model_type']} | {r['ppl_ratio']:.4f} | {r['kld']:.2e} "
                   f"| {r['top1']:.4f} | {r['bytes_ratio']:.3f} |")  # fmt: skip
         else:
             print(f"| {r['family']} | | FAILED: {r['error']} | | | |")

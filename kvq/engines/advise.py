@@ -3,7 +3,7 @@ which one to pick.
 
 Every format of the engine's menu (`formats.menu`) runs through kvq's cache with the
 engine's numerics, on the same WikiText-2 windows, against one shared unquantized baseline
-(`evaluate_many`); formats whose engine loads scales from a checkpoint also run with
+(`evaluate_many`; formats with the same numerics in two engines are scored once); formats whose engine loads scales from a checkpoint also run with
 scales kvq calibrates (`kv-scales`, per tensor), the scales `kvq export vllm|modelopt`
 writes. kvq's own layouts (calibration-free ones, and any `--artifact`) run beside them at
 their own bytes. The recommendation is the engine format with the fewest bytes per token
@@ -90,9 +90,17 @@ def advise_job(
         ev = load_windows(loaded, dataset, windows, seqlen, seed, data_dir, corpus)
     factories, rows = {}, {}
     scales: dict[str, object] = {}  # kv-scales --format -> its calibrated state
+    same: dict[tuple, str] = {}  # (layers, kind) -> the first candidate storing rows so
+    alias: dict[str, str] = {}  # a candidate -> the one whose figures it shares
     for cand, fmt in chosen:
         policy = fmt.name
-        cache_for(loaded, policy=policy)  # refuse what the model cannot take before any work
+        layers = cache_for(loaded, policy=policy).policy.layers  # refuse what cannot run
+        rows[cand.name] = cand
+        # engines with the same numerics (vLLM's and SGLang's FP8) are scored once
+        if (layers, cand.kind) in same:
+            alias[cand.name] = same[layers, cand.kind]
+            continue
+        same[layers, cand.kind] = cand.name
         if cand.kind == "engine":
             factories[cand.name] = lambda p=policy: cache_for(loaded, policy=p)
         else:
@@ -108,7 +116,6 @@ def advise_job(
                 return build_cache(loaded.model, state.policy, static, loaded.adapter)
 
             factories[cand.name] = make
-        rows[cand.name] = cand
     for name in kvq_layouts:
         factories[f"kvq {name}"] = lambda n=name: cache_for(loaded, policy=n)
         rows[f"kvq {name}"] = Candidate(f"kvq {name}", "kvq", f"--policy {name}", None)
@@ -118,6 +125,7 @@ def advise_job(
         rows[f"kvq {path.name}"] = Candidate(f"kvq {path.name}", "kvq", f"--artifact {path}", None)
     results = evaluate_many(loaded.model, ev.ids, factories, progress,
                             title=f"eval {len(factories)} caches (shared baseline)")  # fmt: skip
+    results |= {name: results[first] for name, first in alias.items()}
     table = []
     for name, result in results.items():
         # bytes as measured on the cache at --seqlen (sliding layers hold their window):
@@ -135,6 +143,7 @@ def advise_job(
             "bytes_per_token": stored / ledger.tokens,
             "ratio_to_fp16": stored / ledger.fp16_bytes if ledger.fp16_bytes else None,
             "within_budget": kld <= max_kld and ratio <= max_ppl_ratio,
+            "same_numerics_as": alias.get(name),
         })  # fmt: skip
     engine_rows = [r for r in table if r["kind"] != "kvq"]
     fits = sorted((r for r in engine_rows if r["within_budget"]),
