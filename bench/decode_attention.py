@@ -38,7 +38,8 @@ import torch.nn.functional as F
 from kvq.quant import affine, nuq, sparse
 from kvq.quant.schemes import QuantScheme
 from kvq.runtime.codecs import make_codec
-from kvq.runtime.kernels.decode.attention import Segment, decode_attention_reference, rotate
+from kvq.runtime.kernels.decode.reference import decode_attention_reference
+from kvq.runtime.kernels.decode.segments import Segment, rotate
 from kvq.runtime.packed import decode_packed
 
 SHAPES = {  # name -> (query heads, KV heads, head_dim)

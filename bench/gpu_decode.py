@@ -242,8 +242,9 @@ def launch_chosen(q, seg) -> str:
     """The planned path's plan and configuration for this call, or the general kernel's
     autotuned configuration."""
     from kvq.runtime.kernels.decode import planned as planned_decode
+    from kvq.runtime.kernels.decode import planned_layouts
 
-    if da.PLANNED and planned_decode.planned_unsupported(q, [seg], None) is None:
+    if da.PLANNED and planned_layouts.planned_unsupported(q, [seg], None) is None:
         call = planned_decode.planned_call(q, [seg], scaling=1.0, softcap=None, half=True)
         plan = planned_decode._launcher(q.device).plan(call)
         c = call.config

@@ -65,6 +65,7 @@ from kvq.runtime.kernels.planning.launch_plan import plan_splits
 
 try:  # the planned path (absent before it existed: then every format takes the survey)
     from kvq.runtime.kernels.decode import planned
+    from kvq.runtime.kernels.decode.planned_layouts import planned_unsupported
 except ImportError:
     planned = None
 
@@ -199,7 +200,7 @@ def targets(shapes, formats, entry_counts=None) -> list[dict]:
             row_bytes = bytes_per_row(seg)
             query = torch.randn(BATCH, hq, 1, d)
             calls = []  # (call, figures, configuration)
-            if planned is not None and planned.planned_unsupported(query, [seg], None) is None:
+            if planned is not None and planned_unsupported(query, [seg], None) is None:
                 row, picked, alone = planned_row(query, [seg], hkv, row_bytes,
                                                  entry_counts=entry_counts)  # fmt: skip
                 calls.append(("packed", row, picked))

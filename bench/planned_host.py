@@ -32,6 +32,7 @@ import torch
 from kvq.runtime.kernels.decode import _splits_triton as kern
 from kvq.runtime.kernels.decode import planned
 from kvq.runtime.kernels.decode.attention import Segment
+from kvq.runtime.kernels.decode.planned_layouts import planned_unsupported
 from kvq.runtime.packed import PackedRows
 
 SHAPES = gpu_decode.SHAPES
@@ -134,9 +135,9 @@ def measure(fmt: str, shape: str, repeats: int) -> dict:
     planned._launcher = lambda device: launcher
     try:
         call = dict(scaling=d**-0.5, softcap=None, half=True, rope=rope)
-        route = time_calls(lambda segs: planned.planned_unsupported(query, segs, None), steps,
+        route = time_calls(lambda segs: planned_unsupported(query, segs, None), steps,
                            repeats)  # fmt: skip
-        assert planned.planned_unsupported(query, steps[0], None) is None
+        assert planned_unsupported(query, steps[0], None) is None
         args = time_calls(lambda segs: planned.planned_call(query, segs, **call), steps, repeats)
         total = time_calls(lambda segs: planned.run_planned(query, segs, **call), steps, repeats)
     finally:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import sys
 import time
+from dataclasses import dataclass
 
 from rich.console import Console
 from rich.progress import (
@@ -73,6 +74,17 @@ class RichProgress(Progress):
             self._bars.update(task, total=1, completed=1)
 
 
+@dataclass
+class _Counted:
+    """One open stage of `PlainProgress`."""
+
+    start: float
+    total: int | None
+    done: int = 0
+    last_line: float = 0.0  # when the last count line was printed
+    first: tuple[float, int] | None = None  # (time, count) at the first advance
+
+
 class PlainProgress(Progress):
     """One line per event, flushed: `name: 3/16, 0:12 elapsed, eta 0:52`."""
 
@@ -81,7 +93,7 @@ class PlainProgress(Progress):
     def __init__(self, stream) -> None:
         super().__init__()
         self._stream = stream
-        self._open_stages: dict[str, tuple[float, int | None, list[int], list[float]]] = {}
+        self._open_stages: dict[str, _Counted] = {}
 
     def __enter__(self) -> PlainProgress:
         return self
@@ -95,29 +107,27 @@ class PlainProgress(Progress):
 
     def _open(self, name: str, total: int | None) -> Stage:
         start = time.perf_counter()
-        done, last = [0], [start]
-        first: list[tuple[float, int]] = []  # (time, count) at the first advance
-        self._open_stages[name] = (start, total, done, last)
+        stage = self._open_stages[name] = _Counted(start, total, last_line=start)
         self._say(f"{name}: started" + (f" (0/{total})" if total else ""))
 
         def advance(n: int) -> None:
-            done[0] += n
+            stage.done += n
             now = time.perf_counter()
-            if not first:
-                first.append((now, done[0]))
-            if now - last[0] < self.every:
+            if stage.first is None:
+                stage.first = (now, stage.done)
+            if now - stage.last_line < self.every:
                 return
-            last[0] = now
-            count = f"{done[0]}/{total}" if total else str(done[0])
+            stage.last_line = now
+            count = f"{stage.done}/{total}" if total else str(stage.done)
             # the rate since the first item: a stage's first item often carries its set-up
-            (t1, d1), eta = first[0], ""
-            if total and d1 < done[0] < total:
-                eta = f", eta {_clock((now - t1) / (done[0] - d1) * (total - done[0]))}"
+            (t1, d1), eta = stage.first, ""
+            if total and d1 < stage.done < total:
+                eta = f", eta {_clock((now - t1) / (stage.done - d1) * (total - stage.done))}"
             self._say(f"{name}: {count}, {_clock(now - start)} elapsed{eta}")
 
         return Stage(advance)
 
     def _close(self, name: str) -> None:
-        start, total, done, _ = self._open_stages.pop(name)
-        count = f" ({done[0]}/{total})" if total else ""
-        self._say(f"{name}: done in {_clock(time.perf_counter() - start)}{count}")
+        stage = self._open_stages.pop(name)
+        count = f" ({stage.done}/{stage.total})" if stage.total else ""
+        self._say(f"{name}: done in {_clock(time.perf_counter() - stage.start)}{count}")

@@ -28,7 +28,7 @@ from kvq.quant.schemes import CachePolicy
 from kvq.runtime.attention import install_attention
 from kvq.runtime.codecs import make_codec
 from kvq.runtime.kernels.backend import check_choice
-from kvq.runtime.kernels.decode.attention import Rope
+from kvq.runtime.kernels.decode.segments import Rope
 from kvq.runtime.layers import KvqLayer, LayerState
 from kvq.runtime.prefix import Prefix
 from kvq.runtime.view import LayerView

@@ -1,6 +1,6 @@
 """The attention oracle: plain softmax attention over whole decoded tensors.
 
-Tests compare the chunked reference (`kvq.runtime.kernels.decode.attention`)
+Tests compare the chunked reference (`kvq.runtime.kernels.decode.reference`)
 and the Triton kernel against it.
 """
 

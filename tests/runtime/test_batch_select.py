@@ -16,7 +16,7 @@ import torch
 
 import kvq
 from kvq.calibrators.options import ChannelScalesOptions, KVQuantOptions
-from kvq.runtime.layers import _batch_order
+from kvq.runtime.layer_edits import _batch_order
 from kvq.runtime.state import RowStore
 from tests.conftest import calibrate
 

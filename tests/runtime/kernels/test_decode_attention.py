@@ -17,15 +17,14 @@ from kvq.quant import affine, fp8, nuq, sparse
 from kvq.quant.schemes import QuantScheme
 from kvq.runtime.codecs import make_codec
 from kvq.runtime.kernels.decode.attention import (
-    Segment,
     combine_partials_reference,
     combine_partials_triton,
     decode_attention,
-    decode_attention_reference,
     decode_attention_triton,
     decode_path,
-    rotate,
 )
+from kvq.runtime.kernels.decode.reference import decode_attention_reference
+from kvq.runtime.kernels.decode.segments import Segment, rotate
 from kvq.runtime.packed import PackedRows, decode_packed
 from kvq.runtime.reference import dense_attention
 

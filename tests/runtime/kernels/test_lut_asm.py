@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from kvq.runtime.kernels.decode import _splits_triton as kern
-from kvq.runtime.kernels.decode.planned import nuq_table
+from kvq.runtime.kernels.decode.planned_layouts import nuq_table
 
 M32 = 0xFFFFFFFF
 

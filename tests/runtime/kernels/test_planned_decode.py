@@ -12,7 +12,7 @@ import torch
 
 from kvq.quant.schemes import QuantScheme
 from kvq.runtime.codecs import make_codec
-from kvq.runtime.kernels.decode import attention
+from kvq.runtime.kernels.decode import attention, planned_layouts
 from kvq.runtime.kernels.decode import planned as planned_decode
 from kvq.runtime.kernels.decode.attention import (
     Segment,
@@ -956,11 +956,11 @@ def test_flat_starts_follow_the_count_rows():
 
     buf = torch.zeros(2, 3, 16, dtype=torch.uint8)
     buf[:, :, :10] = torch.randint(0, 4, (2, 3, 10), dtype=torch.uint8)
-    first = planned_decode._flat_starts(buf[:, :, :10])
+    first = planned_layouts.flat_starts(buf[:, :, :10])
     assert torch.equal(first, entry_pointers(buf[:, :, :10]))
-    assert planned_decode._flat_starts(buf[:, :, :10]) is first
+    assert planned_layouts.flat_starts(buf[:, :, :10]) is first
     buf[0, 1, 4] += 1
-    again = planned_decode._flat_starts(buf[:, :, :10])
+    again = planned_layouts.flat_starts(buf[:, :, :10])
     assert torch.equal(again, entry_pointers(buf[:, :, :10])) and not torch.equal(again, first)
-    longer = planned_decode._flat_starts(buf[:, :, :11])
+    longer = planned_layouts.flat_starts(buf[:, :, :11])
     assert longer.shape == (2, 3, 11)

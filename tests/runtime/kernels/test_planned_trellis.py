@@ -1,6 +1,6 @@
 """Trellis codes (`kvq calibrate trellis`, what `kvq calibrate auto` stores) on the planned
 decode path: each channel's state read from its unit of codes and the one before it, its
-level gathered from the table indexed oldest digit lowest (`planned_decode.trellis_table`),
+level gathered from the table indexed oldest digit lowest (`planned_layouts.trellis_table`),
 KVQuant's normalisers and exact exceptions applied as for the vq layouts. Parity with the
 reference under the interpreter (sink, main and residual rows in one launch; GQA and MQA;
 masks; one and two query positions), the routes, and greedy generate."""
@@ -12,7 +12,7 @@ import torch
 
 from kvq.quant.schemes import QuantScheme
 from kvq.runtime.codecs import make_codec
-from kvq.runtime.kernels.decode import planned as planned_decode
+from kvq.runtime.kernels.decode import planned_layouts
 from kvq.runtime.kernels.decode.attention import (
     Segment,
     decode_attention_triton,
@@ -133,13 +133,13 @@ def test_the_table_in_decode_order_breaks_parity(monkeypatch, side):
     q, segs_d, rope = _to((torch.randn(b, 4, 1, d) * 2, segs, _rope(d)), DEVICE)
     good = decode_attention_triton(q, segs_d, scaling=d**-0.5, rope=rope)
     table = getattr(segs_d[1], side).table
-    build = planned_decode.trellis_table
+    build = planned_layouts.trellis_table
 
     def unordered(t, bits, window, half):
         out = build(t, bits, window, half)
         return t.to(out.dtype).contiguous() if t is table else out
 
-    monkeypatch.setattr(planned_decode, "trellis_table", unordered)
+    monkeypatch.setattr(planned_layouts, "trellis_table", unordered)
     bad = decode_attention_triton(q, segs_d, scaling=d**-0.5, rope=rope)
     assert (bad - good).abs().max().item() > 100 * ATOL
 

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from kvq.runtime.kernels.decode import planned as planned_decode
+from kvq.runtime.kernels.decode import planned_layouts
 from kvq.runtime.kernels.decode.attention import (
     decode_attention_reference,
     decode_attention_triton,
@@ -103,13 +104,13 @@ def test_a_shuffled_codebook_breaks_parity(monkeypatch, side):
     good = decode_attention_triton(q, segs_d, scaling=d**-0.5, rope=rope)
     table = getattr(segs_d[1], side).table
     perm = torch.randperm(table.shape[0], generator=torch.Generator().manual_seed(0))
-    build = planned_decode.vq_table
+    build = planned_layouts.vq_table
 
     def shuffled(t, half):
         out = build(t, half)
         return out[perm.to(out.device)].contiguous() if t is table else out
 
-    monkeypatch.setattr(planned_decode, "vq_table", shuffled)
+    monkeypatch.setattr(planned_layouts, "vq_table", shuffled)
     bad = decode_attention_triton(q, segs_d, scaling=d**-0.5, rope=rope)
     assert (bad - good).abs().max().item() > 1000 * ATOL
 

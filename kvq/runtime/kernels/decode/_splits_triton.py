@@ -357,7 +357,7 @@ mov.b32 {$6, $7}, d;
 }""")
 
 
-# word M of the PRMT table, read from this lane's own copy of it (`planned_decode.nuq_table`:
+# word M of the PRMT table, read from this lane's own copy of it (`planned_layouts.nuq_table`:
 # 32 copies): a value ptxas must hold in a regular register. Read as one uniform value it
 # stays in a uniform register, which PRMT cannot take, and is copied into a regular one
 # before every use (~250 copies per loop iteration at head_dim 128, sm_90).
@@ -519,7 +519,7 @@ def _split_pairs(x):
 @triton.jit
 def _lut_words(tab, LUT: tl.constexpr):
     """The PRMT table (`_LUT_ASM`) of a 4-bit codebook, read once per program (LUT 2);
-    zeros otherwise. tab: `planned_decode.nuq_table` (the levels, then the words' bits)."""
+    zeros otherwise. tab: `planned_layouts.nuq_table` (the levels, then the words' bits)."""
     if LUT == 2:
         w = tab.to(tl.pointer_type(tl.int32), bitcast=True) + 16
         words = (
@@ -1162,7 +1162,7 @@ def _rope_lut_chunk(scores, rq, rk, row, ok, j, tab, trow, p0, run, C0: tl.const
 # group of M channels is one codebook index, its M digits of BITS bits side by side, so the
 # index of group g is the (BITS x M)-bit field at bit g x BITS x M of the row (a nibble, a
 # 6-bit field of a 3-byte unit or a byte: 16, 64 or 256 centroids). The planned path takes
-# the calibrator's groups (`planned_decode._vq_unsupported`): keys over RoPE pairs (M 2:
+# the calibrator's groups (`planned_layouts._vq_unsupported`): keys over RoPE pairs (M 2:
 # channels c, c + D/2, one column of each half of the one-plane rotation; M 4: channels 2i,
 # 2i + 1 and their partners, column i of each plane and half of the two-plane rotation),
 # values over neighbouring channels (column c of the even / odd plane: channel 2c / 2c + 1).
@@ -1256,7 +1256,7 @@ def _trellis_states(row, C0: tl.constexpr, N: tl.constexpr, ok, BITS: tl.constex
     channel c's state is the BITS x TRN bits of the row's little-endian bit stream that
     end with its digit, read from its unit and the unit before it (zeros before the row)
     as one 64-bit funnel per channel, oldest digit lowest, so the table is indexed that
-    way (`planned_decode.trellis_table`): no digit reversal here."""
+    way (`planned_layouts.trellis_table`): no digit reversal here."""
     P: tl.constexpr = (24 if BITS == 3 else 32) // BITS  # digits per unit
     BT: tl.constexpr = row.shape[0]
     # units [BT, N / P, 1]: they arrive in the layout their broadcast over the P digits
@@ -1698,7 +1698,7 @@ def _segment_loop(
     # per-row normalisers, codes read as words, at most MAX_PATCHED_SLOTS
     V_PATCH: tl.constexpr = (V_LUT == 2) * V_WORDS * (NG == 1) * (V_SLOTS <= 4)
     # vq values: the slots patched into the centroid words where the dots take fp16 (the
-    # codebook is then fp16, `planned_decode.vq_table`), 4-D groups up to head_dim 128
+    # codebook is then fp16, `planned_layouts.vq_table`), 4-D groups up to head_dim 128
     # (sm_90, Llama-like 2 x 4: 104 warp-instructions per row against 137 replacing them
     # in the decoded tile; 2-D groups: 152 against 148; Gemma 3's 2 x 4: 183 but a 40 B
     # spill against 269, none); exact replacement in the tile otherwise
@@ -1852,7 +1852,7 @@ def decode_splits_kernel(
     K_TRN, V_TRN: trellis codes (`_trellis_run`) of that many digits per state, read as
     vq codes of 2-D groups (K_VQ, V_VQ 2; K_VQB, V_VQB: digit bits) in channel order (keys:
     the channels of each RoPE half, values: even and odd channels), levels from k_tab,
-    v_tab ([2^(bits x digits)], `planned_decode.trellis_table`).
+    v_tab ([2^(bits x digits)], `planned_layouts.trellis_table`).
     PREFETCH: the packed segment's loop asks L2 for the next tile's rows
     (`_prefetch_tile`), where its loads are not staged.
 

@@ -41,273 +41,13 @@ from torch import Tensor
 
 from kvq.errors import KvqError
 from kvq.runtime.kernels.backend import ENV, next_pow2, resolve_backend
+from kvq.runtime.kernels.decode.reference import decode_attention_reference
+from kvq.runtime.kernels.decode.segments import Rope, Segment, causal_mask, check_inputs
 from kvq.runtime.packed import (
-    ChunkDecoder,
     PackedRows,
-    decode_packed,
     entry_pointers,
-    layout_perm,
 )
 from kvq.tensor_memo import Memo, memoised
-
-Rope = tuple[Tensor, Tensor]  # cos, sin tables [P, D/2] float32, indexed by RoPE position
-
-
-@dataclass(frozen=True)
-class Segment:
-    key: PackedRows
-    value: PackedRows
-    positions: Tensor | None = None  # [B, T] RoPE position of each row (pre-RoPE keys)
-
-    @property
-    def rows(self) -> int:
-        return self.key.rows
-
-
-def rotate(x: Tensor, positions: Tensor, rope: Rope) -> Tensor:
-    """Rotate-half RoPE of x [B, H, T, D] at positions [B, T] with half-width tables."""
-    cos, sin = (_rows_at(t, positions)[:, None] for t in rope)  # [B, 1, T, D/2]
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    out = torch.empty_like(x)
-    o1, o2 = out[..., :half], out[..., half:]
-    torch.mul(x1, cos, out=o1).addcmul_(x2, sin, value=-1)  # no temporaries
-    torch.mul(x2, cos, out=o2).addcmul_(x1, sin)
-    return out
-
-
-def _rows_at(table: Tensor, positions: Tensor) -> Tensor:
-    """table[positions] ([B, T, ...]); a view when every batch row is one contiguous run."""
-    first = _run_start(positions, table.shape[0])
-    if first is None:
-        return table[positions]
-    t = positions.shape[1]
-    return table[first : first + t].expand(positions.shape[0], t, *table.shape[1:])
-
-
-def _run_start(positions: Tensor, limit: int) -> int | None:
-    """First position when every batch row of positions [B, T] is the run first, first + 1,
-    ... below `limit`; else None."""
-    first = int(positions[0, 0])
-    t = positions.shape[1]
-    run = torch.arange(first, first + t, device=positions.device)
-    return first if first + t <= limit and bool((positions == run).all()) else None
-
-
-def _check(query: Tensor, segments: list[Segment], rope: Rope | None, mask: Tensor | None) -> int:
-    if query.dim() != 4:
-        raise KvqError(f"query must be [B, H_q, Q, D], got {tuple(query.shape)}")
-    if not segments:
-        raise KvqError("attention over no segments")
-    total = sum(s.rows for s in segments)
-    for s in segments:
-        if s.key.pre_rope and (rope is None or s.positions is None):
-            raise KvqError("pre-RoPE keys need RoPE tables and row positions")
-    if mask is not None and mask.shape[-1] != total:
-        raise KvqError(f"mask covers {mask.shape[-1]} keys, the segments hold {total}")
-    return total
-
-
-# --- reference ----------------------------------------------------------------------------
-
-CHUNK_ELEMENTS = 1 << 19  # decoded elements per chunk of the reference (2 MB of fp32); of
-# 2^17 ... 2^21 the fastest on CPU: smaller chunks pay more per-call overhead than they save
-
-
-def decode_attention_reference(
-    query: Tensor,
-    segments: list[Segment],
-    *,
-    scaling: float,
-    rope: Rope | None = None,
-    mask: Tensor | None = None,
-    softcap: float | None = None,
-    chunk_rows: int | None = None,
-    sinks: Tensor | None = None,
-) -> Tensor:
-    """query [B, H_q, Q, D]; mask [B, 1, Q, K] bool (True = attend) or None -> [B, H_q, Q, D] fp32.
-
-    softcap: logits become softcap * tanh(logits / softcap) before the softmax (Gemma 2).
-    sinks: [H_q] learned sink logits (GPT-OSS): one more softmax column per head whose
-    value is zero, so it takes probability mass without adding to the output.
-    chunk_rows: rows decoded at a time; by default about 2 MB of fp32 per decoded chunk,
-    which stays in cache while keeping the number of torch calls low.
-    """
-    total = _check(query, segments, rope, mask)
-    if softcap is None and sinks is None and _dense_fits(query, segments, total, chunk_rows):
-        rows = [s for s in segments if s.rows]
-        return _dense_attention(query, rows, scaling, rope, mask, total)
-    b, hq, q_len, d = query.shape
-    q = query.float()
-    state = None  # (running max, denominator, numerator) over everything seen so far
-    col = 0
-    for seg in segments:
-        if not seg.rows:
-            continue
-        hkv = seg.key.data.shape[1]
-        group = hq // hkv
-        step = chunk_rows or max(64, CHUNK_ELEMENTS // (b * hkv * d))
-        keys, values = ChunkDecoder(seg.key, pairs=seg.key.pre_rope), ChunkDecoder(seg.value)
-        # query rows r = g * Q + qi per KV head, pre-scaled (the scores come out scaled), in
-        # the keys' planes; the numerator accumulates in the values' planes
-        qk = keys.to_planes(q.reshape(b, hkv, group * q_len, d) * scaling)
-        if state is not None:
-            state = (*state[:2], values.to_planes(state[2]))
-        turn = _PairRotation(rope, keys.planes, seg.positions) if keys.pairs else None
-        # one decode query sees every cached row: no mask to apply
-        seg_mask = None
-        if mask is not None or q_len > 1:
-            full = mask if mask is not None else _causal(q_len, total, query.device)
-            seg_mask = _rows_mask(full[..., col : col + seg.rows], hkv, group)
-        for a in range(0, seg.rows, step):
-            stop = min(a + step, seg.rows)
-            key = keys.decode(a, stop)  # [planes, B, H_kv, C, D/planes]
-            if turn is not None:
-                turn(key, a, stop)
-            elif seg.key.pre_rope:  # channel order
-                key = rotate(key[0], seg.positions[:, a:stop], rope)[None]
-            scores = _planes_matmul(qk, key.transpose(-1, -2)).sum(0)  # [B, H_kv, R, C]
-            if softcap is not None:
-                scores = torch.tanh(scores / softcap) * softcap
-            if seg_mask is not None:
-                scores = scores.masked_fill(~seg_mask[..., a:stop], float("-inf"))
-            value = values.decode(a, stop, bias=False)  # [planes, B, H_kv, C, D/planes]
-            state = _online_update(state, scores, value, values.row_bias(a, stop))
-        state = (*state[:2], values.to_channels(state[2]))  # [B, H_kv, R, D]
-        col += seg.rows
-    if state is None:
-        raise KvqError("attention over an empty key set")
-    top, denom, acc = state
-    if sinks is not None:  # the sink column: exp(sink - running max) more in the denominator
-        rows = sinks.float().view(hkv, group, 1).expand(hkv, group, q_len).reshape(hkv, -1)
-        denom = denom + (rows - top.clamp_min(torch.finfo(top.dtype).min)).exp()
-    out = acc / denom.clamp_min(torch.finfo(torch.float32).tiny)[..., None]
-    return out.reshape(b, hq, q_len, d)
-
-
-DENSE_ELEMENTS = 1 << 23  # decoded K or V elements (32 MB of fp32) below which attention
-# dequantizes every row once and makes one SDPA call: on CPU, a step's cost is its number
-# of small ops, and one fused call replaces the chunked online softmax's dozens per segment
-
-
-def _dense_fits(query: Tensor, segments: list[Segment], total: int, chunk_rows) -> bool:
-    """Whether the rows decode whole within DENSE_ELEMENTS (and no chunking was asked)."""
-    if chunk_rows is not None or not total:
-        return False
-    hkv = next(s.key.data.shape[1] for s in segments if s.rows)
-    return query.shape[0] * hkv * total * query.shape[-1] <= DENSE_ELEMENTS
-
-
-def _dense_attention(query, segments: list[Segment], scaling: float, rope, mask, total: int):
-    """`decode_attention_reference` for rows that decode whole: every segment dequantized
-    once (`decode_packed`: the quantizers' own arithmetic; pre-RoPE keys rotated at their
-    positions), then one SDPA call, as a DynamicCache's layer runs. Equal to the online
-    softmax within fp32 rounding; a query that may see no row reads zeros, as there."""
-    keys, values = [], []
-    for seg in segments:
-        key = decode_packed(seg.key)  # [B, H_kv, T, D] fp32
-        if seg.key.pre_rope:
-            key = rotate(key, seg.positions, rope)
-        keys.append(key)
-        values.append(decode_packed(seg.value))
-    key = keys[0] if len(keys) == 1 else torch.cat(keys, dim=2)
-    value = values[0] if len(values) == 1 else torch.cat(values, dim=2)
-    q = query.float()
-    q_len = q.shape[2]
-    if mask is None and q_len > 1:
-        mask = _causal(q_len, total, query.device)
-    out = torch.nn.functional.scaled_dot_product_attention(
-        q, key, value, attn_mask=mask, scale=scaling, enable_gqa=key.shape[1] != q.shape[1]
-    )
-    if mask is not None:
-        out = torch.where(mask.any(-1, keepdim=True), out, 0.0)
-    return out
-
-
-def _planes_matmul(x: Tensor, y: Tensor) -> Tensor:
-    """[P|1, B, H, M, K] @ [P, B, H, K, N] -> [P, B, H, M, N] as one bmm (cheaper per call
-    than a broadcasting matmul, and called for every chunk)."""
-    p, b, h, k, n = y.shape
-    x = x.expand(p, b, h, *x.shape[-2:]).reshape(p * b * h, -1, k)
-    return torch.bmm(x, y.reshape(p * b * h, k, n)).view(p, b, h, -1, n)
-
-
-def _online_update(state, scores: Tensor, value: Tensor, bias: Tensor | None):
-    """Fold one chunk into (max, denominator, numerator): one softmax over all chunks.
-
-    scores [B, H, R, C] (consumed); value [planes, B, H, C, W] codes * scale; bias [B, H, C, G]
-    per-row value biases left out of `value` (sum_t p_t bias_tg covers a group's positions,
-    D/G/per per plane), or None; numerator [planes, B, H, R, W].
-    """
-    top = scores.amax(dim=-1)
-    if state is not None:
-        top = torch.maximum(state[0], top)
-    # a row that has seen only masked keys keeps a finite reference point
-    safe = top.clamp_min(torch.finfo(top.dtype).min)
-    p = scores.sub_(safe[..., None]).exp_()
-    num = _planes_matmul(p[None], value)
-    if bias is not None:
-        num.unflatten(-1, (bias.shape[-1], -1)).add_((p @ bias)[..., None])
-    if state is None:
-        return top, p.sum(-1), num
-    alpha = (state[0] - safe).exp_()  # rescales what earlier chunks accumulated
-    return top, torch.addcmul(p.sum(-1), state[1], alpha), num.addcmul_(state[2], alpha[..., None])
-
-
-def _rows_mask(mask: Tensor, hkv: int, group: int) -> Tensor:
-    """[B|1, 1|H_q, Q, C] -> [B|1, 1|H_kv, G*Q, C] matching the query rows r = g * Q + qi."""
-    bm, hm, q_len, c = mask.shape
-    if hm == 1:
-        return mask[:, :, None].expand(bm, 1, group, q_len, c).reshape(bm, 1, group * q_len, c)
-    return mask.reshape(bm, hkv, group * q_len, c)
-
-
-class _PairRotation:
-    """Rotates keys decoded in pair order (`ChunkDecoder(pairs=True)`) in place: RoPE
-    partners sit side by side as (real, imaginary), so rotate-half RoPE is one complex
-    multiply by cos + i sin instead of four half-width passes with temporaries."""
-
-    def __init__(self, rope: Rope, planes: int, positions: Tensor):
-        self.table = _pair_table(rope, planes)  # [planes, P, D/(2 planes)] complex64
-        self.positions = positions  # [B, T]
-        self.first = _run_start(positions, self.table.shape[1])  # checked once per segment
-
-    def __call__(self, key: Tensor, start: int, stop: int) -> None:
-        """Rotates key planes [planes, B, H, C, D/planes] (rows [start, stop)) in place."""
-        if self.first is None:
-            turn = self.table[:, self.positions[:, start:stop]]  # [planes, B, C, D/(2 planes)]
-        else:  # a view
-            turn = self.table[:, None, self.first + start : self.first + stop]
-        _complex(key).mul_(turn[:, :, None])
-
-
-def _complex(x: Tensor) -> Tensor:
-    """[..., D] float32 with (real, imaginary) pairs -> [..., D/2] complex64 view."""
-    return torch.view_as_complex(x.unflatten(-1, (-1, 2)))
-
-
-# cos table -> {planes: pair table}, kept while the table lives
-_PAIR_TABLES: Memo = {}
-
-
-def _pair_table(rope: Rope, planes: int) -> Tensor:
-    """cos + i sin as [planes, P, D/(2 planes)] complex64: plane k, pair i rotates the pair
-    (real, imaginary) that the pair layout of that many planes, `layout_perm(D, 8 // planes,
-    pairs=True)`, puts at plane k, positions 2i and 2i + 1 (natural pair order is the
-    one-plane layout). Cached per table: a layer reuses its tables across decode steps."""
-    cached = memoised(_PAIR_TABLES, rope[0], dict)  # planes -> table
-    if planes not in cached:
-        cos, sin = rope
-        freq = layout_perm(2 * cos.shape[-1], 8 // planes, True, cos.device)[0::2]  # [D/2]
-        table = torch.complex(cos.float(), sin.float())[:, freq]
-        cached[planes] = table.unflatten(-1, (planes, -1)).transpose(0, 1).contiguous()
-    return cached[planes]
-
-
-def _causal(q_len: int, total: int, device) -> Tensor:
-    q_pos = torch.arange(total - q_len, total, device=device)
-    return (torch.arange(total, device=device)[None, :] <= q_pos[:, None])[None, None]
-
 
 # --- triton -------------------------------------------------------------------------------
 
@@ -364,7 +104,7 @@ def decode_attention_triton(
     the Triton kernel `decode_path` chose for this call (its checks are not run again). A
     block of more query rows per KV head than a program holds (prefill) runs in chunks of
     query positions, `path.chunks` kernel calls of `path.chunk` positions."""
-    total = _check(query, segments, rope, mask)
+    total = check_inputs(query, segments, rope, mask)
     if path is None:
         reason = triton_unsupported(query, segments, mask)
         if reason:
@@ -389,7 +129,7 @@ def _block_mask(mask: Tensor | None, q_len: int, total: int, device) -> Tensor:
     chunk's queries are not the last rows of the cache (what the kernels assume without a
     mask), so each chunk needs its rows of the causal mask: those see the cache up to the
     chunk's own positions, whatever the segments (sink, packed, full-precision rows) hold."""
-    return mask if mask is not None else _causal(q_len, total, device)
+    return mask if mask is not None else causal_mask(q_len, total, device)
 
 
 def _mask_rows(mask: Tensor, start: int, stop: int) -> Tensor:
@@ -439,7 +179,7 @@ def kernel_calls(
     if dots not in DOT_MODES:
         raise KvqError(f"dots must be one of {', '.join(DOT_MODES)}, got {dots!r}")
     if total is None:
-        total = _check(query, segments, rope, mask)
+        total = check_inputs(query, segments, rope, mask)
     b, hq, q_len, d = query.shape
     hkv = segments[0].key.data.shape[1]
     group = hq // hkv
@@ -827,7 +567,7 @@ def decode_attention(
     reads the device counts (`planned_decode.run_planned`), so that the call replays in a
     CUDA graph; any other path runs on the segments cut to the host counts.
     """
-    _check(query, segments, rope, mask)
+    check_inputs(query, segments, rope, mask)
     if sinks is not None:
         if backend == "triton":
             raise KvqError("triton decode attention: learned attention sinks (reference only)")
@@ -946,7 +686,7 @@ def triton_path(query: Tensor, segments: list[Segment], mask: Tensor | None) -> 
         query = query[:, :, :chunk]
     if not PLANNED:
         return DecodePath("general", "KVQ_DECODE_PLANNED=0", **chunks)
-    from kvq.runtime.kernels.decode.planned import planned_unsupported
+    from kvq.runtime.kernels.decode.planned_layouts import planned_unsupported
 
     reason = planned_unsupported(query, segments, mask)
     return DecodePath("general", reason, **chunks) if reason else DecodePath("planned", **chunks)
