@@ -113,9 +113,10 @@ class ArchitectureAdapter:
         # a per-head norm runs on [B, T, H, D] (Qwen3) or after the transpose on [B, H, T, D]
         # (Gemma 3): `verify_adapter` measures which
         self.qk_norm_heads_first = False
-        self.qk_norm_offset_one = bool(self.qk_norm_kind and _norm_offset(attn.k_norm) == 1.0)
+        self._offsets: dict[tuple[type, int], float | None] = {}  # `_offset`'s probes
+        self.qk_norm_offset_one = bool(self.qk_norm_kind and self._offset(attn.k_norm) == 1.0)
         first = self._layers[0]
-        self.norm_offset_one = _norm_offset(getattr(first, "input_layernorm", None)) == 1.0
+        self.norm_offset_one = self._offset(getattr(first, "input_layernorm", None)) == 1.0
 
     @property
     def qk_norm(self) -> bool:
@@ -269,12 +270,21 @@ class ArchitectureAdapter:
             if mlp:
                 pairs.append((self._pre_mlp_norm(layer), tuple(f"layers.{i}.mlp.{n}" for n in mlp)))
             for norm, names in pairs:
-                offset = _norm_offset(norm)
+                offset = self._offset(norm)
                 if offset is None:
                     continue
                 eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
                 feeds.append((norm, float(eps), offset, names))
         return feeds
+
+    def _offset(self, norm: nn.Module | None) -> float | None:
+        """`_norm_offset`, probed once per norm class and width: the offset is the class's
+        arithmetic, and each probe writes the weight (which re-hashes the model's weights)."""
+        weight = getattr(norm, "weight", None)
+        key = (type(norm), weight.numel() if isinstance(weight, Tensor) else 0)
+        if key not in self._offsets:
+            self._offsets[key] = _norm_offset(norm)
+        return self._offsets[key]
 
     def _dense_mlp_inputs(self, layer: nn.Module) -> tuple[str, ...]:
         """The linears reading a dense MLP's input (gate/up, or Phi-3's gate_up); () for an
