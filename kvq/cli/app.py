@@ -163,7 +163,7 @@ def compare(
     ),
     json_out: Path | None = typer.Option(None, "--json", help="write the table here"),
 ) -> None:
-    """One table over run-eval reports of one model, task set and dataset."""
+    """One table over run-eval reports of one model and dataset (a cache's reports merged)."""
     from kvq.artifacts.paths import check_output_file
     from kvq.cli.render import print_compare
     from kvq.eval.compare import load_reports, pareto_plot, table
@@ -315,6 +315,13 @@ def run_eval(
     ),
     seed: int = typer.Option(0, "--seed", help="window sampling and retrieval prompts"),
     json_out: Path | None = typer.Option(None, "--json", help="write the report here"),
+    baseline_cache: Path | None = typer.Option(
+        None,
+        "--baseline-cache",
+        help="keep the unquantized side of passkey/needle/decode/speculative in this folder "
+        "and reuse it: a matrix of caches runs the baseline once (keyed by weights, inputs, "
+        "versions)",
+    ),
     data_dir: str | None = DATA_DIR,
     backend: str | None = BACKEND,
     device_map: str | None = DEVICE_MAP,
@@ -324,6 +331,7 @@ def run_eval(
     from kvq.artifacts.paths import check_output_file
     from kvq.calibrators.options import parse_prefix_ids
     from kvq.data.text import check_seed, read_corpus
+    from kvq.eval.baseline_memo import BaselineMemo
     from kvq.eval.inputs import (
         check_activations,
         check_cache_source,
@@ -350,6 +358,7 @@ def run_eval(
         memory_budget=None if memory_budget is None else parse_bytes(memory_budget),
     )  # fmt: skip
     check_plot_dir(plot)
+    memo = BaselineMemo(baseline_cache)  # a file given as the folder: refused here
     limits = None if budget is None else parse_budget(budget)
     check_protocol(protocol)
     check_quantize(quantize)
@@ -395,6 +404,7 @@ def run_eval(
             params,
             plot,
             limits,
+            memo,
         )
     if json_out is not None:  # first: the report is kept whatever happens on the terminal
         write_json(json_out, report)

@@ -1,6 +1,6 @@
-"""`kvq compare REPORT.json ...`: one table over run-eval reports of the same model, tasks
-and data (rows: caches; columns: each task's headline figure, bytes, latency) and a Pareto
-plot of quality against bytes. No torch: reports are plain JSON."""
+"""`kvq compare REPORT.json ...`: one table over run-eval reports of the same model and data
+(rows: caches, each cache's reports merged; columns: each task's headline figure, bytes,
+latency) and a Pareto plot of quality against bytes. No torch: reports are plain JSON."""
 
 from __future__ import annotations
 
@@ -21,11 +21,14 @@ COLUMNS = {
     "attn out err": lambda t: t["attention"]["mean_output_rel_error"],
     "slowdown": lambda t: max(t["latency"]["slowdown"].values()),
 }
-_SAME = (("model", "models"), ("dataset_sha256", "data"), ("windows_sha256", "windows"))
+_SAME = (("model", "models"), ("dataset_sha256", "data"))
 
 
 def load_reports(paths: list[Path]) -> list[dict]:
-    """Read run-eval reports and refuse, in one line, a set that does not compare."""
+    """Read run-eval reports, one per cache after merging: the reports of one cache (the
+    needle grid and the 8K perplexity of one artifact, say) become one row. Refused in one
+    line: reports of other models or data, one task reported twice for a cache, windows
+    that differ, caches that ran different tasks."""
     if len(paths) < 1:
         raise KvqError("compare needs at least one report")
     reports = []
@@ -46,12 +49,48 @@ def load_reports(paths: list[Path]) -> list[dict]:
                     f"({str(report.get(key))[:24]} vs {str(first.get(key))[:24]}); compare "
                     "reports of one model on one dataset"
                 )
-        if sorted(report["tasks"]) != sorted(first["tasks"]):
+    caches, source = _merged(paths, reports)
+    windows = {c["windows_sha256"] for c in caches.values() if c.get("windows_sha256")}
+    if len(windows) > 1:
+        raise KvqError(
+            "the reports scored different windows (--windows/--seqlen/--seed differ); "
+            "compare perplexity over the same windows"
+        )
+    names = list(caches)
+    for name in names[1:]:
+        if sorted(caches[name]["tasks"]) != sorted(caches[names[0]]["tasks"]):
             raise KvqError(
-                f"{path} ran tasks {sorted(report['tasks'])}, {paths[0]} ran "
-                f"{sorted(first['tasks'])}; compare reports of the same tasks"
+                f"{source[name]} ran tasks {sorted(caches[name]['tasks'])}, {source[names[0]]} "
+                f"ran {sorted(caches[names[0]]['tasks'])}; compare reports of the same tasks"
             )
-    return reports
+    return list(caches.values())
+
+
+def cache_name(report: dict) -> str:
+    return str(report.get("artifact") or report.get("policy"))
+
+
+def _merged(paths: list[Path], reports: list[dict]) -> tuple[dict[str, dict], dict[str, str]]:
+    """{cache: its reports merged}, {cache: the files it came from}, in first-seen order."""
+    caches: dict[str, dict] = {}
+    source: dict[str, str] = {}
+    for path, report in zip(paths, reports, strict=True):
+        name = cache_name(report)
+        if name not in caches:
+            caches[name] = {**report, "tasks": dict(report["tasks"])}
+            source[name] = str(path)
+            continue
+        merged = caches[name]
+        twice = sorted(set(merged["tasks"]) & set(report["tasks"]))
+        if twice:
+            raise KvqError(
+                f"{path} and {source[name]} both report {', '.join(twice)} for {name}; "
+                "pass one of them"
+            )
+        merged["tasks"].update(report["tasks"])
+        merged["windows_sha256"] = merged.get("windows_sha256") or report.get("windows_sha256")
+        source[name] += f" + {path}"
+    return caches, source
 
 
 def table(reports: list[dict]) -> tuple[list[str], list[list]]:
@@ -59,8 +98,7 @@ def table(reports: list[dict]) -> tuple[list[str], list[list]]:
     columns = [c for c, read in COLUMNS.items() if _read(read, reports[0]["tasks"]) is not None]
     rows = []
     for r in reports:
-        name = r.get("artifact") or r.get("policy")
-        rows.append([name, *(_read(COLUMNS[c], r["tasks"]) for c in columns)])
+        rows.append([cache_name(r), *(_read(COLUMNS[c], r["tasks"]) for c in columns)])
     return ["cache", *columns], rows
 
 
@@ -82,7 +120,7 @@ def pareto_plot(reports: list[dict], path: Path) -> Path:
         x, y = _read(COLUMNS["bytes ratio"], r["tasks"]), _read(COLUMNS[quality], r["tasks"])
         if x is None or y is None:
             raise KvqError("a Pareto plot needs the bytes task and ppl or kld in every report")
-        points.append((x, y, r.get("artifact") or r.get("policy")))
+        points.append((x, y, cache_name(r)))
     front = [p for p in points if not any(q[0] <= p[0] and q[1] < p[1] or q[0] < p[0] and q[1] <= p[1] for q in points)]  # fmt: skip
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(6.4, 4.2))

@@ -13,6 +13,7 @@ from kvq.calibrators.options import parse_prefix_ids
 from kvq.calibrators.prefix_state import ids_prefix
 from kvq.data.text import TextSource, read_corpus
 from kvq.errors import KvqError
+from kvq.eval.baseline_memo import BaselineMemo
 from kvq.eval.inputs import (
     check_activations,
     check_cache_source,
@@ -58,6 +59,7 @@ def run_eval_job(
     params: EvalParams | None = None,
     plot_dir: Path | None = None,
     budget: dict[str, float] | None = None,
+    memo: BaselineMemo | None = None,
 ) -> dict:
     """corpus: `read_corpus` of the dataset when the caller has read it already.
     quantize: "both", or "keys" / "values" alone (the other side at full precision).
@@ -68,7 +70,8 @@ def run_eval_job(
     the prefix and only the window's own tokens are scored.
     params: the grid of the registered tasks (`kvq.eval.tasks`); plot_dir: where their
     PNG plots go (None: no plots); budget: limits per figure (`kvq.eval.verdict`; None:
-    the defaults for the cache's mean code bits)."""
+    the defaults for the cache's mean code bits); memo: where the unquantized side of the
+    generation tasks is kept and reused (`kvq.eval.baseline_memo`; None: always computed)."""
     chosen = parse_tasks(tasks)
     params = params or EvalParams(seed=seed)
     check_plot_dir(plot_dir)
@@ -129,7 +132,8 @@ def run_eval_job(
         )
         sections = result.as_json(tuple(windowed))
     cache_name = str(artifact_path) if artifact_path is not None else policy
-    ctx = TaskContext(loaded, make_cache, cache_name, corpus[0], params, progress, backend)
+    memo = memo or BaselineMemo()
+    ctx = TaskContext(loaded, make_cache, cache_name, corpus[0], params, progress, backend, memo)
     for task in others:
         began = time.perf_counter()
         sections[task.name] = task.run(ctx) | {"seconds": round(time.perf_counter() - began, 3)}
@@ -172,6 +176,7 @@ def run_eval_job(
         "prefix_source": None if spec is None else spec.source,
         "tasks": sections,
         "plots": [str(p) for p in plots],
+        "baseline_cache": memo.as_json(),
         "verdict": judged,
         "provenance": provenance(loaded, cache_policy, backend, params, corpus[1], chosen),
         "seconds": {**progress.seconds, "total": round(time.perf_counter() - start, 3)},

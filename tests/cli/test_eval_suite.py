@@ -42,9 +42,10 @@ def test_bad_suite_flags_are_one_line(llama_dir, shared_data, args, needle):
     _one_line_error(_eval(llama_dir, shared_data, "--policy", "int8", *args), needle)
 
 
-def test_a_plot_folder_that_is_a_file_is_refused(llama_dir, shared_data, tmp_path):
+@pytest.mark.parametrize("flag", ["--plot", "--baseline-cache"])
+def test_a_folder_that_is_a_file_is_refused(llama_dir, shared_data, tmp_path, flag):
     (tmp_path / "f").write_text("x")
-    result = _eval(llama_dir, shared_data, "--policy", "int8", "--plot", tmp_path / "f")
+    result = _eval(llama_dir, shared_data, "--policy", "int8", flag, tmp_path / "f")
     _one_line_error(result, "is a file")
 
 
@@ -97,6 +98,29 @@ def test_compare_tables_reports_and_refuses_mismatches(art, llama_dir, shared_da
     fewer = tmp_path / "fewer.json"
     fewer.write_text(json.dumps(r | {"tasks": {"ppl": r["tasks"]["ppl"]}}))
     _one_line_error(_run("compare", paths[0], fewer), "same tasks")
+    _one_line_error(_run("compare", paths[1], fewer), "both report ppl for int8")
+
+
+def test_compare_merges_the_reports_of_one_cache(art, llama_dir, shared_data, tmp_path):
+    """A cache's retrieval run and its perplexity run are one row of the table."""
+    grid = ["--contexts", "96", "--depths", "0", "--trials", 1]
+    runs = {}
+    for cache, source in (("a", ["--artifact", art]), ("i", ["--policy", "int8"])):
+        for tasks in ("ppl,kld,bytes", "needle"):
+            runs[cache, tasks] = tmp_path / f"{cache}-{tasks}.json"
+            extra = grid if tasks == "needle" else []
+            result = _eval(llama_dir, shared_data, *source, "--tasks", tasks, *extra,
+                           "--json", runs[cache, tasks])  # fmt: skip
+            assert result.exit_code == 0, result.output + result.stderr
+    out = tmp_path / "t.json"
+    result = _run("compare", *runs.values(), "--json", out, "--plot", tmp_path / "p.png")
+    assert result.exit_code == 0, result.output
+    table = json.loads(out.read_text())
+    assert table["columns"] == ["cache", "bytes ratio", "ppl ratio", "KLD", "needle acc"]
+    assert [row[0] for row in table["rows"]] == [str(art), "int8"]
+    assert all(v is not None for row in table["rows"] for v in row)
+    lonely = _run("compare", runs["a", "ppl,kld,bytes"], runs["a", "needle"], runs["i", "needle"])
+    _one_line_error(lonely, "same tasks")
 
 
 def test_every_task_runs_through_the_command_line(art, llama_dir, shared_data, tmp_path):
@@ -133,3 +157,25 @@ def test_a_task_without_windows_runs_alone(art, llama_dir, shared_data, tmp_path
     assert result.exit_code == 0, result.output + result.stderr
     r = json.loads(report.read_text())
     assert set(r["tasks"]) == {"passkey"} and r["prefix"] is None and r["windows_sha256"] is None
+
+
+def test_a_matrix_of_caches_runs_the_baseline_once(art, llama_dir, shared_data, tmp_path):
+    """--baseline-cache: the second cache of a matrix reads the unquantized side back."""
+    memo = tmp_path / "memo"
+    grid = ["--tasks", "passkey,decode", "--contexts", "96", "--depths", "0,1", "--trials", 2,
+            "--new-tokens", 8, "--prompts", 2, "--baseline-cache", memo]  # fmt: skip
+    reports = {}
+    for name, cache in (("a", ["--policy", "int8"]), ("b", ["--artifact", art])):
+        reports[name] = tmp_path / f"{name}.json"
+        result = _eval(llama_dir, shared_data, *cache, *grid, "--json", reports[name])
+        assert result.exit_code == 0, result.output + result.stderr
+    a, b = (json.loads(reports[n].read_text()) for n in "ab")
+    assert a["baseline_cache"] == {"folder": str(memo), "reused": 0, "computed": 3}
+    assert b["baseline_cache"] == {"folder": str(memo), "reused": 3, "computed": 0}
+    for task in ("passkey", "decode"):  # the same baseline figures on both reports
+        key = "baseline_correct" if task == "passkey" else "ppl_baseline_continuation"
+        rows = (a["tasks"][task], b["tasks"][task])
+        if task == "passkey":
+            assert [c[key] for c in rows[0]["cells"]] == [c[key] for c in rows[1]["cells"]]
+        else:
+            assert rows[0][key] == rows[1][key]

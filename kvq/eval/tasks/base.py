@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvq.eval.baseline_memo import BaselineMemo
 from kvq.progress import Progress
 
 DEFAULT_CONTEXTS = (1024, 2048, 4096, 8192)
@@ -45,6 +46,12 @@ class TaskContext:
     params: EvalParams
     progress: Progress = field(default_factory=Progress)
     backend: str | None = None
+    memo: BaselineMemo = field(default_factory=BaselineMemo)  # stored baseline results
+
+    def baseline(self, what: str, ids, params: dict, compute):
+        """The unquantized side's result for `what` on ids: computed, or read back from
+        --baseline-cache (`kvq.eval.baseline_memo`)."""
+        return self.memo.get(self.loaded, what, ids, params, compute)
 
     @property
     def model(self):

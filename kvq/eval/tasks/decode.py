@@ -92,13 +92,22 @@ def run(ctx: TaskContext) -> dict:
     bos = getattr(ctx.tokenizer, "bos_token_id", None)
     base_ids, quant_ids = served(ids.to(input_device(model)), spec, bos)
     with ctx.progress.stage("decode", total=2 * n + 2) as bar:
-        # transformers' own default: the cache a forward without one would build
-        base = greedy(model, base_ids, n, DynamicCache(config=model.config), bar.advance)
+
+        def baseline() -> dict:
+            # transformers' own default: the cache a forward without one would build
+            tokens = greedy(model, base_ids, n, DynamicCache(config=model.config), bar.advance)
+            nll = continuation_nll(model, base_ids, tokens)  # [P]
+            return {"tokens": tokens.tolist(), "nll": nll.tolist()}
+
+        computed = ctx.memo.computed
+        stored = ctx.baseline("decode/greedy", base_ids, {"new_tokens": n}, baseline)
+        if ctx.memo.computed == computed:  # read back from --baseline-cache
+            bar.advance(n)
+        base = torch.tensor(stored["tokens"], device=base_ids.device)  # [P, N]
+        nll_base = torch.tensor(stored["nll"], dtype=torch.float64)  # [P]
         quant = greedy(model, quant_ids, n, quant_cache, bar.advance)  # [P, N]
-        nll_base = continuation_nll(model, base_ids, base)  # [P]
-        bar.advance()
         nll_quant = continuation_nll(model, base_ids, quant)  # [P]
-        bar.advance()
+        bar.advance(2)
     same = base == quant  # [P, N]
     firsts = first_divergence(same)
     agreement = same.double().mean(1)  # [P]

@@ -233,7 +233,14 @@ def run_retrieval(
         for (context, depth), cell in zip(grid, prompts, strict=True):
             ids = torch.tensor([q.ids for q in cell], device=device)  # [trials, context]
             base_ids, quant_ids = _sides(ids, spec, bos)
-            base = _continuations(ctx.model, ctx.tokenizer, base_ids, new_tokens, None)
+            base = ctx.baseline(
+                f"{name}/continuations",
+                base_ids,
+                {"new_tokens": new_tokens},
+                lambda ids=base_ids: _continuations(
+                    ctx.model, ctx.tokenizer, ids, new_tokens, None
+                ),
+            )
             quant = _continuations(
                 ctx.model, ctx.tokenizer, quant_ids, new_tokens, ctx.make_cache()
             )

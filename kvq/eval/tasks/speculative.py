@@ -21,7 +21,7 @@ no stop at EOS, and no draft past --new-tokens.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import torch
 from torch import Tensor
@@ -144,11 +144,19 @@ def _runs(ctx: TaskContext, target: Tensor, user: Tensor, n: int):
     """Yield (run, tally) of one prompt for each of RUNS: target [1, T] the baseline's ids,
     user [1, T'] the quantized cache's (without the tokens of its declared prefix)."""
     model = ctx.model
-    _, tally = draft_decode(model, target, target, n, DynamicCache(config=model.config), DRAFT_K)
-    yield "draft_base", tally
+
+    def exact(decode, *ids: Tensor):  # the run through transformers' own cache
+        def compute() -> dict:
+            return asdict(decode(model, *ids, n, DynamicCache(config=model.config), DRAFT_K)[1])
+
+        return compute
+
+    params = {"new_tokens": n, "draft_k": DRAFT_K}
+    tally = ctx.baseline("speculative/draft", target, params, exact(draft_decode, target, target))
+    yield "draft_base", Tally(**tally)
     yield "draft_quant", draft_decode(model, target, user, n, ctx.make_cache(), DRAFT_K)[1]
-    _, tally = lookup_decode(model, target, n, DynamicCache(config=model.config), DRAFT_K)
-    yield "lookup_base", tally
+    tally = ctx.baseline("speculative/lookup", target, params, exact(lookup_decode, target))
+    yield "lookup_base", Tally(**tally)
     yield "lookup_quant", lookup_decode(model, user, n, ctx.make_cache(), DRAFT_K)[1]
 
 
