@@ -121,17 +121,31 @@ def encode(x_norm: Tensor, codebook: Tensor, weight: Tensor, groups: Tensor, bit
 
 
 def decode(digits: Tensor, codebook: Tensor, groups: Tensor, bits: int) -> Tensor:
-    """uint8 digits [B, H, T, D] -> normalised rows float32 [B, H, T, D]."""
+    """uint8 digits [B, H, T, D] -> normalised rows float32 [B, H, T, D].
+
+    Every decode step of a vq cache runs this over all its rows, so it avoids a scatter:
+    the calibrator's groups are either columnar (key RoPE pairs: coordinate j of every
+    group is one run of channels) or contiguous (values: neighbouring channels), and each
+    has a gather-only form; any other grouping takes a permuting gather. Exact: integer
+    index arithmetic and table lookups only."""
     g, m = groups.shape
     shape = digits.shape
-    d = digits.long().view(*shape[:-1], g, m)
-    idx = (d << (torch.arange(m, device=digits.device) * bits)).sum(-1)  # [B, H, T, G]
-    if idx.numel() and int(idx.max()) >= codebook.shape[0]:
+    d = digits.view(*shape[:-1], g, m)
+    idx = d[..., 0].to(torch.int32)  # [B, H, T, G] the centroid each group's digits name
+    for j in range(1, m):
+        idx = idx | (d[..., j].to(torch.int32) << (j * bits))
+    short = codebook.shape[0] < 1 << (m * bits)  # else no index can overflow
+    if short and idx.numel() and int(idx.max()) >= codebook.shape[0]:
         raise KvqError(f"code out of range for a {codebook.shape[0]}-centroid codebook")
-    vec = codebook.float()[idx]  # [B, H, T, G, m]
-    out = torch.empty(*shape, dtype=torch.float32, device=digits.device)
-    out[..., groups.reshape(-1).to(digits.device)] = vec.reshape(*shape[:-1], g * m)
-    return out
+    order = torch.arange(g * m, device=groups.device)
+    if torch.equal(groups.T.reshape(-1), order):  # columnar: channels [j G, (j+1) G)
+        columns = codebook.float().T.contiguous()  # [m, K]
+        return torch.cat([columns[j][idx] for j in range(m)], dim=-1)  # [B, H, T, D]
+    vec = codebook.float()[idx].reshape(*shape[:-1], g * m)  # [B, H, T, D] in group order
+    flat = groups.reshape(-1)
+    if torch.equal(flat, order):
+        return vec
+    return vec.index_select(-1, torch.argsort(flat).to(digits.device))
 
 
 def check_codebook(codebook: Tensor, bits: int, dim: int, where: str) -> None:

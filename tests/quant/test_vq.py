@@ -69,3 +69,34 @@ def test_fit_is_deterministic_and_refuses_too_few_vectors():
         vq.fit_codebook(x[:10], w[:10], 2)
     with pytest.raises(KvqError, match="centroids"):
         vq.check_dims(4, 4)
+
+
+@pytest.mark.parametrize(
+    "dim,layout", [(2, "pairs"), (2, "neighbours"), (4, "pairs"), (4, "shuffled")]
+)
+def test_decode_puts_each_centroid_coordinate_on_its_channel(dim, layout):
+    """decode == its definition (a scatter): channel groups[g, j] of a row holds coordinate j
+    of the centroid that group's digits name, for the calibrator's two layouts (RoPE pairs,
+    neighbouring channels) and any other permutation."""
+    g = torch.Generator().manual_seed(dim)
+    bits, d = 2, 16
+    codebook = torch.randn(2 ** (bits * dim), dim, generator=g).half()
+    if layout == "shuffled":
+        groups = torch.randperm(d, generator=g).view(d // dim, dim)
+    else:
+        groups = vq.channel_groups(d, dim, layout == "pairs")
+    digits = torch.randint(0, 2**bits, (2, 3, 5, d), generator=g, dtype=torch.uint8)
+    named = digits.long().view(2, 3, 5, d // dim, dim)
+    idx = sum(named[..., j] << (j * bits) for j in range(dim))  # [2, 3, 5, G]
+    want = torch.empty(2, 3, 5, d)
+    want[..., groups.reshape(-1)] = codebook.float()[idx].reshape(2, 3, 5, d)
+    assert torch.equal(vq.decode(digits, codebook, groups, bits), want)
+
+
+def test_decode_refuses_a_digit_past_a_short_codebook():
+    groups = vq.channel_groups(4, 2, False)
+    codebook = torch.zeros(10, 2)  # 10 of the 16 centroids 2 x 2 bits could name
+    digits = torch.tensor([[[[1, 2, 3, 3]]]], dtype=torch.uint8)  # second group: 15
+    with pytest.raises(KvqError, match="out of range"):
+        vq.decode(digits, codebook, groups, 2)
+    assert vq.decode(digits[..., :2].repeat(1, 1, 1, 2), codebook, groups, 2).shape == (1, 1, 1, 4)
