@@ -13,8 +13,9 @@ from kvq.errors import KvqError
 from kvq.eval.baseline_memo import BaselineMemo
 from kvq.eval.tasks import get_task
 from kvq.eval.tasks.base import EvalParams, TaskContext
-from kvq.progress import Progress, Stage
+from kvq.progress import Progress
 from tests.conftest import _FALLBACK_TEXT, CALIBRATION_TXT
+from tests.eval.counting import CountingProgress
 
 COARSE = "int2"  # diverges from the baseline on the tiny models: the two sides differ
 GRIDS = {
@@ -34,20 +35,6 @@ def text() -> str:
 @pytest.fixture(scope="module")
 def gemma(tiny_model_dir):
     return kvq.load_model(str(tiny_model_dir("gemma3")))[0]
-
-
-class Counting(Progress):
-    def __init__(self):
-        super().__init__()
-        self.totals, self.advanced = {}, 0
-
-    def _open(self, name, total):
-        self.totals[name] = total
-
-        def advance(n):
-            self.advanced += n
-
-        return Stage(advance)
 
 
 def _run(model, name, text, memo, progress=None) -> dict:
@@ -71,7 +58,7 @@ def test_a_stored_baseline_gives_the_same_section(gemma, text, tmp_path, name):
     stored = sorted(p.name for p in (tmp_path / "memo").iterdir())
     assert len(stored) == first.computed and all(n.endswith(".json") for n in stored)
 
-    again, progress = BaselineMemo(tmp_path / "memo"), Counting()
+    again, progress = BaselineMemo(tmp_path / "memo"), CountingProgress()
     got = _run(gemma, name, text, again, progress)
     assert again.computed == 0 and again.reused == first.computed
     assert got == want  # the quantized side is recomputed; the baseline read back

@@ -17,8 +17,9 @@ from kvq.eval.tasks.base import EvalParams, TaskContext
 from kvq.eval.tasks.decode import greedy
 from kvq.eval.tasks.prompts import draw_prompts, prompt_length, served
 from kvq.eval.tasks.speculative import DRAFT_K, draft_decode, lookup_decode
-from kvq.progress import Progress, Stage
+from kvq.progress import Progress
 from tests.conftest import _FALLBACK_TEXT, CALIBRATION_TXT, tiny_tokenizer
+from tests.eval.counting import CountingProgress
 
 NEW = 16  # tiny models: 256 positions; 32 + 16 tokens cross gemma3's window of 8 often
 COARSE = "int2"  # per-token INT2: diverges within a few tokens on the tiny gemma3
@@ -40,20 +41,6 @@ def llama(tiny_model_dir):
 def gemma(tiny_model_dir):
     """Sliding layers with a window of 8: every draft round crosses it."""
     return kvq.load_model(str(tiny_model_dir("gemma3")))[0]
-
-
-class CountingProgress(Progress):
-    def __init__(self):
-        super().__init__()
-        self.totals, self.advanced = {}, 0
-
-    def _open(self, name, total):
-        self.totals[name] = total
-
-        def advance(n):
-            self.advanced += n
-
-        return Stage(advance)
 
 
 def _ctx(model, policy, text, progress=None, **params) -> TaskContext:

@@ -16,6 +16,7 @@ from kvq.eval.tasks.base import EvalParams, TaskContext
 from kvq.eval.tasks.haystack import PromptBuilder, _sides, cell_prompts, sentences
 from kvq.progress import Progress
 from tests.conftest import tiny_tokenizer
+from tests.eval.counting import CountingProgress
 
 TASKS = {"passkey": passkey, "needle": needle}
 CONTEXTS, DEPTHS, TRIALS = (128, 192), (0.0, 0.5, 1.0), 2  # tiny models: 256 positions
@@ -39,22 +40,6 @@ def tiny(tiny_model_dir):
     """A tiny gemma3 loaded through kvq (model._kvq_loaded is its LoadedModel)."""
     model, _ = kvq.load_model(str(tiny_model_dir("gemma3")))
     return model
-
-
-class CountingProgress(Progress):
-    def __init__(self):
-        super().__init__()
-        self.totals, self.advanced = {}, 0
-
-    def _open(self, name, total):
-        from kvq.progress import Stage
-
-        self.totals[name] = total
-
-        def advance(n):
-            self.advanced += n
-
-        return Stage(advance)
 
 
 def _ctx(loaded, make_cache, text, progress=None, **params) -> TaskContext:
