@@ -193,12 +193,24 @@ def test_leftovers_without_a_pid_come_from_an_older_kvq(tmp_path, art):
 # --- an interrupt during a replacement -------------------------------------------------
 
 
+@pytest.fixture
+def python_ctrl_c():
+    """Python's own Ctrl-C handling with SIGINT unblocked, whatever an earlier test in this
+    worker left (in the full suite the signal was never handled here; alone, it was)."""
+    handler = signal.signal(signal.SIGINT, signal.default_int_handler)
+    mask = signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGINT])
+    yield
+    signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+    signal.signal(signal.SIGINT, handler)
+
+
+@pytest.mark.usefixtures("python_ctrl_c")
 @pytest.mark.parametrize("where", ["between-renames", "exchange", "new-path"])
 def test_an_interrupt_during_the_swap_puts_the_old_entry_back(tmp_path, art, monkeypatch, where):
     real_rename, real_exchange = os.rename, paths._exchange
 
     def ctrl_c():  # a real signal, as the terminal sends it, at the worst moment
-        os.kill(os.getpid(), signal.SIGINT)
+        signal.raise_signal(signal.SIGINT)
 
     def rename(src, dst):
         real_rename(src, dst)
