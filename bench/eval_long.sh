@@ -2,8 +2,9 @@
 # The long-context evaluation matrix (issue 38) as a queue of `kvq run-eval` commands, the
 # ones a user types. Each (cache, task set) writes OUT/<tasks>_<cache>.json and its PNGs
 # under OUT/plots/<tasks>_<cache>/; a report already there is skipped, so the queue can be
-# stopped and resumed. The unquantized side of passkey/needle/decode/speculative is kept
-# in MEMO (--baseline-cache) and computed once for the whole matrix.
+# stopped and resumed. Every finished cell of passkey/needle/decode/speculative is kept in
+# MEMO (--result-cache): the unquantized side is computed once for the whole matrix, and a
+# run stopped halfway resumes at the cell it stopped in.
 #
 #   bash bench/eval_long.sh [STAGE ...]     stages: needle decode passkey ppl8k (default: all, in this order)
 #
@@ -38,10 +39,10 @@ for stage in $STAGES; do
     case $stage in
       needle|passkey)
         run "$name" "$flags" "$stage" --tasks "$stage" --contexts 1024,2048,4096,8192 \
-          --trials 8 --baseline-cache "$MEMO" ;;
+          --trials 8 --result-cache "$MEMO" ;;
       decode)
         run "$name" "$flags" decode --tasks decode,speculative --new-tokens 512 --prompts 4 \
-          --contexts 1024 --baseline-cache "$MEMO" ;;
+          --contexts 1024 --result-cache "$MEMO" ;;
       ppl8k)
         run "$name" "$flags" ppl8k --tasks ppl,kld,bytes --windows 2 --seqlen 8192 ;;
       *) echo "unknown stage $stage"; exit 2 ;;

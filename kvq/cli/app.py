@@ -315,12 +315,12 @@ def run_eval(
     ),
     seed: int = typer.Option(0, "--seed", help="window sampling and retrieval prompts"),
     json_out: Path | None = typer.Option(None, "--json", help="write the report here"),
-    baseline_cache: Path | None = typer.Option(
+    result_cache: Path | None = typer.Option(
         None,
-        "--baseline-cache",
-        help="keep the unquantized side of passkey/needle/decode/speculative in this folder "
-        "and reuse it: a matrix of caches runs the baseline once (keyed by weights, inputs, "
-        "versions)",
+        "--result-cache",
+        help="keep each finished cell of passkey/needle/decode/speculative in this folder "
+        "and reuse it: a matrix of caches runs the baseline once, a stopped run resumes "
+        "(keyed by weights, inputs, cache, versions, kvq's source)",
     ),
     data_dir: str | None = DATA_DIR,
     backend: str | None = BACKEND,
@@ -331,7 +331,6 @@ def run_eval(
     from kvq.artifacts.paths import check_output_file
     from kvq.calibrators.options import parse_prefix_ids
     from kvq.data.text import check_seed, read_corpus
-    from kvq.eval.baseline_memo import BaselineMemo
     from kvq.eval.inputs import (
         check_activations,
         check_cache_source,
@@ -343,6 +342,7 @@ def run_eval(
         parse_depths,
         parse_tasks,
     )
+    from kvq.eval.result_memo import ResultMemo
     from kvq.eval.tasks import WINDOW_TASKS
     from kvq.eval.tasks.base import EvalParams
     from kvq.eval.verdict import parse_budget
@@ -358,7 +358,7 @@ def run_eval(
         memory_budget=None if memory_budget is None else parse_bytes(memory_budget),
     )  # fmt: skip
     check_plot_dir(plot)
-    memo = BaselineMemo(baseline_cache)  # a file given as the folder: refused here
+    memo = ResultMemo(result_cache)  # a file given as the folder: refused here
     limits = None if budget is None else parse_budget(budget)
     check_protocol(protocol)
     check_quantize(quantize)

@@ -1,22 +1,28 @@
-"""Baseline results kept on disk, so a matrix of caches runs the unquantized side once.
+"""Task results kept on disk: a matrix of caches runs the baseline once, and a stopped
+run resumes at the cell it stopped in.
 
 Every run-eval task compares the unquantized model with a quantized cache in one
 invocation. The unquantized side of a retrieval grid, a decode or a speculative run is the
-same for every cache of a matrix, and on a CPU it is half the cost. With
-`kvq run-eval --baseline-cache DIR` a task asks the memo for it: the first invocation
-computes and stores it, later ones read it back.
+same for every cache of a matrix, and on a CPU it is half the cost; an 8K retrieval grid
+takes hours, and a run stopped in its last cell should not start again from the first.
+With `kvq run-eval --result-cache DIR` a task asks the memo for each unit of work (a grid
+cell, a prompt's decode): the first invocation computes and stores it, later ones read it
+back.
 
 An entry is keyed by everything its value depends on: the task and what it computed
 (`what`), the input ids, the task's own parameters, the model's weights as they are now
 (after an artifact's transforms, which change them), its config and tokenizer, and the
-torch / transformers versions, dtype and device that produced the numbers. A change of any
-of them is a different key, never a stale hit. Values are JSON (token ids, texts, counts);
-each entry is written whole (temporary file, then rename) so an interrupted run leaves no
-half entry.
+torch / transformers versions, dtype and device that produced the numbers. A quantized
+entry is keyed as well by the cache (`cache_identity`: its policy, the artifact's tensors,
+backend, quantized sides, prefix) and by kvq's own source, so a changed runtime never
+serves an old figure. A change of any of them is a different key, never a stale hit.
+Values are JSON (token ids, texts, counts); each entry is written whole (temporary file,
+then rename) so an interrupted run leaves no half entry.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -29,21 +35,62 @@ from kvq.errors import KvqError
 if TYPE_CHECKING:  # torch and transformers load with the model, not with the CLI
     import torch
 
-SCHEMA = "kvq.baseline-memo/1"
+SCHEMA = "kvq.result-memo/1"
+READABLE = (SCHEMA, "kvq.baseline-memo/1")  # the same entries, before quantized ones
+SIDES = ("baseline", "quantized")
 
 
-class BaselineMemo:
-    """folder None: nothing is kept, every baseline is computed (the default)."""
+def _sha256_json(record: dict) -> str:
+    return hashlib.sha256(json.dumps(record, sort_keys=True).encode()).hexdigest()
+
+
+@functools.cache
+def kvq_source_sha256() -> str:
+    """sha256 over kvq's own Python source (path and bytes of every module): what the
+    quantized side's numbers also depend on."""
+    root = Path(__file__).resolve().parents[1]  # the kvq package
+    digest = hashlib.sha256()
+    for path in sorted(root.rglob("*.py")):
+        digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()
+
+
+def cache_identity(policy, artifact, backend: str | None, quantize: str, prefix) -> str:
+    """What makes two quantized caches give the same figures: the policy, the artifact's
+    tensors (their sha256 from its manifest), the backend, the sides quantized, a prefix
+    declared on top, and kvq's source."""
+    return _sha256_json({
+        "policy": policy.to_json(),
+        "tensors": None if artifact is None
+        else {k: v.sha256 for k, v in artifact.manifest.tensors.items()},
+        "backend": backend or "auto",
+        "quantize": quantize,
+        "prefix": None if prefix is None else list(prefix.spec.token_ids),
+        "kvq_source": kvq_source_sha256(),
+    })  # fmt: skip
+
+
+class ResultMemo:
+    """folder None: nothing is kept, every result is computed (the default)."""
 
     def __init__(self, folder: Path | None = None):
         self.folder = None if folder is None else Path(folder)
         if self.folder is not None and self.folder.exists() and not self.folder.is_dir():
-            raise KvqError(f"--baseline-cache: {self.folder} is a file, not a folder")
-        self.reused = 0  # entries read back this run
-        self.computed = 0  # entries computed this run (and stored, with a folder)
+            raise KvqError(f"--result-cache: {self.folder} is a file, not a folder")
+        # entries read back / computed (and stored, with a folder) this run, per side
+        self.counts = {side: {"reused": 0, "computed": 0} for side in SIDES}
 
-    def key(self, loaded, what: str, ids: torch.Tensor, params: dict) -> str:
-        """sha256 over what determines a baseline result (see the module doc)."""
+    @property
+    def computed(self) -> int:
+        return sum(c["computed"] for c in self.counts.values())
+
+    @property
+    def reused(self) -> int:
+        return sum(c["reused"] for c in self.counts.values())
+
+    def key(self, loaded, what: str, ids: torch.Tensor, params: dict, cache: str | None) -> str:
+        """sha256 over what determines a result (see the module doc); cache: the quantized
+        side's `cache_identity`, None for the baseline."""
         import torch
         import transformers
 
@@ -66,22 +113,33 @@ class BaselineMemo:
             "torch": torch.__version__,
             "transformers": transformers.__version__,
         }
-        text = json.dumps(record, sort_keys=True)
-        return hashlib.sha256(text.encode()).hexdigest()
+        if cache is not None:  # absent for the baseline: its keys predate the field
+            record["cache"] = cache
+        return _sha256_json(record)
 
-    def get(self, loaded, what: str, ids: torch.Tensor, params: dict, compute: Callable[[], Any]):
-        """The stored value for this key, else compute() (stored when there is a folder)."""
+    def get(
+        self,
+        loaded,
+        what: str,
+        ids: torch.Tensor,
+        params: dict,
+        compute: Callable[[], Any],
+        cache: str | None = None,
+    ):
+        """The stored value for this key, else compute() (stored when there is a folder).
+        cache: the quantized side's `cache_identity`; None: the baseline's result."""
+        count = self.counts["baseline" if cache is None else "quantized"]
         if self.folder is None:
-            self.computed += 1
+            count["computed"] += 1
             return compute()
-        key = self.key(loaded, what, ids, params)
+        key = self.key(loaded, what, ids, params, cache)
         path = self.folder / f"{key}.json"
         entry = _read(path)
-        if entry is not None and entry.get("schema") == SCHEMA and entry.get("key") == key:
-            self.reused += 1
+        if entry is not None and entry.get("schema") in READABLE and entry.get("key") == key:
+            count["reused"] += 1
             return entry["value"]
         value = compute()
-        self.computed += 1
+        count["computed"] += 1
         self.folder.mkdir(parents=True, exist_ok=True)
         entry = {"schema": SCHEMA, "key": key, "what": what, "value": value}
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
@@ -90,11 +148,7 @@ class BaselineMemo:
         return value
 
     def as_json(self) -> dict:
-        return {
-            "folder": None if self.folder is None else str(self.folder),
-            "reused": self.reused,
-            "computed": self.computed,
-        }
+        return {"folder": None if self.folder is None else str(self.folder), **self.counts}
 
 
 def _read(path: Path) -> dict | None:

@@ -13,7 +13,6 @@ from kvq.calibrators.options import parse_prefix_ids
 from kvq.calibrators.prefix_state import ids_prefix
 from kvq.data.text import TextSource, read_corpus
 from kvq.errors import KvqError
-from kvq.eval.baseline_memo import BaselineMemo
 from kvq.eval.inputs import (
     check_activations,
     check_cache_source,
@@ -25,6 +24,7 @@ from kvq.eval.inputs import (
 from kvq.eval.plots import write_plots
 from kvq.eval.provenance import provenance
 from kvq.eval.quality import evaluate
+from kvq.eval.result_memo import ResultMemo, cache_identity
 from kvq.eval.tasks import WINDOW_TASKS, get_task
 from kvq.eval.tasks.base import EvalParams, TaskContext
 from kvq.eval.verdict import default_budget, verdict
@@ -59,7 +59,7 @@ def run_eval_job(
     params: EvalParams | None = None,
     plot_dir: Path | None = None,
     budget: dict[str, float] | None = None,
-    memo: BaselineMemo | None = None,
+    memo: ResultMemo | None = None,
 ) -> dict:
     """corpus: `read_corpus` of the dataset when the caller has read it already.
     quantize: "both", or "keys" / "values" alone (the other side at full precision).
@@ -70,8 +70,8 @@ def run_eval_job(
     the prefix and only the window's own tokens are scored.
     params: the grid of the registered tasks (`kvq.eval.tasks`); plot_dir: where their
     PNG plots go (None: no plots); budget: limits per figure (`kvq.eval.verdict`; None:
-    the defaults for the cache's mean code bits); memo: where the unquantized side of the
-    generation tasks is kept and reused (`kvq.eval.baseline_memo`; None: always computed)."""
+    the defaults for the cache's mean code bits); memo: where the results of the generation
+    tasks are kept and reused, per cell (`kvq.eval.result_memo`; None: always computed)."""
     chosen = parse_tasks(tasks)
     params = params or EvalParams(seed=seed)
     check_plot_dir(plot_dir)
@@ -132,8 +132,11 @@ def run_eval_job(
         )
         sections = result.as_json(tuple(windowed))
     cache_name = str(artifact_path) if artifact_path is not None else policy
-    memo = memo or BaselineMemo()
-    ctx = TaskContext(loaded, make_cache, cache_name, corpus[0], params, progress, backend, memo)
+    memo = memo or ResultMemo()
+    key = cache_identity(first_cache.policy, artifact, backend, quantize, extra)
+    ctx = TaskContext(
+        loaded, make_cache, cache_name, corpus[0], params, progress, backend, memo, key
+    )
     for task in others:
         began = time.perf_counter()
         sections[task.name] = task.run(ctx) | {"seconds": round(time.perf_counter() - began, 3)}
@@ -176,7 +179,7 @@ def run_eval_job(
         "prefix_source": None if spec is None else spec.source,
         "tasks": sections,
         "plots": [str(p) for p in plots],
-        "baseline_cache": memo.as_json(),
+        "result_cache": memo.as_json(),
         "verdict": judged,
         "provenance": provenance(loaded, cache_policy, backend, params, corpus[1], chosen),
         "seconds": {**progress.seconds, "total": round(time.perf_counter() - start, 3)},

@@ -42,7 +42,7 @@ def test_bad_suite_flags_are_one_line(llama_dir, shared_data, args, needle):
     _one_line_error(_eval(llama_dir, shared_data, "--policy", "int8", *args), needle)
 
 
-@pytest.mark.parametrize("flag", ["--plot", "--baseline-cache"])
+@pytest.mark.parametrize("flag", ["--plot", "--result-cache"])
 def test_a_folder_that_is_a_file_is_refused(llama_dir, shared_data, tmp_path, flag):
     (tmp_path / "f").write_text("x")
     result = _eval(llama_dir, shared_data, "--policy", "int8", flag, tmp_path / "f")
@@ -160,18 +160,19 @@ def test_a_task_without_windows_runs_alone(art, llama_dir, shared_data, tmp_path
 
 
 def test_a_matrix_of_caches_runs_the_baseline_once(art, llama_dir, shared_data, tmp_path):
-    """--baseline-cache: the second cache of a matrix reads the unquantized side back."""
+    """--result-cache: the second cache of a matrix reads the unquantized side back."""
     memo = tmp_path / "memo"
     grid = ["--tasks", "passkey,decode", "--contexts", "96", "--depths", "0,1", "--trials", 2,
-            "--new-tokens", 8, "--prompts", 2, "--baseline-cache", memo]  # fmt: skip
+            "--new-tokens", 8, "--prompts", 2, "--result-cache", memo]  # fmt: skip
     reports = {}
     for name, cache in (("a", ["--policy", "int8"]), ("b", ["--artifact", art])):
         reports[name] = tmp_path / f"{name}.json"
         result = _eval(llama_dir, shared_data, *cache, *grid, "--json", reports[name])
         assert result.exit_code == 0, result.output + result.stderr
     a, b = (json.loads(reports[n].read_text()) for n in "ab")
-    assert a["baseline_cache"] == {"folder": str(memo), "reused": 0, "computed": 3}
-    assert b["baseline_cache"] == {"folder": str(memo), "reused": 3, "computed": 0}
+    computed, reused = {"reused": 0, "computed": 3}, {"reused": 3, "computed": 0}
+    assert a["result_cache"] == {"folder": str(memo), "baseline": computed, "quantized": computed}
+    assert b["result_cache"] == {"folder": str(memo), "baseline": reused, "quantized": computed}
     for task in ("passkey", "decode"):  # the same baseline figures on both reports
         key = "baseline_correct" if task == "passkey" else "ppl_baseline_continuation"
         rows = (a["tasks"][task], b["tasks"][task])

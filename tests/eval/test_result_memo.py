@@ -1,5 +1,6 @@
-"""--baseline-cache: the unquantized side of a generation task is computed once, read back
-on the next run with the same figures, and never served to a different model or input."""
+"""--result-cache: each side of a generation task's cell is computed once, read back on
+the next run with the same figures (a stopped grid resumes), and never served to a
+different model, input, cache or kvq source."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import torch
 
 import kvq
 from kvq.errors import KvqError
-from kvq.eval.baseline_memo import BaselineMemo
+from kvq.eval.result_memo import ResultMemo, cache_identity, kvq_source_sha256
 from kvq.eval.tasks import get_task
 from kvq.eval.tasks.base import EvalParams, TaskContext
 from kvq.progress import Progress
@@ -37,28 +38,29 @@ def gemma(tiny_model_dir):
     return kvq.load_model(str(tiny_model_dir("gemma3")))[0]
 
 
-def _run(model, name, text, memo, progress=None) -> dict:
+def _run(model, name, text, memo, progress=None, key=None, **grid) -> dict:
     ctx = TaskContext(
         loaded=model._kvq_loaded,
         make_cache=lambda: kvq.make_cache(model, policy=COARSE),
         cache_name=COARSE,
         text=text,
-        params=EvalParams(**GRIDS[name]),
+        params=EvalParams(**(GRIDS[name] | grid)),
         progress=progress or Progress(),
         memo=memo,
+        cache_key=key,
     )
     return get_task(name).run(ctx)
 
 
 @pytest.mark.parametrize("name", sorted(GRIDS))
 def test_a_stored_baseline_gives_the_same_section(gemma, text, tmp_path, name):
-    first = BaselineMemo(tmp_path / "memo")
+    first = ResultMemo(tmp_path / "memo")
     want = _run(gemma, name, text, first)
     assert first.reused == 0 and first.computed > 0
     stored = sorted(p.name for p in (tmp_path / "memo").iterdir())
     assert len(stored) == first.computed and all(n.endswith(".json") for n in stored)
 
-    again, progress = BaselineMemo(tmp_path / "memo"), CountingProgress()
+    again, progress = ResultMemo(tmp_path / "memo"), CountingProgress()
     got = _run(gemma, name, text, again, progress)
     assert again.computed == 0 and again.reused == first.computed
     assert got == want  # the quantized side is recomputed; the baseline read back
@@ -67,14 +69,14 @@ def test_a_stored_baseline_gives_the_same_section(gemma, text, tmp_path, name):
 
 
 def test_without_a_folder_everything_is_computed(gemma, text, tmp_path):
-    memo = BaselineMemo()
-    stored = BaselineMemo(tmp_path / "memo")
+    memo = ResultMemo()
+    stored = ResultMemo(tmp_path / "memo")
     assert _run(gemma, "decode", text, memo) == _run(gemma, "decode", text, stored)
     assert memo.reused == 0 and memo.computed == stored.computed
 
 
 def test_changed_weights_or_inputs_miss(gemma, text, tmp_path):
-    memo = BaselineMemo(tmp_path / "memo")
+    memo = ResultMemo(tmp_path / "memo")
     loaded = gemma._kvq_loaded
     ids = torch.arange(8)[None]  # [1, 8]
     calls = []
@@ -101,9 +103,9 @@ def test_changed_weights_or_inputs_miss(gemma, text, tmp_path):
 
 
 def test_a_corrupt_or_foreign_entry_is_recomputed(gemma, tmp_path):
-    memo = BaselineMemo(tmp_path)
+    memo = ResultMemo(tmp_path)
     loaded, ids = gemma._kvq_loaded, torch.arange(4)[None]
-    key = memo.key(loaded, "t", ids, {})
+    key = memo.key(loaded, "t", ids, {}, None)
     (tmp_path / f"{key}.json").write_text(json.dumps({"schema": "other", "value": 99}))
     assert memo.get(loaded, "t", ids, {}, lambda: 7) == 7
     assert memo.get(loaded, "t", ids, {}, lambda: 8) == 7
@@ -113,11 +115,58 @@ def test_a_file_is_refused_as_the_folder(tmp_path):
     path = tmp_path / "memo"
     path.write_text("x")
     with pytest.raises(KvqError, match="is a file, not a folder"):
-        BaselineMemo(path)
+        ResultMemo(path)
 
 
 def test_an_unreadable_entry_is_recomputed(gemma, tmp_path):
-    memo = BaselineMemo(tmp_path)
+    memo = ResultMemo(tmp_path)
     loaded, ids = gemma._kvq_loaded, torch.arange(4)[None]
-    (tmp_path / f"{memo.key(loaded, 't', ids, {})}.json").write_text("{not json")
+    (tmp_path / f"{memo.key(loaded, 't', ids, {}, None)}.json").write_text("{not json")
     assert memo.get(loaded, "t", ids, {}, lambda: 5) == 5
+
+
+def _key(model, policy=COARSE) -> str:
+    return cache_identity(kvq.make_cache(model, policy=policy).policy, None, None, "both", None)
+
+
+@pytest.mark.parametrize("name", sorted(GRIDS))
+def test_a_stored_quantized_side_gives_the_same_section(gemma, text, tmp_path, name):
+    key = _key(gemma)
+    first = ResultMemo(tmp_path / "memo")
+    want = _run(gemma, name, text, first, key=key)
+    assert first.counts["quantized"]["computed"] > 0
+    again, progress = ResultMemo(tmp_path / "memo"), CountingProgress()
+    assert _run(gemma, name, text, again, progress, key=key) == want
+    assert again.computed == 0 and again.reused == first.computed  # nothing run again
+    assert progress.advanced == sum(progress.totals.values())
+
+
+def test_a_stopped_grid_resumes_at_its_next_cell(gemma, text, tmp_path):
+    """A grid that stopped after its 96-token cells runs only the 128-token ones."""
+    key, folder = _key(gemma), tmp_path / "memo"
+    _run(gemma, "needle", text, ResultMemo(folder), key=key, contexts=(96,))
+    memo = ResultMemo(folder)
+    whole = _run(gemma, "needle", text, memo, key=key)
+    cells = len(GRIDS["needle"]["depths"])  # per context, one entry per side
+    assert memo.counts["baseline"] == {"reused": cells, "computed": cells}
+    assert memo.counts["quantized"] == {"reused": cells, "computed": cells}
+    assert whole == _run(gemma, "needle", text, ResultMemo(), key=key)  # as if never stopped
+
+
+def test_another_cache_or_source_recomputes_the_quantized_side(gemma, text, tmp_path, monkeypatch):
+    folder = tmp_path / "memo"
+    _run(gemma, "needle", text, ResultMemo(folder), key=_key(gemma))
+    other = ResultMemo(folder)
+    _run(gemma, "needle", text, other, key=_key(gemma, "int8"))
+    assert other.counts["quantized"]["reused"] == 0 and other.counts["baseline"]["computed"] == 0
+    before = _key(gemma)
+    # kvq's runtime changed: the same cache is another key
+    monkeypatch.setattr("kvq.eval.result_memo.kvq_source_sha256", lambda: "0" * 64)
+    assert _key(gemma) != before
+    edited = ResultMemo(folder)
+    _run(gemma, "needle", text, edited, key=_key(gemma))
+    assert edited.counts["quantized"]["reused"] == 0
+
+
+def test_the_source_fingerprint_covers_kvq_modules():
+    assert len(kvq_source_sha256()) == 64 and kvq_source_sha256() == kvq_source_sha256()

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvq.eval.baseline_memo import BaselineMemo
+from kvq.eval.result_memo import ResultMemo
 from kvq.progress import Progress
 
 DEFAULT_CONTEXTS = (1024, 2048, 4096, 8192)
@@ -46,12 +46,20 @@ class TaskContext:
     params: EvalParams
     progress: Progress = field(default_factory=Progress)
     backend: str | None = None
-    memo: BaselineMemo = field(default_factory=BaselineMemo)  # stored baseline results
+    memo: ResultMemo = field(default_factory=ResultMemo)  # stored results (--result-cache)
+    cache_key: str | None = None  # `result_memo.cache_identity` of make_cache's caches
 
     def baseline(self, what: str, ids, params: dict, compute):
         """The unquantized side's result for `what` on ids: computed, or read back from
-        --baseline-cache (`kvq.eval.baseline_memo`)."""
+        --result-cache (`kvq.eval.result_memo`)."""
         return self.memo.get(self.loaded, what, ids, params, compute)
+
+    def quantized(self, what: str, ids, params: dict, compute):
+        """The quantized cache's result for `what` on ids: computed, or read back when
+        the same cache (cache_key) computed it before; never kept without a cache_key."""
+        if self.cache_key is None:
+            return compute()
+        return self.memo.get(self.loaded, what, ids, params, compute, cache=self.cache_key)
 
     @property
     def model(self):

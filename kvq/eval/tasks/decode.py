@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import statistics
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -92,22 +93,31 @@ def run(ctx: TaskContext) -> dict:
     bos = getattr(ctx.tokenizer, "bos_token_id", None)
     base_ids, quant_ids = served(ids.to(input_device(model)), spec, bos)
     with ctx.progress.stage("decode", total=2 * n + 2) as bar:
+        done = [0]  # steps advanced: what sides read back leave to advance
 
-        def baseline() -> dict:
-            # transformers' own default: the cache a forward without one would build
-            tokens = greedy(model, base_ids, n, DynamicCache(config=model.config), bar.advance)
-            nll = continuation_nll(model, base_ids, tokens)  # [P]
-            return {"tokens": tokens.tolist(), "nll": nll.tolist()}
+        def step(k: int = 1) -> None:
+            done[0] += k
+            bar.advance(k)
 
-        computed = ctx.memo.computed
-        stored = ctx.baseline("decode/greedy", base_ids, {"new_tokens": n}, baseline)
-        if ctx.memo.computed == computed:  # read back from --baseline-cache
-            bar.advance(n)
-        base = torch.tensor(stored["tokens"], device=base_ids.device)  # [P, N]
-        nll_base = torch.tensor(stored["nll"], dtype=torch.float64)  # [P]
-        quant = greedy(model, quant_ids, n, quant_cache, bar.advance)  # [P, N]
-        nll_quant = continuation_nll(model, base_ids, quant)  # [P]
-        bar.advance(2)
+        def side(ids: Tensor, make_cache) -> Callable[[], dict]:
+            def compute() -> dict:
+                tokens = greedy(model, ids, n, make_cache(), step)  # [P, N]
+                nll = continuation_nll(model, base_ids, tokens)  # [P] under the baseline
+                step()
+                return {"tokens": tokens.tolist(), "nll": nll.tolist()}
+
+            return compute
+
+        # the baseline: transformers' own default, the cache a forward without one builds
+        sides = [
+            ctx.baseline("decode/greedy", base_ids, {"new_tokens": n},
+                         side(base_ids, lambda: DynamicCache(config=model.config))),
+            ctx.quantized("decode/greedy", quant_ids, {"new_tokens": n},
+                          side(quant_ids, lambda: quant_cache)),
+        ]  # fmt: skip
+        bar.advance(2 * n + 2 - done[0])  # sides read back from --result-cache
+    base, quant = (torch.tensor(s["tokens"], device=base_ids.device) for s in sides)  # [P, N]
+    nll_base, nll_quant = (torch.tensor(s["nll"], dtype=torch.float64) for s in sides)  # [P]
     same = base == quant  # [P, N]
     firsts = first_divergence(same)
     agreement = same.double().mean(1)  # [P]

@@ -241,8 +241,13 @@ def run_retrieval(
                     ctx.model, ctx.tokenizer, ids, new_tokens, None
                 ),
             )
-            quant = _continuations(
-                ctx.model, ctx.tokenizer, quant_ids, new_tokens, ctx.make_cache()
+            quant = ctx.quantized(
+                f"{name}/continuations",
+                quant_ids,
+                {"new_tokens": new_tokens},
+                lambda ids=quant_ids: _continuations(
+                    ctx.model, ctx.tokenizer, ids, new_tokens, ctx.make_cache()
+                ),
             )
             cells.append(_score(context, depth, cell, base, quant))
             bar.advance()

@@ -154,10 +154,19 @@ def _runs(ctx: TaskContext, target: Tensor, user: Tensor, n: int):
     params = {"new_tokens": n, "draft_k": DRAFT_K}
     tally = ctx.baseline("speculative/draft", target, params, exact(draft_decode, target, target))
     yield "draft_base", Tally(**tally)
-    yield "draft_quant", draft_decode(model, target, user, n, ctx.make_cache(), DRAFT_K)[1]
+
+    def quantized(decode, *ids: Tensor):  # the run through a fresh quantized cache
+        def compute() -> dict:
+            return asdict(decode(model, *ids, n, ctx.make_cache(), DRAFT_K)[1])
+
+        return compute
+
+    tally = ctx.quantized("speculative/draft", user, params, quantized(draft_decode, target, user))
+    yield "draft_quant", Tally(**tally)
     tally = ctx.baseline("speculative/lookup", target, params, exact(lookup_decode, target))
     yield "lookup_base", Tally(**tally)
-    yield "lookup_quant", lookup_decode(model, user, n, ctx.make_cache(), DRAFT_K)[1]
+    tally = ctx.quantized("speculative/lookup", user, params, quantized(lookup_decode, user))
+    yield "lookup_quant", Tally(**tally)
 
 
 def _rate(x: float | None) -> float | None:
