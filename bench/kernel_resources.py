@@ -180,7 +180,7 @@ def _stages(res, cfg: dict) -> int:
     """Tiles of codes in flight per program: num_stages where the loop issues async copies
     (the pipeliner staged its loads), 2 with PREFETCH (the next tile's words held in
     registers) or L2 prefetches in the loop (the next tile's rows requested while this one
-    decodes, `_decode_splits_triton._prefetch_tile`), else 1 (each load waited out in the
+    decodes, `_splits_triton._prefetch_tile`), else 1 (each load waited out in the
     iteration that issues it)."""
     if res.loop_async_copies:
         return cfg["num_stages"]

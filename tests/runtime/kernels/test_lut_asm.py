@@ -11,7 +11,7 @@ import re
 import pytest
 import torch
 
-from kvq.runtime.kernels.decode import _splits_triton as kern
+from kvq.runtime.kernels.decode import _nuq_triton as kern
 from kvq.runtime.kernels.decode.planned_layouts import nuq_table
 
 M32 = 0xFFFFFFFF

@@ -1,5 +1,5 @@
 """The planned decode-attention launch: one kernel launch per layer call, at most one
-reduction, no device syncs (`_decode_splits_triton`, `launch_plan`).
+reduction, no device syncs (`_splits_triton`, `launch_plan`).
 
 It takes the layouts a decode step mostly sees — full-precision segments (sink rows,
 the residual window) around at most one packed segment of 4- or 8-bit affine codes,
@@ -13,7 +13,7 @@ with static per-channel (or
 per-head) or per-row grouped key qparams and per-row grouped or per-head value qparams,
 NUQ's exact exceptions (the keys' flat entries, the values' slots), keys stored after RoPE
 or before it (rotated in the tile loop at each row's position,
-`_decode_splits_triton._rope_scores`, from a unit table in plane order cached per RoPE
+`_rope_triton._rope_scores`, from a unit table in plane order cached per RoPE
 table, `rope_planes`; NUQ keys with their exceptions too, KVQuant's stored layout), with or
 without a mask over the rows
 (sliding windows, padding: read in place, one byte per row and tile) — and

@@ -177,7 +177,7 @@ def _aligned_words(p) -> bool:
     return p.data.data_ptr() % 4 == 0 and all(s % 4 == 0 for s in p.data.stride()[:3])
 
 
-# the group index widths the kernel reads (`_decode_splits_triton._vq_index`): a nibble, a
+# the group index widths the kernel reads (`_vq_triton._vq_index`): a nibble, a
 # 6-bit field of a 3-byte unit, a byte (16, 64, 256 centroids: every layout `kvq calibrate
 # auto` writes: 1 bit x 4, 2 x 2, 2 x 4, 3 x 2, 4 x 2)
 VQ_FIELDS = (4, 6, 8)
@@ -277,7 +277,7 @@ def nuq_table(table: Tensor) -> Tensor:
     the fp16 levels 0-3, 4-7, 8-11, 12-15, then their high bytes, one word each) once per
     lane of a warp, so that each lane reads its own copy into regular registers, then the
     byte-pair table's bits (entry b: the fp16 levels of b's low and high nibble, the value
-    slots' entries, `_decode_splits_triton._slot_entries`)."""
+    slots' entries, `_nuq_triton._slot_entries`)."""
 
     def build():
         levels = table.float().reshape(16)
