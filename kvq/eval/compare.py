@@ -19,7 +19,8 @@ COLUMNS = {
     "decode agree": lambda t: t["decode"]["mean_agreement"],
     "draft accept": lambda t: t["speculative"]["quantized_draft"]["quantized_acceptance"],
     "attn out err": lambda t: t["attention"]["mean_output_rel_error"],
-    "slowdown": lambda t: max(t["latency"]["slowdown"].values()),
+    # the memory task's measured K/V bytes against fp16, at its longest context
+    "memory ratio": lambda t: [r for r in t["memory"]["rows"] if "ratio" in r][-1]["ratio"],
 }
 _SAME = (("model", "models"), ("dataset_sha256", "data"))
 
@@ -93,19 +94,28 @@ def _merged(paths: list[Path], reports: list[dict]) -> tuple[dict[str, dict], di
     return caches, source
 
 
+def _slowdowns(reports: list[dict]) -> dict:
+    """A "slowdown @N" column (decode time against DynamicCache) per context every report
+    measured: one figure over different contexts would set 16K against 4K."""
+    measured = [set(r["tasks"].get("latency", {}).get("slowdown", {})) for r in reports]
+    common = sorted(set.intersection(*measured), key=int)
+    return {f"slowdown @{c}": lambda t, c=c: t["latency"]["slowdown"][c] for c in common}
+
+
 def table(reports: list[dict]) -> tuple[list[str], list[list]]:
     """(column names, rows): the cache's name, then each column the reports have."""
-    columns = [c for c, read in COLUMNS.items() if _read(read, reports[0]["tasks"]) is not None]
+    readers = COLUMNS | _slowdowns(reports)
+    columns = [c for c, read in readers.items() if _read(read, reports[0]["tasks"]) is not None]
     rows = []
     for r in reports:
-        rows.append([cache_name(r), *(_read(COLUMNS[c], r["tasks"]) for c in columns)])
+        rows.append([cache_name(r), *(_read(readers[c], r["tasks"]) for c in columns)])
     return ["cache", *columns], rows
 
 
 def _read(read, tasks: dict):
     try:
         return float(read(tasks))
-    except (KeyError, TypeError, ValueError):
+    except (KeyError, TypeError, ValueError, IndexError):
         return None
 
 
