@@ -11,6 +11,9 @@ Sources the numerics were read from (public code; see also the README):
   `quantize_row_q4_0_ref`, ...) and gguf-py/gguf/quants.py, which kvq's tests compare
   against bit for bit; K rows are stored after RoPE, V rows along head_dim (flash
   attention), blocks of 32 channels.
+- vLLM per-token-head int8 / fp8: vllm-project/vllm
+  vllm/v1/attention/ops/triton_reshape_and_cache_flash.py (`_reshape_cache_per_token_head`),
+  reproduced in `kvq.quant.token_head` (int8 codes truncated toward zero).
 - vLLM / SGLang: FP8 E4M3 / E5M2 of x / scale, saturated to the format's largest finite
   value, one scale per K or V tensor of a layer, 1.0 when the checkpoint carries none
   (compressed-tensors' `quantize` is the reference the tests compare against).
@@ -50,6 +53,14 @@ NVFP4 = QuantScheme(format="nvfp4", bits=4, axis="token", symmetric=True, group_
                     scale_dtype="float32")  # fmt: skip
 
 
+def _token_head(fmt: str) -> QuantScheme:
+    """vLLM's int8 / fp8 per-token-head: a float32 scale per (token, head) at append."""
+    return QuantScheme(
+        format=fmt, bits=8, symmetric=True, scale_dtype="float32", engine="vllm",
+        fp8_format="e4m3" if fmt == "fp8" else None,
+    )  # fmt: skip
+
+
 def _fp8_tensor(fmt: str) -> QuantScheme:
     return QuantScheme(
         format="fp8", bits=8, axis="tensor", symmetric=True, scale_dtype="float32",
@@ -82,6 +93,9 @@ ENGINES: dict[str, dict[str, StoredAs]] = {
         **_FP8,
         "fp8": _FP8["fp8_e4m3"],
         "nvfp4": StoredAs(NVFP4, 4.5, "nvfp4"),
+        # 8 bits plus a float32 scale per (token, head): 8.125 at head_dim 256
+        "int8_per_token_head": StoredAs(_token_head("int"), 8.0),
+        "fp8_per_token_head": StoredAs(_token_head("fp8"), 8.0),
     },  # fmt: skip
     "sglang": {"auto": StoredAs(FULL_PRECISION, 16.0), **_FP8},
     "trtllm": {"fp8": _FP8["fp8_e4m3"], "nvfp4": StoredAs(NVFP4, 4.5, "nvfp4")},
@@ -89,7 +103,7 @@ ENGINES: dict[str, dict[str, StoredAs]] = {
 SPLIT_KV = ("llamacpp",)  # engines with separate K and V formats
 # formats these engines have that kvq does not reproduce yet: named apart from a typo
 NOT_YET = {
-    "vllm": ("int8_per_token_head", "int4_per_token_head", "fp8_per_token_head"),
+    "vllm": ("int4_per_token_head",),
     "sglang": ("fp4_e2m1",),
     "trtllm": ("int8",),
     "llamacpp": ("iq4_nl",),

@@ -199,6 +199,7 @@ LATER_FIELDS = {
     ("QuantScheme", "vector_dim"),
     ("QuantScheme", "window"),
     ("QuantScheme", "ggml_type"),
+    ("QuantScheme", "engine"),
     ("LayerPolicy", "residual_tokens"),
     ("CachePolicy", "prefix"),
     ("ByteLedger", "prefix"),

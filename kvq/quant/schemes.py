@@ -25,6 +25,7 @@ Lifetime = Literal["static", "dynamic"]
 KeyStage = Literal["pre-rope", "post-rope"]
 ScaleDtype = Literal["float16", "bfloat16", "float32"]
 Fp8Format = Literal["e4m3", "e5m2"]
+Engine = Literal["vllm"]
 
 INT_BITS = (2, 3, 4, 8)
 VQ_DIMS = (2, 4)  # kvq.quant.vq.DIMS (no torch here)
@@ -69,6 +70,10 @@ class QuantScheme:
                 x ~ (code - zero_point) * scale (QServe's KV4 ABI, `affine.quantize_qserve`:
                 4 bits, one fp16 pair per token and head), instead of x ~ code * scale +
                 offset.
+    engine:     whose quantizer the codes reproduce where it is not kvq's own: "vllm" is
+                vLLM's per-(token, head) kernel (`kvq.quant.token_head`: int8 codes
+                truncated toward zero, FP8 E4M3 rounded), for an int8 or fp8-e4m3 scheme
+                per token with one float32 scale per row.
     """
 
     format: Format
@@ -85,8 +90,11 @@ class QuantScheme:
     vector_dim: int | None = None  # vq: channels coded jointly (2 or 4)
     window: int | None = None  # trellis: state bits (a table of 2^window levels)
     ggml_type: str | None = None  # ggml: "q8_0", "q4_0", "q4_1", "q5_0" or "q5_1"
+    engine: Engine | None = None
 
     def __post_init__(self) -> None:
+        if self.engine is not None:
+            self._check_engine()
         if self.format == "none":
             if self.bits != 16:
                 raise KvqError(f"full-precision scheme must declare 16 bits, got {self.bits}")
@@ -172,6 +180,16 @@ class QuantScheme:
                     "per token and head (no groups), float16 qparams"
                 )
 
+    def _check_engine(self) -> None:
+        """vLLM's per-token-head formats exactly: int8 or fp8-e4m3, a float32 scale per row."""
+        row = QuantScheme(format="int", bits=8, symmetric=True, scale_dtype="float32")
+        fp8_row = replace(row, format="fp8", fp8_format="e4m3")
+        if self.engine != "vllm" or replace(self, engine=None) not in (row, fp8_row):
+            raise KvqError(
+                "an engine scheme is vLLM's per-token-head int8 or fp8-e4m3 exactly: per "
+                "token, symmetric, one float32 scale per (token, head)"
+            )
+
     @property
     def stored(self) -> bool:
         return self.format != "none"
@@ -179,6 +197,9 @@ class QuantScheme:
     def describe(self) -> str:
         if self.format == "none":
             return "fp16"
+        if self.engine == "vllm":
+            kind = "int8" if self.format == "int" else "fp8"
+            return f"vLLM {kind}_per_token_head (a float32 scale per token and head)"
         if self.format == "ggml":
             return f"llama.cpp {self.ggml_type} (blocks of {GGML_BLOCK}, fp16 scales)"
         if self.format == "nvfp4":

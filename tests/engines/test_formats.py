@@ -92,6 +92,66 @@ def test_fp8_formats_match_compressed_tensors_quantize():
             assert torch.equal(mine.view(torch.uint8), ref.view(torch.uint8))
 
 
+def test_vllm_per_token_head_numerics():
+    """vLLM's kernel: scale = max(absmax / QMAX, 1e-6), codes = row * (1 / scale) clamped,
+    int8 truncated toward zero (kvq's own int8 rounds), fp8 rounded to nearest even."""
+    from kvq.quant import token_head
+
+    row = torch.tensor([[1.0, -0.5, 0.3, 0.0], [0.0, 0.0, 0.0, 0.0]])
+    codes, scale = token_head.quantize(row, "int8")
+    assert scale.dtype == torch.float32 and scale[1].item() == pytest.approx(1e-6)
+    assert codes.tolist() == [[127, -63, 38, 0], [0, 0, 0, 0]]  # -63.5 -> -63, 38.1 -> 38
+    # an independent float32 transcription of the kernel (numpy), on rows of every kind
+    x = _rows(3, n=1024, d=128).reshape(4, 2, 128, 128)
+    xs = x.numpy()
+    for fmt, dtype in (("int8", torch.int8), ("fp8_e4m3", torch.float8_e4m3fn)):
+        qmin, qmax = token_head.RANGES[fmt]
+        ref_scale = np.maximum(np.abs(xs).max(-1, keepdims=True) / np.float32(qmax),
+                               np.float32(1e-6)).astype(np.float32)  # fmt: skip
+        y = np.clip(xs * (np.float32(1.0) / ref_scale), qmin, qmax).astype(np.float32)
+        codes, scale = token_head.quantize(x, fmt)
+        assert codes.dtype == dtype and np.array_equal(scale.numpy(), ref_scale)
+        if fmt == "int8":
+            assert np.array_equal(codes.numpy(), np.trunc(y).astype(np.int8))
+        else:  # the cast rounds: compare with torch's RNE cast of the same float32 values
+            assert torch.equal(codes.view(torch.uint8),
+                               torch.from_numpy(y).to(dtype).view(torch.uint8))  # fmt: skip
+    decoded = token_head.dequantize(*token_head.quantize(x, "int8"))
+    assert bool((decoded.abs() <= x.abs()).all())  # truncation never grows a value
+
+
+@pytest.mark.parametrize("name", ["vllm:int8_per_token_head", "vllm:fp8_per_token_head"])
+def test_vllm_per_token_head_runs_through_generate(tiny_model_dir, name):
+    model, _ = kvq.load_model(str(tiny_model_dir("gemma3")))
+    ids = torch.randint(3, 300, (2, 24), generator=torch.Generator().manual_seed(0))
+    cache = kvq.make_cache(model, policy=name)
+    out = model.generate(ids, cache=cache, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    assert out.shape == (2, 30)
+    # stored: 8-bit codes and a float32 scale per (token, head): 8 + 32 / head_dim bits
+    ledger, head_dim = cache.nbytes(), model.config.head_dim
+    assert ledger.qparams == ledger.codes * 4 // head_dim
+    assert ledger.total / ledger.fp16_bytes == pytest.approx((8 + 32 / head_dim) / 16)
+
+
+@pytest.mark.parametrize("name", ["vllm:int8_per_token_head", "vllm:fp8_per_token_head"])
+def test_vllm_per_token_head_rows_decode_alike_on_triton(name):
+    """The Triton decode reads these rows with the shared affine / lookup kernels. (Whole
+    generations are not compared across backends: truncation makes int8 codes flip on
+    float noise, the row maximum's x / scale sitting within an ulp of 127.)"""
+    from kvq.runtime.kernels.decode.attention import decode_attention
+    from kvq.runtime.kernels.decode.segments import Segment
+
+    g = torch.Generator().manual_seed(0)
+    k, v = (torch.randn(2, 2, 40, 64, generator=g) for _ in range(2))  # [B, H_kv, T, D]
+    q = torch.randn(2, 4, 3, 64, generator=g)  # [B, H_q, Q, D]
+    codec = make_codec(engine_policy(name, 1, 64).layers[0].key, 64, torch.float32, {}, "k")
+    seg = Segment(*(codec.packed(*codec.encode(x)) for x in (k, v)))
+    ref, tri = (
+        decode_attention(q, [seg], scaling=0.125, backend=b) for b in ("reference", "triton")
+    )
+    torch.testing.assert_close(tri, ref, rtol=1e-5, atol=1e-5)
+
+
 def test_engine_names_parse_and_refuse_in_one_line():
     assert parse("llamacpp:q8_0/q4_0").name == "llamacpp:q8_0/q4_0"
     assert parse("vllm:fp8").flags() == "--kv-cache-dtype fp8"
@@ -102,6 +162,8 @@ def test_engine_names_parse_and_refuse_in_one_line():
         "vllm:fp8_e4m3",
         "vllm:fp8_e5m2",
         "vllm:nvfp4",
+        "vllm:int8_per_token_head",
+        "vllm:fp8_per_token_head",
     }
     assert len(menu("all")) == sum(len(menu(e)) for e in ENGINES)
     for bad, why in [

@@ -29,6 +29,8 @@ FORMATS: dict[str, str] = {
     "ggml": "ggml",  # llama.cpp's block formats
     "nvfp4": "nvfp4",
 }
+# QuantScheme.engine -> the module of a serving engine's own quantizer for that format
+ENGINE_NUMERICS: dict[str, str] = {"vllm": "token_head"}  # vLLM's per-token-head kernel
 
 
 def make_codec(
@@ -42,7 +44,7 @@ def make_codec(
 
     `where` names the policy entry (e.g. "layers.3.key") for error messages.
     """
-    module = FORMATS.get(scheme.format)
+    module = ENGINE_NUMERICS[scheme.engine] if scheme.engine else FORMATS.get(scheme.format)
     if module is None:
         raise KvqError(f"{where}: no runtime codec for {scheme.describe()}")
     make = importlib.import_module(f"{__name__}.{module}").make
