@@ -14,6 +14,8 @@ Sources the numerics were read from (public code; see also the README):
 - vLLM per-token-head int8 / fp8: vllm-project/vllm
   vllm/v1/attention/ops/triton_reshape_and_cache_flash.py (`_reshape_cache_per_token_head`),
   reproduced in `kvq.quant.token_head` (int8 codes truncated toward zero).
+- SGLang fp4_e2m1: sgl-project/sglang python/sglang/srt/layers/quantization/kvfp4_tensor.py
+  (`FP4MXBlock16KVQuantizeUtil`), reproduced in `kvq.quant.mxfp4`.
 - vLLM / SGLang: FP8 E4M3 / E5M2 of x / scale, saturated to the format's largest finite
   value, one scale per K or V tensor of a layer, 1.0 when the checkpoint carries none
   (compressed-tensors' `quantize` is the reference the tests compare against).
@@ -35,6 +37,7 @@ from kvq.quant.schemes import (
     FULL_PRECISION,
     GGML_BLOCK,
     GGML_TYPES,
+    SGLANG_FP4,
     CachePolicy,
     LayerPolicy,
     QuantScheme,
@@ -97,14 +100,17 @@ ENGINES: dict[str, dict[str, StoredAs]] = {
         "int8_per_token_head": StoredAs(_token_head("int"), 8.0),
         "fp8_per_token_head": StoredAs(_token_head("fp8"), 8.0),
     },  # fmt: skip
-    "sglang": {"auto": StoredAs(FULL_PRECISION, 16.0), **_FP8},
+    "sglang": {
+        "auto": StoredAs(FULL_PRECISION, 16.0),
+        **_FP8,
+        "fp4_e2m1": StoredAs(SGLANG_FP4, 4.5),  # 4-bit codes, an exponent byte per 16
+    },  # fmt: skip
     "trtllm": {"fp8": _FP8["fp8_e4m3"], "nvfp4": StoredAs(NVFP4, 4.5, "nvfp4")},
 }
 SPLIT_KV = ("llamacpp",)  # engines with separate K and V formats
 # formats these engines have that kvq does not reproduce yet: named apart from a typo
 NOT_YET = {
     "vllm": ("int4_per_token_head",),
-    "sglang": ("fp4_e2m1",),
     "trtllm": ("int8",),
     "llamacpp": ("iq4_nl",),
 }
@@ -187,11 +193,17 @@ def engine_policy(name: str, num_layers: int, head_dim: int | None = None) -> Ca
     """The kvq cache policy of an engine format: every layer, keys stored after RoPE."""
     fmt = parse(name)
     for side in (fmt.key, fmt.value):
-        if side.scheme.format == "ggml" and head_dim is not None and head_dim % GGML_BLOCK:
+        scheme = side.scheme
+        if scheme.format == "ggml" and head_dim is not None and head_dim % GGML_BLOCK:
             # as llama.cpp refuses it when it creates the context
             raise KvqError(
-                f"{name}: llama.cpp's {side.scheme.ggml_type} blocks of {GGML_BLOCK} do not divide "
+                f"{name}: llama.cpp's {scheme.ggml_type} blocks of {GGML_BLOCK} do not divide "
                 f"head_dim {head_dim} (llama.cpp refuses this K/V cache type for this model)"
+            )
+        block = scheme.group_size if scheme.format in ("nvfp4", "mxfp4") else None
+        if block and head_dim is not None and head_dim % block:
+            raise KvqError(
+                f"{name}: its blocks of {block} channels do not divide head_dim {head_dim}"
             )
     layer = LayerPolicy(key=fmt.key.scheme, value=fmt.value.scheme, key_stage="post-rope")
     return CachePolicy(name=fmt.name, layers=(layer,) * num_layers)

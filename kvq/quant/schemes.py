@@ -19,13 +19,13 @@ from kvq.errors import KvqError
 
 SCHEME_VERSION = 1
 
-Format = Literal["int", "fp8", "nuq", "vq", "trellis", "ggml", "nvfp4", "none"]
+Format = Literal["int", "fp8", "nuq", "vq", "trellis", "ggml", "nvfp4", "mxfp4", "none"]
 Axis = Literal["token", "channel", "head", "tensor"]
 Lifetime = Literal["static", "dynamic"]
 KeyStage = Literal["pre-rope", "post-rope"]
 ScaleDtype = Literal["float16", "bfloat16", "float32"]
 Fp8Format = Literal["e4m3", "e5m2"]
-Engine = Literal["vllm"]
+Engine = Literal["vllm", "sglang"]
 
 INT_BITS = (2, 3, 4, 8)
 VQ_DIMS = (2, 4)  # kvq.quant.vq.DIMS (no torch here)
@@ -35,6 +35,15 @@ TRELLIS_WINDOWS = range(2, 17)  # kvq.quant.trellis.MAX_WINDOW (no torch here)
 GGML_TYPES = {"q8_0": 8, "q4_0": 4, "q4_1": 4, "q5_0": 5, "q5_1": 5}
 GGML_BLOCK = 32
 NVFP4_BLOCK = 16  # kvq.quant.nvfp4.BLOCK
+MXFP4_BLOCK = 16  # kvq.quant.mxfp4.BLOCK (SGLang's; OCP's MXFP4 has 32)
+# SGLang's fp4_e2m1 K/V rows, the one "mxfp4" scheme (scale_dtype unused: its scales are
+# exponents), field by field
+_SGLANG_FP4 = dict(
+    format="mxfp4", bits=4, axis="token", symmetric=True, group_size=MXFP4_BLOCK,
+    scale_dtype="float16", lifetime="dynamic", fp8_format=None, outlier_fraction=0.0,
+    qnorm=False, zero_point=False, vector_dim=None, window=None, ggml_type=None,
+    engine="sglang",
+)  # fmt: skip
 MAX_GROUP = 4096  # channels per qparam group: at most a head (head_dim <= 4096)
 # run-eval --activations: decoder linear inputs unquantized, INT8 per token, INT8 static
 ACTIVATION_MODES = ("none", "a8-dynamic", "a8-static")
@@ -53,8 +62,10 @@ class QuantScheme:
                 row, `kvq.quant.trellis`), "ggml" (one of llama.cpp's block formats,
                 `ggml_type`, with ggml's numerics: `kvq.quant.ggml_blocks`), "nvfp4"
                 (FP4 E2M1 codes per block of 16 channels of a row, an FP8 E4M3 scale per
-                block and a float32 global scale per tensor: `kvq.quant.nvfp4`) or "none"
-                (kept in full precision).
+                block and a float32 global scale per tensor: `kvq.quant.nvfp4`), "mxfp4"
+                (FP4 E2M1 codes per block of 16 channels of a row with a power-of-two scale
+                per block: SGLang's fp4_e2m1, `kvq.quant.mxfp4`) or "none" (kept in full
+                precision).
     bits:       payload bits per element (16 for "none", 8 for fp8).
     symmetric:  int only: signed codes and no offset, else unsigned codes with
                 a floating offset (x ~ code * scale + offset).
@@ -73,7 +84,8 @@ class QuantScheme:
     engine:     whose quantizer the codes reproduce where it is not kvq's own: "vllm" is
                 vLLM's per-(token, head) kernel (`kvq.quant.token_head`: int8 codes
                 truncated toward zero, FP8 E4M3 rounded), for an int8 or fp8-e4m3 scheme
-                per token with one float32 scale per row.
+                per token with one float32 scale per row; "sglang" SGLang's block-16 FP4
+                (format "mxfp4", the only one so far).
     """
 
     format: Format
@@ -98,6 +110,10 @@ class QuantScheme:
         if self.format == "none":
             if self.bits != 16:
                 raise KvqError(f"full-precision scheme must declare 16 bits, got {self.bits}")
+            return
+        if self.format == "mxfp4":
+            if self.engine != "sglang":  # checked whole in _check_engine
+                raise KvqError("mxfp4 is SGLang's block-16 fp4_e2m1 only (engine 'sglang')")
             return
         if self.format == "nvfp4":
             nvfp4 = (4, "token", True, NVFP4_BLOCK, "float32", "dynamic")
@@ -181,13 +197,16 @@ class QuantScheme:
                 )
 
     def _check_engine(self) -> None:
-        """vLLM's per-token-head formats exactly: int8 or fp8-e4m3, a float32 scale per row."""
+        """vLLM's per-token-head formats exactly: int8 or fp8-e4m3, a float32 scale per row;
+        SGLang's: block-16 FP4 with power-of-two scales (`SGLANG_FP4`)."""
+        if asdict(self) == _SGLANG_FP4:
+            return
         row = QuantScheme(format="int", bits=8, symmetric=True, scale_dtype="float32")
         fp8_row = replace(row, format="fp8", fp8_format="e4m3")
         if self.engine != "vllm" or replace(self, engine=None) not in (row, fp8_row):
             raise KvqError(
-                "an engine scheme is vLLM's per-token-head int8 or fp8-e4m3 exactly: per "
-                "token, symmetric, one float32 scale per (token, head)"
+                "an engine scheme is vLLM's per-token-head int8 or fp8-e4m3 exactly (per "
+                "token, symmetric, one float32 scale per (token, head)) or SGLang's fp4_e2m1"
             )
 
     @property
@@ -197,6 +216,8 @@ class QuantScheme:
     def describe(self) -> str:
         if self.format == "none":
             return "fp16"
+        if self.format == "mxfp4":
+            return f"SGLang fp4_e2m1 (E2M1 blocks of {MXFP4_BLOCK}, power-of-two scales)"
         if self.engine == "vllm":
             kind = "int8" if self.format == "int" else "fp8"
             return f"vLLM {kind}_per_token_head (a float32 scale per token and head)"
@@ -353,6 +374,9 @@ def _scheme(d: dict[str, Any]) -> QuantScheme:
     if unknown:
         raise KvqError(f"unknown QuantScheme fields {sorted(unknown)}")
     return QuantScheme(**d)
+
+
+SGLANG_FP4 = QuantScheme(**_SGLANG_FP4)
 
 
 # --- named calibration-free policies ------------------------------------------------

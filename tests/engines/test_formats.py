@@ -177,6 +177,8 @@ def test_engine_names_parse_and_refuse_in_one_line():
         assert "\n" not in str(e.value)
     with pytest.raises(KvqError, match="llama.cpp refuses this K/V cache type"):
         policy_by_name("llamacpp:q4_0", 2, 48)
+    with pytest.raises(KvqError, match="blocks of 16 channels do not divide head_dim 40"):
+        policy_by_name("sglang:fp4_e2m1", 2, 40)
 
 
 def test_an_engine_format_runs_through_generate_and_run_eval(tiny_model_dir, shared_data, tmp_path):
@@ -288,3 +290,47 @@ def test_nvfp4_scales_are_per_tensor_absmax_only(tiny_model_dir, data, tmp_path)
     ])  # fmt: skip
     assert result.exit_code == 2
     assert "--granularity tensor --method absmax" in result.stderr.strip().splitlines()[-1]
+
+
+# --- SGLang fp4_e2m1 ------------------------------------------------------------------------
+
+
+def test_sglang_fp4_numerics():
+    """SGLang's block-16 FP4: exponent ceil(log2(amax / 6)), codes by reaching E2M1's
+    midpoints (ties round up, unlike NVFP4's ties to even), a sign bit for x < 0."""
+    from kvq.quant import mxfp4
+
+    block = torch.tensor([3.0, -0.125, 0.375, 0.625, 0.3125, -0.05] + [0.0] * 10)
+    codes, e = mxfp4.quantize(torch.cat([block, torch.zeros(16)]))
+    assert e.tolist() == [126, 127 - 33]  # 2^-1; a zero block: ceil(log2(1e-10)) = -33
+    # y = x * 2: 6 -> 6 (7), -0.25 -> -0.5 (tie up: 8 | 1), 0.75 -> 1 (2), 1.25 -> 1.5
+    # (tie up: 3), 0.625 -> 0.5 (1), -0.1 -> -0 (8)
+    assert codes[:6].tolist() == [7, 9, 2, 3, 1, 8] and codes[16:].eq(0).all()
+    assert mxfp4.dequantize(codes, e)[:6].tolist() == [3.0, -0.25, 0.5, 0.75, 0.25, -0.0]
+    # an independent float32 transcription (numpy) on rows of every kind
+    x = _rows(4, n=512, d=128)
+    blocks = x.numpy().reshape(512, 8, 16)
+    amax = np.abs(blocks).max(-1, keepdims=True)
+    ref_e = np.ceil(np.log2(np.maximum(amax / np.float32(6.0), np.float32(1e-10))))
+    y = blocks / np.exp2(ref_e)
+    mag = sum((np.abs(y) >= b).astype(np.uint8) for b in (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5))
+    ref_codes = (mag | ((y < 0).astype(np.uint8) << 3)).reshape(512, 128)
+    codes, e = mxfp4.quantize(x)
+    assert np.array_equal(codes.numpy(), ref_codes)
+    assert np.array_equal(e.numpy(), (ref_e[..., 0] + 127).astype(np.uint8))
+
+
+def test_sglang_fp4_runs_through_generate_and_stores_4_5_bits(tiny_model_dir):
+    model, _ = kvq.load_model(str(tiny_model_dir("gemma3")))
+    ids = torch.randint(3, 300, (2, 24), generator=torch.Generator().manual_seed(0))
+    cache = kvq.make_cache(model, policy="sglang:fp4_e2m1")
+    out = model.generate(ids, cache=cache, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    assert out.shape == (2, 30)
+    ledger = cache.nbytes()  # 4-bit codes and one exponent byte per 16 channels
+    assert ledger.total / ledger.fp16_bytes == pytest.approx(4.5 / 16)
+    codec = make_codec(engine_policy("sglang:fp4_e2m1", 1, 64).layers[0].key, 64,
+                       torch.float32, {}, "layers.0.key")  # fmt: skip
+    x = _rows(5, n=64, d=64).reshape(2, 2, 16, 64)
+    from kvq.quant import mxfp4
+
+    assert torch.equal(codec.decode(*codec.encode(x)), mxfp4.dequantize(*mxfp4.quantize(x)))

@@ -28,9 +28,11 @@ FORMATS: dict[str, str] = {
     "trellis": "trellis",
     "ggml": "ggml",  # llama.cpp's block formats
     "nvfp4": "nvfp4",
+    "mxfp4": "mxfp4",  # SGLang's fp4_e2m1
 }
-# QuantScheme.engine -> the module of a serving engine's own quantizer for that format
-ENGINE_NUMERICS: dict[str, str] = {"vllm": "token_head"}  # vLLM's per-token-head kernel
+# (QuantScheme.engine, format) -> the module of a serving engine's own quantizer where it
+# differs from kvq's for that format
+ENGINE_NUMERICS = {("vllm", "int"): "token_head", ("vllm", "fp8"): "token_head"}
 
 
 def make_codec(
@@ -44,7 +46,7 @@ def make_codec(
 
     `where` names the policy entry (e.g. "layers.3.key") for error messages.
     """
-    module = ENGINE_NUMERICS[scheme.engine] if scheme.engine else FORMATS.get(scheme.format)
+    module = ENGINE_NUMERICS.get((scheme.engine, scheme.format)) or FORMATS.get(scheme.format)
     if module is None:
         raise KvqError(f"{where}: no runtime codec for {scheme.describe()}")
     make = importlib.import_module(f"{__name__}.{module}").make
