@@ -30,7 +30,7 @@ class IntTokenCodec(Codec):
     def encodes_like(self, other: Codec) -> bool:
         # qparams per (token, head, group): no row depends on another
         mine = (self.head_dim, self.bits, self.symmetric, self.group, self.scale_dtype)
-        return type(other) is IntTokenCodec and mine == (
+        return type(other) is type(self) and mine == (
             other.head_dim, other.bits, other.symmetric, other.group, other.scale_dtype
         )  # fmt: skip
 

@@ -1,11 +1,10 @@
-"""vLLM's per-(token, head) formats as a codec: `--policy vllm:int8_per_token_head` and
+"""vLLM's per-(token, head) formats as codecs: `--policy vllm:int8_per_token_head` and
 `vllm:fp8_per_token_head` (`kvq.quant.token_head` holds the numerics).
 
-The stored rows are the ones kvq's shared decoders already read: int8 codes offset to
-unsigned (+128) with the row's scale, decoded as (code - 128) * scale ("affine"), and fp8
-bit patterns read through the format's table ("lookup"), so the reference and the Triton
-decode paths serve them unchanged. Rows are encoded in torch (no append kernel): the
-truncation is vLLM's, not kvq's int8 rounding.
+They store what kvq's own per-token int8 and FP8 codecs store (codes and one float32 scale
+per row), so each is that codec with vLLM's encoder: the shared decoders, reference and
+Triton, read the rows unchanged. Rows are encoded in torch (no append kernel: its
+rounding is kvq's, not vLLM's truncation).
 """
 
 from __future__ import annotations
@@ -16,47 +15,36 @@ from torch import Tensor
 from kvq.quant import token_head
 from kvq.quant.schemes import QuantScheme
 from kvq.runtime.codecs.base import NO_FLAT, Codec, Flat, Rows
-from kvq.runtime.codecs.fp8 import fp8_table
-from kvq.runtime.packed import PackedRows
-
-INT8_ZERO = 128  # signed codes stored unsigned
+from kvq.runtime.codecs.fp8 import Fp8TokenCodec
+from kvq.runtime.codecs.integer import IntTokenCodec
 
 
-class TokenHeadCodec(Codec):
-    """One float32 scale per (token, head), computed at append as vLLM's kernel does."""
-
-    def __init__(self, scheme: QuantScheme, head_dim: int):
-        super().__init__(head_dim, torch.float32)
-        self.fmt = "int8" if scheme.format == "int" else "fp8_e4m3"
-
-    def encodes_like(self, other: Codec) -> bool:
-        # every (batch, head, token) row on its own
-        return type(other) is TokenHeadCodec and (self.head_dim, self.fmt) == (
-            other.head_dim, other.fmt
-        )  # fmt: skip
+class VllmInt8Codec(IntTokenCodec):
+    """int8 codes truncated toward zero, stored unsigned (+128) as kvq's symmetric int8."""
 
     def encode(self, x: Tensor) -> tuple[Rows, Flat]:
-        codes, scale = token_head.quantize(x, self.fmt)  # [B, H, T, D], [B, H, T, 1]
-        if self.fmt == "int8":
-            stored = (codes.to(torch.int16) + INT8_ZERO).to(torch.uint8)
-        else:
-            stored = codes.view(torch.uint8)
-        return {"codes": stored, "scale": scale}, NO_FLAT
+        codes, scale = token_head.quantize(x, "int8")  # [B, H, T, D], [B, H, T, 1]
+        zero = 1 << (self.bits - 1)
+        return {"codes": (codes.to(torch.int16) + zero).to(torch.uint8), "scale": scale}, NO_FLAT
 
-    def packed(self, rows: Rows, flat: Flat) -> PackedRows:
-        codes, scale = rows["codes"], rows["scale"]
-        if self.fmt == "int8":
-            return PackedRows("affine", self.head_dim, codes, 8, float(INT8_ZERO), scale)
-        table = fp8_table("e4m3", codes.device)
-        return PackedRows("lookup", self.head_dim, codes, 8, scale=scale, table=table)
+    def row_spec(self, x: Tensor):
+        return None
 
-    @staticmethod
-    def categories() -> dict[str, str]:
-        return {"codes": "codes", "scale": "qparams"}
+
+class VllmFp8Codec(Fp8TokenCodec):
+    """FP8 E4M3 codes with vLLM's scale floor and reciprocal."""
+
+    def encode(self, x: Tensor) -> tuple[Rows, Flat]:
+        codes, scale = token_head.quantize(x, "fp8_e4m3")
+        return {"codes": codes.view(torch.uint8), "scale": scale}, NO_FLAT
 
 
 def make(
     scheme: QuantScheme, head_dim: int, dtype: torch.dtype, state: dict[str, Tensor], where: str
 ) -> Codec:
     # QuantScheme admits engine="vllm" only for these two layouts
-    return TokenHeadCodec(scheme, head_dim)
+    return (
+        VllmInt8Codec(scheme, head_dim)
+        if scheme.format == "int"
+        else VllmFp8Codec(scheme, head_dim)
+    )
