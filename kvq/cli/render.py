@@ -306,6 +306,8 @@ def print_advise(report: dict) -> None:
             "within" if r["within_budget"] else "over",
         )  # fmt: skip
     OUT.print(table)
+    for name in report.get("need_calibration", []):
+        OUT.print(f"not scored: {_t(name)} has no default scale; add --calibration TEXT")
     limits = f"KLD <= {b['max_kld']:g}, ppl ratio <= {b['max_ppl_ratio']:g}"
     if report["recommendation"] is None:
         OUT.print(f"verdict: no {report['engine']} format is within the budget ({limits})")

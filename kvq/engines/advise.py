@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvq.engines.formats import EngineFormat, menu
+from kvq.engines.formats import EngineFormat, engine_policy, menu
 from kvq.errors import KvqError
 from kvq.progress import Progress
 
@@ -43,7 +43,8 @@ def candidates(engine: str, calibrated: bool) -> list[tuple[Candidate, EngineFor
         formats += [parse(n) for n in LLAMACPP_SPLITS]
     out = []
     for fmt in formats:
-        out.append((Candidate(fmt.name, "engine", fmt.flags(), fmt.bits_per_element), fmt))
+        if not fmt.needs_scales:  # a format without a default scale: calibrated only
+            out.append((Candidate(fmt.name, "engine", fmt.flags(), fmt.bits_per_element), fmt))
         if calibrated and fmt.loads_scales:
             name = f"{fmt.name} + kvq scales"
             flags = f"{fmt.flags()} with `kvq export {fmt.engine}` scales"
@@ -92,9 +93,13 @@ def advise_job(
     scales: dict[str, object] = {}  # kv-scales --format -> its calibrated state
     same: dict[tuple, str] = {}  # (layers, kind) -> the first candidate storing rows so
     alias: dict[str, str] = {}  # a candidate -> the one whose figures it shares
+    info = loaded.adapter.info
     for cand, fmt in chosen:
         policy = fmt.name
-        layers = cache_for(loaded, policy=policy).policy.layers  # refuse what cannot run
+        if fmt.needs_scales:  # no cache before its scales; the policy still refuses
+            layers = engine_policy(policy, info.num_layers, info.head_dim, True).layers
+        else:
+            layers = cache_for(loaded, policy=policy).policy.layers  # refuse what cannot run
         rows[cand.name] = cand
         # engines with the same numerics (vLLM's and SGLang's FP8) are scored once
         if (layers, cand.kind) in same:
@@ -110,10 +115,13 @@ def advise_job(
                 opts = KVScalesOptions(kv_format=fmt_name)
                 scales[fmt_name] = run_pass(loaded, cal, opts, progress)
             state = scales[fmt_name]
+            served = engine_policy(policy, info.num_layers, info.head_dim, calibrated=True)
 
-            def make(state=state):
+            def make(state=state, fmt=fmt, served=served):
                 static = {n: t for n, t in state.tensors.items() if ".key." in n or ".value." in n}
-                return build_cache(loaded.model, state.policy, static, loaded.adapter)
+                # the engine's own numerics, with the scales as it loads them
+                return build_cache(loaded.model, served, fmt.loaded_scales(static),
+                                   loaded.adapter)  # fmt: skip
 
             factories[cand.name] = make
     for name in kvq_layouts:
@@ -160,6 +168,10 @@ def advise_job(
         "baseline_ppl": next(iter(results.values())).totals.ppl_base(),
         "fp16_bytes_per_token": next(iter(results.values())).ledger.fp16_bytes_per_token,
         "rows": table,
+        # formats with no default scale, left out without --calibration
+        "need_calibration": []
+        if calibration is not None
+        else [f.name for f in menu(engine) if f.needs_scales],
         "recommendation": fits[0]["name"] if fits else None,
         "recommended_flags": fits[0]["flags"] if fits else None,
         "identity": {

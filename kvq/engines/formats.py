@@ -19,7 +19,11 @@ Sources the numerics were read from (public code; see also the README):
 - vLLM / SGLang: FP8 E4M3 / E5M2 of x / scale, saturated to the format's largest finite
   value, one scale per K or V tensor of a layer, 1.0 when the checkpoint carries none
   (compressed-tensors' `quantize` is the reference the tests compare against).
-- TensorRT-LLM: FP8 per tensor as above; INT8 per tensor needs calibrated scales.
+- TensorRT-LLM: FP8 per tensor as above. INT8: NVIDIA/TensorRT-LLM's attention layer
+  (one `kv_cache_scaling_factor` per layer for K and V; the fused QKV kernel stores
+  `cvt.rni.sat.s8.f32(x * (1 / scale))`) and NVIDIA/TensorRT-Model-Optimizer's
+  `get_kv_cache_scaling_factor` (the larger of the K and V scales, amax / 127), reproduced in
+  `kvq.quant.trtllm_int8`; it has no default scale, so it runs only with calibrated ones.
 - NVFP4 (vLLM, TensorRT-LLM): E2M1 codes in blocks of 16, FP8 E4M3 block scales, a
   float32 global scale per tensor (compressed-tensors' `generate_gparam`,
   `calculate_qparams`, `quantize`, bit-exact in the tests; 1.0 uncalibrated).
@@ -38,6 +42,7 @@ from kvq.quant.schemes import (
     GGML_BLOCK,
     GGML_TYPES,
     SGLANG_FP4,
+    TRTLLM_INT8,
     CachePolicy,
     LayerPolicy,
     QuantScheme,
@@ -78,6 +83,7 @@ class StoredAs:
     scheme: QuantScheme
     bits: float  # what the engine stores per element, scales included
     calibrated: str | None = None  # the kv-scales --format whose scales the engine loads
+    needs_scales: bool = False  # no default scale: the engine serves it calibrated only
 
 
 _GGML_BITS = {"q8_0": 8.5, "q4_0": 4.5, "q4_1": 5.0, "q5_0": 5.5, "q5_1": 6.0}
@@ -105,13 +111,16 @@ ENGINES: dict[str, dict[str, StoredAs]] = {
         **_FP8,
         "fp4_e2m1": StoredAs(SGLANG_FP4, 4.5),  # 4-bit codes, an exponent byte per 16
     },  # fmt: skip
-    "trtllm": {"fp8": _FP8["fp8_e4m3"], "nvfp4": StoredAs(NVFP4, 4.5, "nvfp4")},
+    "trtllm": {
+        "fp8": _FP8["fp8_e4m3"],
+        "int8": StoredAs(TRTLLM_INT8, 8.0, "int8", needs_scales=True),
+        "nvfp4": StoredAs(NVFP4, 4.5, "nvfp4"),
+    },
 }
 SPLIT_KV = ("llamacpp",)  # engines with separate K and V formats
 # formats these engines have that kvq does not reproduce yet: named apart from a typo
 NOT_YET = {
     "vllm": ("int4_per_token_head",),
-    "trtllm": ("int8",),
     "llamacpp": ("iq4_nl",),
 }
 UNIT_SCALE = 1.0  # the scale an engine assumes when the checkpoint carries none
@@ -145,6 +154,26 @@ class EngineFormat:
     def loads_scales(self) -> bool:
         return self.key.calibrated is not None
 
+    @property
+    def needs_scales(self) -> bool:
+        return self.key.needs_scales or self.value.needs_scales
+
+    def loaded_scales(self, tensors: dict) -> dict:
+        """Calibrated per-tensor K and V scales (`kv-scales` tensors, "layers.{i}.key.scale"
+        ...) as this engine loads them: TensorRT-LLM's INT8 has one scale per layer for
+        both, the larger (`trtllm_int8.shared_scale`); other engines load each as is."""
+        if self.key.scheme != TRTLLM_INT8:
+            return tensors
+        from kvq.quant.trtllm_int8 import shared_scale
+
+        out = dict(tensors)
+        for name in tensors:
+            if name.endswith(".key.scale"):
+                layer = name.removesuffix(".key.scale")
+                both = shared_scale(tensors[name], tensors[f"{layer}.value.scale"])
+                out[name] = out[f"{layer}.value.scale"] = both
+        return out
+
     def flags(self) -> str:
         """What to pass the engine for this format."""
         k, v = self.key_name, self.value_name
@@ -153,7 +182,7 @@ class EngineFormat:
             return f"-ctk {k} -ctv {v}{fa}"
         if self.engine in ("vllm", "sglang"):
             return f"--kv-cache-dtype {k}"
-        algo = "NVFP4" if k == "nvfp4" else "FP8"
+        algo = {"nvfp4": "NVFP4", "int8": "INT8"}.get(k, "FP8")
         return f"kv_cache_quant_algo {algo} (a ModelOpt checkpoint: kvq export modelopt)"
 
 
@@ -189,9 +218,19 @@ def menu(engine: str) -> list[EngineFormat]:
     return out
 
 
-def engine_policy(name: str, num_layers: int, head_dim: int | None = None) -> CachePolicy:
-    """The kvq cache policy of an engine format: every layer, keys stored after RoPE."""
+def engine_policy(
+    name: str, num_layers: int, head_dim: int | None = None, calibrated: bool = False
+) -> CachePolicy:
+    """The kvq cache policy of an engine format: every layer, keys stored after RoPE.
+    `calibrated`: the caller brings calibrated scales (a format without a default needs
+    them)."""
     fmt = parse(name)
+    if fmt.needs_scales and not calibrated:
+        raise KvqError(
+            f"{name}: the engine has no default scale for this K/V format (it serves it "
+            "from calibrated checkpoints only); compare it with kvq's calibrated scales: "
+            f"kvq advise --engine {fmt.engine} --calibration TEXT"
+        )
     for side in (fmt.key, fmt.value):
         scheme = side.scheme
         if scheme.format == "ggml" and head_dim is not None and head_dim % GGML_BLOCK:

@@ -14,8 +14,8 @@ An entry is keyed by everything its value depends on: the task and what it compu
 (after an artifact's transforms, which change them), its config and tokenizer, and the
 torch / transformers versions, dtype and device that produced the numbers. A quantized
 entry is keyed as well by the cache (`cache_identity`: its policy, the artifact's tensors,
-backend, quantized sides, prefix) and by kvq's own source, so a changed runtime never
-serves an old figure. A change of any of them is a different key, never a stale hit.
+backend, quantized sides, prefix) and by kvq's own source (the modules its numbers run
+through, not the CLI, exports or plots), so a changed runtime never serves an old figure. A change of any of them is a different key, never a stale hit.
 Values are JSON (token ids, texts, counts); each entry is written whole (temporary file,
 then rename) so an interrupted run leaves no half entry.
 """
@@ -44,14 +44,27 @@ def _sha256_json(record: dict) -> str:
     return hashlib.sha256(json.dumps(record, sort_keys=True).encode()).hexdigest()
 
 
+# kvq source a memoized figure cannot depend on: the command line, exports, manifests
+# (an artifact enters the key by its tensors and policy), advise, plots and report
+# layout. Leaving them out keeps a long grid's cells across such changes. (Calibration
+# code stays in: run-eval serves a declared prefix through it.)
+NOT_IN_NUMBERS = ("cli/", "exporters/", "manifests/", "engines/advise.py", "eval/plots.py",
+                  "eval/verdict.py", "eval/report_schema.py")  # fmt: skip
+
+
 @functools.cache
 def kvq_source_sha256() -> str:
-    """sha256 over kvq's own Python source (path and bytes of every module): what the
-    quantized side's numbers also depend on."""
-    root = Path(__file__).resolve().parents[1]  # the kvq package
+    """sha256 over kvq's own Python source that the quantized side's numbers run through."""
+    return source_sha256(Path(__file__).resolve().parents[1])  # the kvq package
+
+
+def source_sha256(root: Path) -> str:
+    """sha256 over path and bytes of every module under `root` but `NOT_IN_NUMBERS`."""
     digest = hashlib.sha256()
     for path in sorted(root.rglob("*.py")):
-        digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes())
+        name = path.relative_to(root).as_posix()
+        if not name.startswith(NOT_IN_NUMBERS):
+            digest.update(name.encode() + b"\0" + path.read_bytes())
     return digest.hexdigest()
 
 

@@ -25,7 +25,7 @@ Lifetime = Literal["static", "dynamic"]
 KeyStage = Literal["pre-rope", "post-rope"]
 ScaleDtype = Literal["float16", "bfloat16", "float32"]
 Fp8Format = Literal["e4m3", "e5m2"]
-Engine = Literal["vllm", "sglang"]
+Engine = Literal["vllm", "sglang", "trtllm"]
 
 INT_BITS = (2, 3, 4, 8)
 VQ_DIMS = (2, 4)  # kvq.quant.vq.DIMS (no torch here)
@@ -85,7 +85,9 @@ class QuantScheme:
                 vLLM's per-(token, head) kernel (`kvq.quant.token_head`: int8 codes
                 truncated toward zero, FP8 E4M3 rounded), for an int8 or fp8-e4m3 scheme
                 per token with one float32 scale per row; "sglang" SGLang's block-16 FP4
-                (format "mxfp4", the only one so far).
+                (format "mxfp4", the only one so far); "trtllm" TensorRT-LLM's INT8
+                (`kvq.quant.trtllm_int8`: reciprocal multiply, round to nearest even,
+                saturated to [-128, 127]), static per tensor, float32 scale.
     """
 
     format: Format
@@ -201,12 +203,17 @@ class QuantScheme:
         SGLang's: block-16 FP4 with power-of-two scales (`SGLANG_FP4`)."""
         if asdict(self) == _SGLANG_FP4:
             return
+        static = QuantScheme(format="int", bits=8, axis="tensor", symmetric=True,
+                             lifetime="static", scale_dtype="float32")  # fmt: skip
+        if self.engine == "trtllm" and replace(self, engine=None) == static:
+            return
         row = QuantScheme(format="int", bits=8, symmetric=True, scale_dtype="float32")
         fp8_row = replace(row, format="fp8", fp8_format="e4m3")
         if self.engine != "vllm" or replace(self, engine=None) not in (row, fp8_row):
             raise KvqError(
                 "an engine scheme is vLLM's per-token-head int8 or fp8-e4m3 exactly (per "
-                "token, symmetric, one float32 scale per (token, head)) or SGLang's fp4_e2m1"
+                "token, symmetric, one float32 scale per (token, head)), SGLang's fp4_e2m1 "
+                "or TensorRT-LLM's int8 (static, one float32 scale per tensor)"
             )
 
     @property
@@ -218,6 +225,8 @@ class QuantScheme:
             return "fp16"
         if self.format == "mxfp4":
             return f"SGLang fp4_e2m1 (E2M1 blocks of {MXFP4_BLOCK}, power-of-two scales)"
+        if self.engine == "trtllm":
+            return "TensorRT-LLM int8 (one static float32 scale per layer, K and V)"
         if self.engine == "vllm":
             kind = "int8" if self.format == "int" else "fp8"
             return f"vLLM {kind}_per_token_head (a float32 scale per token and head)"
@@ -377,6 +386,11 @@ def _scheme(d: dict[str, Any]) -> QuantScheme:
 
 
 SGLANG_FP4 = QuantScheme(**_SGLANG_FP4)
+# TensorRT-LLM's INT8 K/V: static, one float32 scale per tensor (`kvq.quant.trtllm_int8`)
+TRTLLM_INT8 = QuantScheme(
+    format="int", bits=8, axis="tensor", symmetric=True, lifetime="static",
+    scale_dtype="float32", engine="trtllm",
+)  # fmt: skip
 
 
 # --- named calibration-free policies ------------------------------------------------

@@ -213,7 +213,7 @@ def test_advise_sweeps_an_engine_and_recommends(tiny_model_dir, shared_data, dat
     report = json.loads(out.read_text())
     names = {r["name"] for r in report["rows"]}
     assert {"llamacpp:q4_0", "llamacpp:q8_0/q4_0", "vllm:fp8_e4m3",
-            "vllm:fp8_e4m3 + kvq scales", "kvq int4"} <= names  # fmt: skip
+            "vllm:fp8_e4m3 + kvq scales", "kvq int4", "trtllm:int8 + kvq scales"} <= names  # fmt: skip
     engine = [r for r in report["rows"] if r["kind"] != "kvq" and r["within_budget"]]
     best = min(engine, key=lambda r: r["bytes_per_token"])
     assert report["recommendation"] == best["name"]

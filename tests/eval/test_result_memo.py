@@ -11,7 +11,7 @@ import torch
 
 import kvq
 from kvq.errors import KvqError
-from kvq.eval.result_memo import ResultMemo, cache_identity, kvq_source_sha256
+from kvq.eval.result_memo import ResultMemo, cache_identity, kvq_source_sha256, source_sha256
 from kvq.eval.tasks import get_task
 from kvq.eval.tasks.base import EvalParams, TaskContext
 from kvq.progress import Progress
@@ -170,3 +170,17 @@ def test_another_cache_or_source_recomputes_the_quantized_side(gemma, text, tmp_
 
 def test_the_source_fingerprint_covers_kvq_modules():
     assert len(kvq_source_sha256()) == 64 and kvq_source_sha256() == kvq_source_sha256()
+
+
+def test_the_source_fingerprint_follows_the_runtime_not_the_cli(tmp_path):
+    for name in ("runtime/codec.py", "cli/app.py", "eval/plots.py", "eval/tasks/needle.py"):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text("x = 1\n")
+    before = source_sha256(tmp_path)
+    for name in ("cli/app.py", "eval/plots.py"):  # a figure cannot depend on these
+        (tmp_path / name).write_text("x = 2\n")
+    assert source_sha256(tmp_path) == before
+    for name in ("runtime/codec.py", "eval/tasks/needle.py"):
+        (tmp_path / name).write_text("x = 2\n")
+        assert source_sha256(tmp_path) != before
+        before = source_sha256(tmp_path)

@@ -32,7 +32,11 @@ FORMATS: dict[str, str] = {
 }
 # (QuantScheme.engine, format) -> the module of a serving engine's own quantizer where it
 # differs from kvq's for that format
-ENGINE_NUMERICS = {("vllm", "int"): "token_head", ("vllm", "fp8"): "token_head"}
+ENGINE_NUMERICS = {
+    ("vllm", "int"): "token_head",
+    ("vllm", "fp8"): "token_head",
+    ("trtllm", "int"): "trtllm",
+}
 
 
 def make_codec(
