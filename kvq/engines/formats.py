@@ -10,7 +10,10 @@ Sources the numerics were read from (public code; see also the README):
 - llama.cpp: ggml-org/llama.cpp ggml/src/ggml-quants.c (`quantize_row_q8_0_ref`,
   `quantize_row_q4_0_ref`, ...) and gguf-py/gguf/quants.py, which kvq's tests compare
   against bit for bit; K rows are stored after RoPE, V rows along head_dim (flash
-  attention), blocks of 32 channels.
+  attention), blocks of 32 channels. iq4_nl: ggml/src/ggml-cuda/cpy-utils.cuh
+  (`quantize_f32_iq4_nl_block`, what a CUDA K/V cache stores; the CPU backend's
+  `quantize_row_iq4_nl_ref` searches 15 scales and can pick other codes), decoded as
+  gguf-py's `IQ4_NL` (bit-exact in the tests).
 - vLLM per-token-head int8 / fp8: vllm-project/vllm
   vllm/v1/attention/ops/triton_reshape_and_cache_flash.py (`_reshape_cache_per_token_head`),
   reproduced in `kvq.quant.token_head` (int8 codes truncated toward zero).
@@ -46,13 +49,14 @@ from kvq.quant.schemes import (
     CachePolicy,
     LayerPolicy,
     QuantScheme,
+    ggml_symmetric,
     named_policy,
 )
 
 
 def _ggml(name: str) -> QuantScheme:
     return QuantScheme(
-        format="ggml", bits=GGML_TYPES[name], axis="token", symmetric=name.endswith("_0"),
+        format="ggml", bits=GGML_TYPES[name], axis="token", symmetric=ggml_symmetric(name),
         group_size=GGML_BLOCK, ggml_type=name,
     )  # fmt: skip
 
@@ -86,7 +90,7 @@ class StoredAs:
     needs_scales: bool = False  # no default scale: the engine serves it calibrated only
 
 
-_GGML_BITS = {"q8_0": 8.5, "q4_0": 4.5, "q4_1": 5.0, "q5_0": 5.5, "q5_1": 6.0}
+_GGML_BITS = {"q8_0": 8.5, "q4_0": 4.5, "q4_1": 5.0, "q5_0": 5.5, "q5_1": 6.0, "iq4_nl": 4.5}
 LLAMACPP = {"f16": StoredAs(FULL_PRECISION, 16.0)} | {
     name: StoredAs(_ggml(name), bits) for name, bits in _GGML_BITS.items()
 }
@@ -121,7 +125,6 @@ SPLIT_KV = ("llamacpp",)  # engines with separate K and V formats
 # formats these engines have that kvq does not reproduce yet: named apart from a typo
 NOT_YET = {
     "vllm": ("int4_per_token_head",),
-    "llamacpp": ("iq4_nl",),
 }
 UNIT_SCALE = 1.0  # the scale an engine assumes when the checkpoint carries none
 

@@ -32,8 +32,15 @@ VQ_DIMS = (2, 4)  # kvq.quant.vq.DIMS (no torch here)
 VQ_MAX_CENTROIDS = 4096
 TRELLIS_WINDOWS = range(2, 17)  # kvq.quant.trellis.MAX_WINDOW (no torch here)
 # llama.cpp block formats: type -> code bits (kvq.quant.ggml_blocks.FORMATS, no torch here)
-GGML_TYPES = {"q8_0": 8, "q4_0": 4, "q4_1": 4, "q5_0": 5, "q5_1": 5}
+GGML_TYPES = {"q8_0": 8, "q4_0": 4, "q4_1": 4, "q5_0": 5, "q5_1": 5, "iq4_nl": 4}
 GGML_BLOCK = 32
+
+
+def ggml_symmetric(name: str) -> bool:
+    """A llama.cpp block format without a minimum (all but q4_1 and q5_1)."""
+    return not name.endswith("_1")
+
+
 NVFP4_BLOCK = 16  # kvq.quant.nvfp4.BLOCK
 MXFP4_BLOCK = 16  # kvq.quant.mxfp4.BLOCK (SGLang's; OCP's MXFP4 has 32)
 # SGLang's fp4_e2m1 K/V rows, the one "mxfp4" scheme (scale_dtype unused: its scales are
@@ -103,7 +110,7 @@ class QuantScheme:
     zero_point: bool = False
     vector_dim: int | None = None  # vq: channels coded jointly (2 or 4)
     window: int | None = None  # trellis: state bits (a table of 2^window levels)
-    ggml_type: str | None = None  # ggml: "q8_0", "q4_0", "q4_1", "q5_0" or "q5_1"
+    ggml_type: str | None = None  # ggml: "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "iq4_nl"
     engine: Engine | None = None
 
     def __post_init__(self) -> None:
@@ -133,7 +140,7 @@ class QuantScheme:
             raise KvqError("ggml_type is set exactly for format='ggml'")
         if self.format == "ggml":
             # one of llama.cpp's block formats exactly (`kvq.quant.ggml_blocks`)
-            expected = (GGML_TYPES.get(self.ggml_type), "token", self.ggml_type.endswith("_0"),
+            expected = (GGML_TYPES.get(self.ggml_type), "token", ggml_symmetric(self.ggml_type),
                         GGML_BLOCK, "float16", "dynamic")  # fmt: skip
             found = (self.bits, self.axis, self.symmetric, self.group_size, self.scale_dtype,
                      self.lifetime)  # fmt: skip

@@ -52,7 +52,8 @@ def _ggml_bytes(codes, d, m, name) -> np.ndarray:
     return np.concatenate(parts, axis=-1)
 
 
-@pytest.mark.parametrize("name", list(ggml_blocks.FORMATS))
+# gguf has no iq4_nl quantizer: test_iq4_nl.py compares with a transcription instead
+@pytest.mark.parametrize("name", [n for n in ggml_blocks.FORMATS if n != "iq4_nl"])
 def test_llamacpp_blocks_are_bit_exact_with_the_gguf_quantizer(name):
     gguf = pytest.importorskip("gguf")
     qtype = getattr(gguf.GGMLQuantizationType, name.upper())
@@ -215,7 +216,7 @@ def test_advise_sweeps_an_engine_and_recommends(tiny_model_dir, shared_data, dat
     assert {"llamacpp:q4_0", "llamacpp:q8_0/q4_0", "vllm:fp8_e4m3",
             "vllm:fp8_e4m3 + kvq scales", "kvq int4", "trtllm:int8 + kvq scales"} <= names  # fmt: skip
     engine = [r for r in report["rows"] if r["kind"] != "kvq" and r["within_budget"]]
-    best = min(engine, key=lambda r: r["bytes_per_token"])
+    best = min(engine, key=lambda r: (r["bytes_per_token"], r["kld"]))  # iq4_nl = q4_0 bytes
     assert report["recommendation"] == best["name"]
     q4 = next(r for r in report["rows"] if r["name"] == "llamacpp:q4_0")
     assert q4["ratio_to_fp16"] == pytest.approx(4.5 / 16)

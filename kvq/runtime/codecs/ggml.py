@@ -1,6 +1,7 @@
-"""llama.cpp's K/V block formats (q8_0, q4_0, q4_1, q5_0, q5_1): codes computed with ggml's
-numerics (`kvq.quant.ggml_blocks`), stored as affine rows the shared decoders read, one
-fp16 scale (and minimum) per block of 32 channels: x ~ (code - zero) d (+ m).
+"""llama.cpp's K/V block formats (q8_0, q4_0, q4_1, q5_0, q5_1, iq4_nl): codes computed with
+ggml's numerics (`kvq.quant.ggml_blocks`), stored as affine rows the shared decoders read
+(iq4_nl: lookup rows, its 16 levels), one fp16 scale (and minimum) per block of 32
+channels: x ~ (code - zero) d (+ m), or levels[code] d.
 
 5-bit codes pack 8 to 5 bytes, so the ledger counts what llama.cpp stores (its qs/qh
 split is a layout, not a size); they decode on the torch reference only."""
@@ -36,6 +37,12 @@ class GgmlBlockCodec(Codec):
         return rows, NO_FLAT
 
     def packed(self, rows: Rows, flat: Flat) -> PackedRows:
+        if self.format.levels is not None:  # iq4_nl: levels[code] d
+            table = torch.tensor(
+                self.format.levels, dtype=torch.float32, device=rows["codes"].device
+            )
+            return PackedRows("lookup", self.head_dim, rows["codes"], self.container,
+                              scale=rows["scale"], table=table)  # fmt: skip
         return PackedRows(
             "affine", self.head_dim, rows["codes"], self.container, float(self.format.zero),
             rows["scale"], rows.get("offset"),

@@ -84,7 +84,8 @@ def triton_unsupported(query: Tensor, segments: list[Segment], mask: Tensor | No
                 return "packed rows must be contiguous along the last dimension"
             if p.kind == "lookup" and p.scale.dim() == 4 and p.scale.shape[-1] > 1:
                 return (
-                    "per-block lookup scales (NVFP4, SGLang fp4_e2m1) decode on the reference only"
+                    "per-block lookup scales (NVFP4, SGLang fp4_e2m1, llama.cpp iq4_nl) decode on the "
+                    "reference only"
                 )
             if p.kind != "full" and p.bits == 5:
                 return "5-bit codes (llama.cpp q5_0 / q5_1) decode on the reference only"
