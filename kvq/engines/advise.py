@@ -24,6 +24,8 @@ DEFAULT_MAX_KLD = 0.02  # nats/token: about run-eval's default budget for 4-bit 
 DEFAULT_MAX_PPL_RATIO = 1.02
 KVQ_LAYOUTS = ("int8", "int4", "kivi4", "kivi2")  # calibration-free kvq rows beside them
 # llama.cpp's common split: keys keep 8 bits (their errors pass through the softmax)
+# the `kvq export` target whose checkpoint carries scales each engine loads
+EXPORTS = {"vllm": "vllm", "sglang": "modelopt", "trtllm": "modelopt"}
 LLAMACPP_SPLITS = ("llamacpp:q8_0/q4_0", "llamacpp:q8_0/q5_0")
 
 
@@ -47,9 +49,7 @@ def candidates(engine: str, calibrated: bool) -> list[tuple[Candidate, EngineFor
             out.append((Candidate(fmt.name, "engine", fmt.flags(), fmt.bits_per_element), fmt))
         if calibrated and fmt.loads_scales:
             name = f"{fmt.name} + kvq scales"
-            flags = f"{fmt.flags()} with `kvq export {fmt.engine}` scales"
-            if fmt.engine == "sglang":
-                flags = f"{fmt.flags()} with the scales of `kvq export modelopt`"
+            flags = f"{fmt.flags()} with the scales of `kvq export {EXPORTS[fmt.engine]}`"
             out.append((Candidate(name, "engine + kvq scales", flags, fmt.bits_per_element), fmt))
     return out
 

@@ -186,7 +186,7 @@ class EngineFormat:
         if self.engine in ("vllm", "sglang"):
             return f"--kv-cache-dtype {k}"
         algo = {"nvfp4": "NVFP4", "int8": "INT8"}.get(k, "FP8")
-        return f"kv_cache_quant_algo {algo} (a ModelOpt checkpoint: kvq export modelopt)"
+        return f"kv_cache_quant_algo {algo} (hf_quant_config.json of a ModelOpt checkpoint)"
 
 
 def parse(name: str) -> EngineFormat:

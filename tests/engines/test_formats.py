@@ -223,6 +223,18 @@ def test_advise_sweeps_an_engine_and_recommends(tiny_model_dir, shared_data, dat
     assert "verdict:" in result.output and plot.stat().st_size > 0
 
 
+def test_advise_flags_name_export_targets_that_exist():
+    import re
+
+    from kvq.engines.advise import candidates
+    from kvq.exporters.engines import ENGINES as EXPORT_TARGETS
+
+    named = [
+        t for c, _ in candidates("all", True) for t in re.findall(r"kvq export (\w+)", c.flags)
+    ]
+    assert named and set(named) <= set(EXPORT_TARGETS)  # no `kvq export trtllm`
+
+
 def test_advise_refuses_an_unknown_engine_in_one_line():
     result = runner.invoke(app, ["advise", "--engine", "tgi"])
     assert result.exit_code == 2
