@@ -286,7 +286,8 @@ def cache_for(
     quantize: str = "both",
     prefix: Prefix | None = None,
 ) -> QuantizedKVCache:
-    """A fresh cache from a validated artifact or a named calibration-free policy.
+    """A fresh cache from a validated artifact or a named calibration-free policy (both: an
+    engine format with the artifact's scales, `kvq.engines.scaled`).
 
     backend: attention backend "auto" | "triton" | "reference" (None: KVQ_BACKEND).
     quantize: "both", or "keys" / "values" to keep the other side at full precision
@@ -294,8 +295,12 @@ def cache_for(
     prefix: a prefix to declare on a policy or artifact that declares none (run-eval's
     --prefix-ids, `prefix_state.ids_prefix`), checked against the model's tokenizer.
     """
-    if (artifact is None) == (policy is None):
-        raise KvqError("give exactly one of an artifact or a policy name")
+    if artifact is not None and policy is not None:  # an engine format, the artifact's scales
+        from kvq.engines.scaled import engine_cache
+
+        return engine_cache(loaded, artifact, policy, backend, quantize, prefix)
+    if artifact is None and policy is None:
+        raise KvqError("give an artifact or a policy name")
     if prefix is not None:
         check_tokenizer(prefix.spec, loaded.identity.tokenizer_sha256)
         if artifact is not None and artifact.manifest.policy.prefix is not None:

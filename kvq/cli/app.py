@@ -28,7 +28,9 @@ POLICY_HELP = (
     "(KIVI; kivi2-g64-r256 sets the token group and the exact window), fp8-e4m3, "
     "fp8-e5m2 (scale 1.0), fp8-e4m3-dynamic, kv4-qserve (QServe KV4); or a serving "
     "engine's own format as ENGINE:FORMAT (vllm:fp8, vllm:int8_per_token_head, "
-    "sglang:fp4_e2m1, llamacpp:q8_0/q4_0, ...; an unknown FORMAT lists the engine's menu)"
+    "sglang:fp4_e2m1, llamacpp:q8_0/q4_0, ...; an unknown FORMAT lists the engine's menu); "
+    "with --artifact, an engine format that loads scales served with the artifact's "
+    "kv-scales (trtllm:int8 needs them)"
 )
 
 app = typer.Typer(

@@ -207,6 +207,16 @@ def parse(name: str) -> EngineFormat:
     return EngineFormat(engine, k, v)
 
 
+def check_scaled(name: str) -> None:
+    """An ENGINE:FORMAT whose engine loads scales (to serve with an artifact's kv-scales,
+    `kvq.engines.scaled`), else the one-line refusal of an artifact and a policy together."""
+    if ":" not in name or not parse(name).loads_scales:
+        raise KvqError(
+            "give exactly one of --artifact or --policy (both: an ENGINE:FORMAT whose engine "
+            f"loads scales, served with the artifact's kv-scales; {name!r} is not one)"
+        )
+
+
 def menu(engine: str) -> list[EngineFormat]:
     """Every format of `engine` ("all": of every engine), K and V alike, aliases once."""
     if engine == "all":
@@ -231,8 +241,9 @@ def engine_policy(
     if fmt.needs_scales and not calibrated:
         raise KvqError(
             f"{name}: the engine has no default scale for this K/V format (it serves it "
-            "from calibrated checkpoints only); compare it with kvq's calibrated scales: "
-            f"kvq advise --engine {fmt.engine} --calibration TEXT"
+            "from calibrated checkpoints only): add --artifact, a `kvq calibrate kv-scales "
+            f"--format {fmt.key.calibrated}` artifact, or compare it in `kvq advise --engine "
+            f"{fmt.engine} --calibration TEXT`"
         )
     for side in (fmt.key, fmt.value):
         scheme = side.scheme

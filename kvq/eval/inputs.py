@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kvq.engines.formats import policy_by_name
+from kvq.engines.formats import check_scaled, policy_by_name
 from kvq.errors import KvqError
 from kvq.eval.tasks import ALL_TASKS
 from kvq.quant.schemes import (  # check_quantize: re-exported beside the other checks
@@ -39,11 +39,15 @@ def check_protocol(protocol: str) -> None:
 
 
 def check_cache_source(artifact_path: Path | None, policy: str | None, backend: str | None):
-    """Exactly one of an existing artifact or a known policy name, and a known backend."""
+    """Exactly one of an existing artifact or a known policy name (or both: an engine format
+    whose engine loads scales, `kvq.engines.scaled`), and a known backend."""
     check_choice(backend or "auto")
-    if (artifact_path is None) == (policy is None):
+    both = artifact_path is not None and policy is not None
+    if both:
+        check_scaled(policy)  # an engine format served with the artifact's scales
+    elif artifact_path is None and policy is None:
         raise KvqError("give exactly one of --artifact or --policy")
-    if policy is not None and policy not in NAMED_POLICIES:
+    if policy is not None and not both and policy not in NAMED_POLICIES:
         policy_by_name(policy, 1)  # raises the one-line "unknown policy" error
     if artifact_path is not None and not Path(artifact_path).exists():
         raise KvqError(f"artifact {artifact_path} does not exist")

@@ -131,7 +131,9 @@ def run_eval_job(
             loaded.model, ids, make_cache, protocol, progress, around=around, prefix=prefix
         )
         sections = result.as_json(tuple(windowed))
-    cache_name = str(artifact_path) if artifact_path is not None else policy
+    cache_name = str(artifact_path) if policy is None else policy
+    if artifact_path is not None and policy is not None:
+        cache_name = f"{policy} + {artifact_path}"
     memo = memo or ResultMemo()
     key = cache_identity(first_cache.policy, artifact, backend, quantize, extra)
     ctx = TaskContext(

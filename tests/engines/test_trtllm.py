@@ -83,3 +83,51 @@ def test_trtllm_int8_rows_decode_alike_on_both_backends():
     torch.testing.assert_close(tri, ref, rtol=1e-5, atol=1e-5)
     with pytest.raises(KvqError, match="needs a calibrated scale"):
         make_codec(scheme, 64, torch.float32, {}, "layers.0.key")
+
+
+def test_run_eval_serves_trtllm_int8_with_an_artifacts_scales(tiny_model_dir, data, tmp_path):
+    """The public path: `kvq calibrate kv-scales --format int8`, then `run-eval --policy
+    trtllm:int8 --artifact ART` (and `kvq.make_cache` alike) store TensorRT-LLM's codes with
+    one scale per layer; a mismatched artifact or a kvq layout beside --artifact is refused
+    in one line."""
+    import json
+
+    from typer.testing import CliRunner
+
+    import kvq
+    from kvq.cli.app import app
+    from kvq.runtime.codecs.trtllm import TrtllmInt8Codec
+
+    runner = CliRunner()
+    model_dir = str(tiny_model_dir("gemma3"))
+    common = ["--model", model_dir, "--dataset", data, "--samples", "2", "--seqlen", "48"]
+    art = tmp_path / "int8"
+    result = runner.invoke(
+        app, ["calibrate", "kv-scales", "--format", "int8", "--out", str(art), *common]
+    )
+    assert result.exit_code == 0, result.output + result.stderr
+    report = tmp_path / "r.json"
+    result = runner.invoke(app, [
+        "run-eval", "--model", model_dir, "--artifact", str(art), "--policy", "trtllm:int8",
+        "--dataset", data, "--windows", "2", "--seqlen", "48", "--json", str(report),
+    ])  # fmt: skip
+    assert result.exit_code == 0, result.output + result.stderr
+    assert json.loads(report.read_text())["tasks"]["kld"]["mean"] > 0
+
+    model, _ = kvq.load_model(model_dir)
+    cache = kvq.make_cache(model, artifact=str(art), policy="trtllm:int8")
+    codecs = [layer.key_codec for layer in cache.layers] + [
+        layer.value_codec for layer in cache.layers
+    ]
+    assert all(isinstance(c, TrtllmInt8Codec) for c in codecs)
+    for layer in cache.layers:  # K and V of a layer share the larger scale
+        assert torch.equal(layer.key_codec.static["scale"], layer.value_codec.static["scale"])
+
+    for policy, why in [("int8", "give exactly one of --artifact or --policy"),
+                        ("vllm:nvfp4", "loads per-tensor nvfp4 scales")]:  # fmt: skip
+        result = runner.invoke(app, [
+            "run-eval", "--model", model_dir, "--artifact", str(art), "--policy", policy,
+            "--dataset", data, "--windows", "2", "--seqlen", "48",
+        ])  # fmt: skip
+        last = result.stderr.strip().splitlines()[-1]  # after progress lines, one error line
+        assert result.exit_code == 2 and last.startswith("kvq: error:") and why in last, last
