@@ -75,10 +75,10 @@ def advise_job(
     from kvq.artifacts.compat import load_artifact
     from kvq.calibrators.options import KVScalesOptions
     from kvq.data.text import read_corpus
+    from kvq.engines.scaled import scaled_cache
     from kvq.eval.quality import evaluate_many
     from kvq.models.loading import load_model
     from kvq.pipeline import cache_for, load_windows, run_pass
-    from kvq.runtime.cache import build_cache
 
     if max_kld <= 0 or max_ppl_ratio < 1:
         raise KvqError("--max-kld must be > 0 and --max-ppl-ratio >= 1")
@@ -114,16 +114,10 @@ def advise_job(
                 cal = load_windows(loaded, calibration, samples, seqlen, seed, data_dir)
                 opts = KVScalesOptions(kv_format=fmt_name)
                 scales[fmt_name] = run_pass(loaded, cal, opts, progress)
-            state = scales[fmt_name]
-            served = engine_policy(policy, info.num_layers, info.head_dim, calibrated=True)
-
-            def make(state=state, fmt=fmt, served=served):
-                static = {n: t for n, t in state.tensors.items() if ".key." in n or ".value." in n}
-                # the engine's own numerics, with the scales as it loads them
-                return build_cache(loaded.model, served, fmt.loaded_scales(static),
-                                   loaded.adapter)  # fmt: skip
-
-            factories[cand.name] = make
+            tensors = scales[fmt_name].tensors
+            static = {n: t for n, t in tensors.items() if ".key." in n or ".value." in n}
+            # the engine's own numerics, with the scales as it loads them
+            factories[cand.name] = lambda p=policy, s=static: scaled_cache(loaded, p, s)
     for name in kvq_layouts:
         factories[f"kvq {name}"] = lambda n=name: cache_for(loaded, policy=n)
         rows[f"kvq {name}"] = Candidate(f"kvq {name}", "kvq", f"--policy {name}", None)

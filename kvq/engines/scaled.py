@@ -50,12 +50,25 @@ def engine_cache(
                     f"--format {fmt.key.calibrated})"
                 )
     static = {n: t for n, t in artifact.tensors.items() if tensor_kind(n) == "policy"}
-    served = engine_policy(name, info.num_layers, info.head_dim, calibrated=True).only(quantize)
-    if prefix is not None:
-        served = served.with_prefix(prefix.spec)
-    cache = build_cache(
-        loaded.model, served, fmt.loaded_scales(static), loaded.adapter, backend, prefix
-    )
+    cache = scaled_cache(loaded, name, static, backend, quantize, prefix)
     index = {n: e.sha256 for n, e in sorted(artifact.manifest.tensors.items())}
     cache.identity["artifact"] = hashlib.sha256(json.dumps(index).encode()).hexdigest()
     return cache
+
+
+def scaled_cache(
+    loaded: LoadedModel,
+    name: str,
+    scales: dict,
+    backend: str | None = None,
+    quantize: str = "both",
+    prefix: Prefix | None = None,
+) -> QuantizedKVCache:
+    """The engine format `name` over every layer with calibrated per-tensor K/V `scales`
+    ("layers.{i}.key.scale", ...), as the engine loads them (`loaded_scales`)."""
+    info = loaded.adapter.info
+    served = engine_policy(name, info.num_layers, info.head_dim, calibrated=True).only(quantize)
+    if prefix is not None:
+        served = served.with_prefix(prefix.spec)
+    loaded_scales = parse(name).loaded_scales(scales)
+    return build_cache(loaded.model, served, loaded_scales, loaded.adapter, backend, prefix)

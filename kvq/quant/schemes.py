@@ -51,6 +51,9 @@ _SGLANG_FP4 = dict(
     qnorm=False, zero_point=False, vector_dim=None, window=None, ggml_type=None,
     engine="sglang",
 )  # fmt: skip
+# TensorRT-LLM's INT8 K/V, the one "trtllm" scheme, field by field
+_TRTLLM_INT8 = dict(_SGLANG_FP4, format="int", bits=8, axis="tensor", group_size=None,
+                    scale_dtype="float32", lifetime="static", engine="trtllm")  # fmt: skip
 MAX_GROUP = 4096  # channels per qparam group: at most a head (head_dim <= 4096)
 # run-eval --activations: decoder linear inputs unquantized, INT8 per token, INT8 static
 ACTIVATION_MODES = ("none", "a8-dynamic", "a8-static")
@@ -210,9 +213,7 @@ class QuantScheme:
         SGLang's: block-16 FP4 with power-of-two scales (`SGLANG_FP4`)."""
         if asdict(self) == _SGLANG_FP4:
             return
-        static = QuantScheme(format="int", bits=8, axis="tensor", symmetric=True,
-                             lifetime="static", scale_dtype="float32")  # fmt: skip
-        if self.engine == "trtllm" and replace(self, engine=None) == static:
+        if asdict(self) == _TRTLLM_INT8:
             return
         row = QuantScheme(format="int", bits=8, symmetric=True, scale_dtype="float32")
         fp8_row = replace(row, format="fp8", fp8_format="e4m3")
@@ -394,10 +395,7 @@ def _scheme(d: dict[str, Any]) -> QuantScheme:
 
 SGLANG_FP4 = QuantScheme(**_SGLANG_FP4)
 # TensorRT-LLM's INT8 K/V: static, one float32 scale per tensor (`kvq.quant.trtllm_int8`)
-TRTLLM_INT8 = QuantScheme(
-    format="int", bits=8, axis="tensor", symmetric=True, lifetime="static",
-    scale_dtype="float32", engine="trtllm",
-)  # fmt: skip
+TRTLLM_INT8 = QuantScheme(**_TRTLLM_INT8)
 
 
 # --- named calibration-free policies ------------------------------------------------
