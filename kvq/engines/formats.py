@@ -17,6 +17,9 @@ Sources the numerics were read from (public code; see also the README):
 - vLLM per-token-head int8 / fp8: vllm-project/vllm
   vllm/v1/attention/ops/triton_reshape_and_cache_flash.py (`_reshape_cache_per_token_head`),
   reproduced in `kvq.quant.token_head` (int8 codes truncated toward zero).
+- vLLM int4_per_token_head: vllm/v1/attention/ops/int4_per_token_head.py (a randomized
+  Hadamard transform, then 4-bit min/max codes and one float32 word per row, its zero
+  in the scale's low mantissa bits), reproduced in `kvq.quant.vllm_int4`.
 - SGLang fp4_e2m1: sgl-project/sglang python/sglang/srt/layers/quantization/kvfp4_tensor.py
   (`FP4MXBlock16KVQuantizeUtil`), reproduced in `kvq.quant.mxfp4`.
 - vLLM / SGLang: FP8 E4M3 / E5M2 of x / scale, saturated to the format's largest finite
@@ -73,6 +76,11 @@ def _token_head(fmt: str) -> QuantScheme:
     )  # fmt: skip
 
 
+# vLLM's int4_per_token_head: rows Hadamard-rotated, then min/max 4-bit (kvq.quant.vllm_int4)
+VLLM_INT4 = QuantScheme(format="int", bits=4, symmetric=False, scale_dtype="float32",
+                        engine="vllm")  # fmt: skip
+
+
 def _fp8_tensor(fmt: str) -> QuantScheme:
     return QuantScheme(
         format="fp8", bits=8, axis="tensor", symmetric=True, scale_dtype="float32",
@@ -109,6 +117,8 @@ ENGINES: dict[str, dict[str, StoredAs]] = {
         # 8 bits plus a float32 scale per (token, head): 8.125 at head_dim 256
         "int8_per_token_head": StoredAs(_token_head("int"), 8.0),
         "fp8_per_token_head": StoredAs(_token_head("fp8"), 8.0),
+        # 4 bits plus a float32 word (scale and zero) per (token, head): 4.125 at 256
+        "int4_per_token_head": StoredAs(VLLM_INT4, 4.0),
     },  # fmt: skip
     "sglang": {
         "auto": StoredAs(FULL_PRECISION, 16.0),
@@ -124,7 +134,7 @@ ENGINES: dict[str, dict[str, StoredAs]] = {
 SPLIT_KV = ("llamacpp",)  # engines with separate K and V formats
 # formats these engines have that kvq does not reproduce yet: named apart from a typo
 NOT_YET = {
-    "vllm": ("int4_per_token_head",),
+    "vllm": ("turboquant_k8v4", "turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_3bit_nc"),
 }
 UNIT_SCALE = 1.0  # the scale an engine assumes when the checkpoint carries none
 
@@ -253,6 +263,10 @@ def engine_policy(
                 f"{name}: llama.cpp's {scheme.ggml_type} blocks of {GGML_BLOCK} do not divide "
                 f"head_dim {head_dim} (llama.cpp refuses this K/V cache type for this model)"
             )
+        if scheme == VLLM_INT4 and head_dim is not None and head_dim & (head_dim - 1):
+            # vLLM's Hadamard transform asserts it
+            raise KvqError(f"{name}: vLLM's int4 rotation needs a power-of-two head_dim, "
+                           f"not {head_dim}")  # fmt: skip
         block = scheme.group_size if scheme.format in ("nvfp4", "mxfp4") else None
         if block and head_dim is not None and head_dim % block:
             raise KvqError(

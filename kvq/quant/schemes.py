@@ -94,7 +94,8 @@ class QuantScheme:
     engine:     whose quantizer the codes reproduce where it is not kvq's own: "vllm" is
                 vLLM's per-(token, head) kernel (`kvq.quant.token_head`: int8 codes
                 truncated toward zero, FP8 E4M3 rounded), for an int8 or fp8-e4m3 scheme
-                per token with one float32 scale per row; "sglang" SGLang's block-16 FP4
+                per token with one float32 scale per row, or its int4 (asymmetric:
+                `kvq.quant.vllm_int4`, rows Hadamard-rotated first); "sglang" SGLang's block-16 FP4
                 (format "mxfp4", the only one so far); "trtllm" TensorRT-LLM's INT8
                 (`kvq.quant.trtllm_int8`: reciprocal multiply, round to nearest even,
                 saturated to [-128, 127]), static per tensor, float32 scale.
@@ -217,11 +218,13 @@ class QuantScheme:
             return
         row = QuantScheme(format="int", bits=8, symmetric=True, scale_dtype="float32")
         fp8_row = replace(row, format="fp8", fp8_format="e4m3")
-        if self.engine != "vllm" or replace(self, engine=None) not in (row, fp8_row):
+        int4_row = replace(row, bits=4, symmetric=False)  # rotated, min/max (vllm_int4)
+        if self.engine != "vllm" or replace(self, engine=None) not in (row, fp8_row, int4_row):
             raise KvqError(
-                "an engine scheme is vLLM's per-token-head int8 or fp8-e4m3 exactly (per "
-                "token, symmetric, one float32 scale per (token, head)), SGLang's fp4_e2m1 "
-                "or TensorRT-LLM's int8 (static, one float32 scale per tensor)"
+                "an engine scheme is vLLM's per-token-head int8, fp8-e4m3 (per token, "
+                "symmetric, one float32 scale per (token, head)) or int4 (asymmetric), "
+                "SGLang's fp4_e2m1 or TensorRT-LLM's int8 (static, one float32 scale per "
+                "tensor)"
             )
 
     @property
@@ -235,6 +238,8 @@ class QuantScheme:
             return f"SGLang fp4_e2m1 (E2M1 blocks of {MXFP4_BLOCK}, power-of-two scales)"
         if self.engine == "trtllm":
             return "TensorRT-LLM int8 (one static float32 scale per layer, K and V)"
+        if self.engine == "vllm" and self.bits == 4:
+            return "vLLM int4_per_token_head (Hadamard-rotated, min/max per token and head)"
         if self.engine == "vllm":
             kind = "int8" if self.format == "int" else "fp8"
             return f"vLLM {kind}_per_token_head (a float32 scale per token and head)"

@@ -14,7 +14,8 @@ the Triton kernels read the same structure:
              bits of the row's digits up to c's)
 
 followed by exact exceptions that REPLACE decoded coordinates (article 0x07C):
-fixed per-row slots (values) or variable-length flat entries (keys).
+fixed per-row slots (values) or variable-length flat entries (keys); rows stored
+rotated are then un-rotated (x @ rotation).
 
 Qparams come in three layouts, told apart by rank: `[B, H, T, G]` per row
 (G groups of D // G channels), `[H, D]` per channel (static) and `[H]` per head
@@ -59,6 +60,9 @@ class PackedRows:
     sparse_value: Tensor | None = None  # [E]
     pre_rope: bool = False  # keys stored before rotation: rotate at each row's position
     window: int = 0  # trellis: state bits
+    # [D, D] float32: rows were stored rotated; decoded rows are x @ rotation (vLLM's
+    # int4_per_token_head un-rotated, `kvq.quant.vllm_int4`); the reference decodes them
+    rotation: Tensor | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -176,6 +180,8 @@ def decode_packed(p: PackedRows) -> Tensor:
         x = sparse.merge_exceptions(x, p.slot_index.long(), p.slot_value.float(), inplace=True)
     if p.sparse_count is not None and p.sparse_index.numel():
         x = _merge_flat(x, p.sparse_count, p.sparse_index, p.sparse_value)
+    if p.rotation is not None:
+        x = x @ p.rotation
     return x
 
 
@@ -227,7 +233,7 @@ def _layout(head_dim: int, bits: int, pairs: bool, device: torch.device) -> tupl
 
 def plane_decodable(p: PackedRows, pairs: bool = False) -> bool:
     """Whether `ChunkDecoder` decodes `p` in planes (else it falls back to channel order)."""
-    if p.kind != "affine" or p.bits not in (2, 4, 8):
+    if p.kind != "affine" or p.bits not in (2, 4, 8) or p.rotation is not None:
         return False
     if pairs and sys.byteorder != "little":  # the int16 trick reads its bytes low first
         return False
@@ -248,6 +254,7 @@ def lookup_pairs_decodable(p: PackedRows) -> bool:
         and p.bits in (4, 8)
         and p.qaxis in ("channel", "head")
         and p.slot_index is None
+        and p.rotation is None
         and p.head_dim % (16 // p.bits) == 0  # whole bytes in each half
         and sys.byteorder == "little"
     )

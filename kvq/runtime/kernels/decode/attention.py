@@ -87,6 +87,8 @@ def triton_unsupported(query: Tensor, segments: list[Segment], mask: Tensor | No
                     "per-block lookup scales (NVFP4, SGLang fp4_e2m1, llama.cpp iq4_nl) decode on the "
                     "reference only"
                 )
+            if p.rotation is not None:
+                return "rotated rows (vLLM int4_per_token_head) decode on the reference only"
             if p.kind != "full" and p.bits == 5:
                 return "5-bit codes (llama.cpp q5_0 / q5_1) decode on the reference only"
     return None
