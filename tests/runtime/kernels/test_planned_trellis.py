@@ -171,7 +171,8 @@ def test_generate_with_an_auto_trellis_cache_takes_the_planned_path(monkeypatch,
                                                                     paths):  # fmt: skip
     """Public path: what `kvq calibrate auto --bits 4` stores (trellis codes, 12-bit
     states, pre-RoPE keys with 1% exceptions, 0.5% value slots, a sink row) on a tiny
-    Gemma 3 (head_dim 64, MQA, sliding-window masks): greedy generate with a left-padded
+    Gemma 3 (head_dim 64, MQA, one sliding-window and one global layer: each layer's
+    appends are Viterbi searches in Triton's interpreter, most of the test's time): greedy generate with a left-padded
     sequence gives the reference backend's tokens, every attention call takes the
     planned kernel, the trellis rows included, and the appends' Viterbi searches run as
     Triton launches (`trellis_encode`)."""
@@ -183,7 +184,8 @@ def test_generate_with_an_auto_trellis_cache_takes_the_planned_path(monkeypatch,
     monkeypatch.setattr(_trellis_triton, "launch", lambda *a: searches.append(1) or launch(*a))
 
     options = TrellisOptions(bits=4, v_outliers=0.005)
-    model, ad, policy, tensors, g = calibrated_vq(options, DEVICE, head_dim=64)
+    layers = dict(num_hidden_layers=2, layer_types=["sliding_attention", "full_attention"])
+    model, ad, policy, tensors, g = calibrated_vq(options, DEVICE, head_dim=64, **layers)
     assert all(lp.key.format == "trellis" for lp in policy.layers)
     ids = torch.randint(3, 200, (2, 12), generator=g).to(DEVICE)
     ids[1, :3] = 0  # left padding
