@@ -8,6 +8,10 @@
 #
 #   bash bench/eval_long.sh [STAGE ...]     stages: needle decode passkey ppl8k (default: all, in this order)
 #
+# MEMO defaults to a folder beside the reports, committed with them: the baseline's cells
+# are keyed by the model, inputs and library versions, not by kvq's source, so a later
+# checkout resumes a grid where the last one stopped instead of recomputing hours of it.
+#
 # Caches: CACHES="name=--artifact:DIR name=--policy:NAME ..." (default below). On a 2-core
 # CPU a 1K-8K retrieval grid (5 depths x 8 trials) takes about 15 min a cache, the
 # baseline once as long again; an 8K KLD window about 4 min a side.
@@ -15,7 +19,7 @@ set -u
 cd "$(dirname "$0")/.."
 KVQ=${KVQ:-.venv/bin/kvq}
 OUT=${OUT:-bench/results/cpu/eval_long}
-MEMO=${MEMO:-artifacts/baseline-memo}
+MEMO=${MEMO:-$OUT/memo}
 MODEL=${MODEL:-gemma3-270m}
 CACHES=${CACHES:-"demo=--artifact:artifacts/demo auto3=--artifact:artifacts/auto3 int8=--policy:int8 kivi2=--policy:kivi2 auto2=--artifact:artifacts/auto2"}
 export KVQ_DATA_DIR=${KVQ_DATA_DIR:-$(cd .. && pwd)/shared/data}
