@@ -20,6 +20,7 @@ from torch import Tensor
 
 from kvq.errors import KvqError
 from kvq.quant.qparams import (
+    all_finite,
     check_finite,
     deferring,
     dtype_name,
@@ -99,7 +100,7 @@ def quantize_symmetric(
         nonzero = amax > 0
         stored = rounded_up(torch.where(nonzero, amax / qmax_signed(bits), 1.0), scale_dtype)
         back = stored.float()
-        if bool(torch.isfinite(back).all()):  # a NaN/Inf row or an overflow fails here
+        if all_finite(back):  # a NaN/Inf row or an overflow fails here
             scale = floored(stored, back, nonzero)
     if scale is None:
         check_finite(x, "input")
@@ -138,7 +139,7 @@ def affine_qparams(
 def _offset(lo: Tensor, hi: Tensor, scale_dtype) -> tuple[Tensor, Tensor]:
     """(offset, varying): lo rounded down to `scale_dtype` where hi > lo, else to nearest."""
     near = lo.to(scale_dtype)
-    down = torch.where(near.float() > lo, step(near, up=False), near)
+    down = torch.where(near > lo, step(near, up=False), near)  # compared in float32
     varying = hi > lo
     return torch.where(varying, down, near), varying
 
@@ -150,10 +151,10 @@ def _live_qparams(lo: Tensor, hi: Tensor, bits: int, scale_dtype) -> tuple[Tenso
     non-finite offset or scale, so one finiteness test stands for them all. None when
     it fails (the caller explains why through the checked path)."""
     offset, varying = _offset(lo, hi, scale_dtype)
-    ideal = torch.where(varying, (hi - offset.float()) / levels(bits), 1.0)
+    ideal = torch.where(varying, (hi - offset) / levels(bits), 1.0)  # float32 (promoted)
     stored = rounded_up(ideal, scale_dtype)
     back = stored.float()
-    if not bool(torch.isfinite(back + offset.float()).all()):
+    if not all_finite(back + offset):
         return None
     return floored(stored, back, varying), offset
 
@@ -161,7 +162,9 @@ def _live_qparams(lo: Tensor, hi: Tensor, bits: int, scale_dtype) -> tuple[Tenso
 def affine_encode(x: Tensor, scale: Tensor, offset: Tensor, bits: int) -> Tensor:
     """uint8 codes clamp(round((x - offset) / scale), 0, 2^bits - 1); qparams broadcast."""
     top = levels(bits)
-    codes = torch.round((x.float() - offset.float()) / scale.float())
+    # float32 x with qparams of any float dtype computes in float32, as .float() copies
+    # of them would (exactly); no copies (this runs on every appended row)
+    codes = torch.round((x.float() - offset) / scale)
     return codes.clamp_(0, top).to(torch.uint8)
 
 

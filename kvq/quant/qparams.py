@@ -29,6 +29,7 @@ scale with `.float()` before encoding. The policy (see the live-data notes,
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Iterator
 
 import torch
@@ -108,14 +109,22 @@ def rounded_up(ideal: Tensor, dtype: torch.dtype) -> Tensor:
     that landed below the ideal would make the range maximum encode past the top code,
     so it steps up one ulp. The arithmetic of `store_scale`, without its checks."""
     stored = ideal.to(dtype)
-    return torch.where(stored.float() < ideal, step(stored, up=True), stored)
+    return torch.where(stored < ideal, step(stored, up=True), stored)  # compared in float32
 
 
 def floored(stored: Tensor, back: Tensor, nonzero: Tensor) -> Tensor:
     """`stored` with nonzero entries below the dtype's smallest normal raised to it
     (`raise_tiny=False`); back: `stored.float()`."""
-    tiny = torch.finfo(stored.dtype).tiny
-    return torch.where((back < tiny) & nonzero, torch.tensor(tiny, dtype=stored.dtype), stored)
+    tiny = torch.finfo(stored.dtype).tiny  # a Python scalar: the result keeps stored's dtype
+    return torch.where((back < tiny) & nonzero, tiny, stored)
+
+
+def all_finite(t: Tensor) -> bool:
+    """Whether every element of float32 `t` is finite, in one reduction and one device
+    read: a NaN or Inf makes the sum non-finite. Finite elements whose sum overflows
+    read as not finite too: the callers then take their checked path, slower, not
+    wrong."""
+    return math.isfinite(t.sum().item())
 
 
 def store_scale(

@@ -141,14 +141,18 @@ def entry_pointers(count: Tensor) -> Tensor:
 
 
 def _apply(x: Tensor, t: Tensor, op: str) -> None:
-    """x [B, H, T, D] op= qparam t in place (op: "sub_", "mul_", "add_"), any qparam layout."""
-    if t.dim() == 4:  # [B, H, T, G]: each group covers D // G consecutive channels
+    """x [B, H, T, D] op= qparam t in place (op: "sub_", "mul_", "add_"), any qparam layout.
+    t in any float dtype: the in-place op computes in x's float32, as t.float() would
+    (exactly), without a converted copy (a decode step runs this per layer and side)."""
+    if t.dim() == 4 and t.shape[-1] == 1:  # [B, H, T, 1]: one group, broadcast as is
+        getattr(x, op)(t)
+    elif t.dim() == 4:  # [B, H, T, G]: each group covers D // G consecutive channels
         g = t.shape[-1]
-        getattr(x.view(*x.shape[:-1], g, x.shape[-1] // g), op)(t.float()[..., None])
+        getattr(x.view(*x.shape[:-1], g, x.shape[-1] // g), op)(t[..., None])
     elif t.dim() == 2:  # [H, D] per channel
-        getattr(x, op)(t.float()[None, :, None, :])
+        getattr(x, op)(t[None, :, None, :])
     else:  # [H] per head
-        getattr(x, op)(t.float()[None, :, None, None])
+        getattr(x, op)(t[None, :, None, None])
 
 
 def decode_packed(p: PackedRows) -> Tensor:
@@ -159,8 +163,9 @@ def decode_packed(p: PackedRows) -> Tensor:
     """
     if p.kind == "full":
         return p.data.float()
-    if p.kind == "affine":
-        x = packing.unpack_bits(p.data, p.bits, p.head_dim).float()  # [B, H, T, D]
+    if p.kind == "affine":  # 8-bit codes are their own bytes: no unpacked copy
+        codes = p.data if p.bits == 8 else packing.unpack_bits(p.data, p.bits, p.head_dim)
+        x = codes.float()  # [B, H, T, D]
         if p.zero:
             x.sub_(p.zero)
         if p.zero_point is not None:
