@@ -25,6 +25,10 @@ Sources the numerics were read from (public code; see also the README):
 - vLLM / SGLang: FP8 E4M3 / E5M2 of x / scale, saturated to the format's largest finite
   value, one scale per K or V tensor of a layer, 1.0 when the checkpoint carries none
   (compressed-tensors' `quantize` is the reference the tests compare against).
+- vLLM TurboQuant (turboquant_k8v4, _4bit_nc, _k3v4_nc, _3bit_nc): vllm-project/vllm
+  vllm/model_executor/layers/quantization/turboquant/ (presets, codebook, the boundary
+  layers it never quantizes) and vllm/v1/attention/ops/triton_turboquant_store.py /
+  triton_turboquant_decode.py, reproduced in `kvq.quant.turboquant`.
 - TensorRT-LLM: FP8 per tensor as above. INT8: NVIDIA/TensorRT-LLM's attention layer
   (one `kv_cache_scaling_factor` per layer for K and V; the fused QKV kernel stores
   `cvt.rni.sat.s8.f32(x * (1 / scale))`) and NVIDIA/TensorRT-Model-Optimizer's
@@ -49,11 +53,16 @@ from kvq.quant.schemes import (
     GGML_TYPES,
     SGLANG_FP4,
     TRTLLM_INT8,
+    TURBOQUANT_PRESETS,
     CachePolicy,
     LayerPolicy,
     QuantScheme,
     ggml_symmetric,
     named_policy,
+    turboquant_boundary,
+    turboquant_head_dim,
+    turboquant_key,
+    turboquant_value,
 )
 
 
@@ -96,6 +105,9 @@ class StoredAs:
     bits: float  # what the engine stores per element, scales included
     calibrated: str | None = None  # the kv-scales --format whose scales the engine loads
     needs_scales: bool = False  # no default scale: the engine serves it calibrated only
+    # a format whose K and V differ (TurboQuant): this entry is its K side, `value` its V
+    value: StoredAs | None = None
+    boundary: bool = False  # the engine keeps the boundary layers unquantized (TurboQuant)
 
 
 _GGML_BITS = {"q8_0": 8.5, "q4_0": 4.5, "q4_1": 5.0, "q5_0": 5.5, "q5_1": 6.0, "iq4_nl": 4.5}
@@ -106,6 +118,16 @@ _FP8 = {
     "fp8_e4m3": StoredAs(_fp8_tensor("e4m3"), 8.0, "fp8-e4m3"),
     "fp8_e5m2": StoredAs(_fp8_tensor("e5m2"), 8.0, "fp8-e5m2"),
 }
+
+
+def _turboquant(name: str) -> StoredAs:
+    """A TurboQuant preset (`kvq.quant.turboquant`): its K side, V side inside."""
+    k, v = TURBOQUANT_PRESETS[name]
+    key = _fp8_tensor("e4m3") if k == 8 else turboquant_key(k)  # k8: FP8 of x, scale 1
+    value = StoredAs(turboquant_value(v), float(v))
+    return StoredAs(key, float(k), value=value, boundary=True)
+
+
 # engine -> its K/V formats; "fp8" is vLLM's alias of fp8_e4m3
 ENGINES: dict[str, dict[str, StoredAs]] = {
     "llamacpp": LLAMACPP,
@@ -119,6 +141,7 @@ ENGINES: dict[str, dict[str, StoredAs]] = {
         "fp8_per_token_head": StoredAs(_token_head("fp8"), 8.0),
         # 4 bits plus a float32 word (scale and zero) per (token, head): 4.125 at 256
         "int4_per_token_head": StoredAs(VLLM_INT4, 4.0),
+        **{name: _turboquant(name) for name in TURBOQUANT_PRESETS},
     },  # fmt: skip
     "sglang": {
         "auto": StoredAs(FULL_PRECISION, 16.0),
@@ -132,10 +155,6 @@ ENGINES: dict[str, dict[str, StoredAs]] = {
     },
 }
 SPLIT_KV = ("llamacpp",)  # engines with separate K and V formats
-# formats these engines have that kvq does not reproduce yet: named apart from a typo
-NOT_YET = {
-    "vllm": ("turboquant_k8v4", "turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_3bit_nc"),
-}
 UNIT_SCALE = 1.0  # the scale an engine assumes when the checkpoint carries none
 
 
@@ -151,7 +170,8 @@ class EngineFormat:
 
     @property
     def value(self) -> StoredAs:
-        return ENGINES[self.engine][self.value_name]
+        side = ENGINES[self.engine][self.value_name]
+        return side.value or side
 
     @property
     def name(self) -> str:
@@ -210,8 +230,6 @@ def parse(name: str) -> EngineFormat:
         raise KvqError(f"{engine} takes one K/V cache format, not separate K and V ({name!r})")
     v = v if slash else k
     for side in (k, v):
-        if side in NOT_YET.get(engine, ()):
-            raise KvqError(f"kvq does not reproduce {engine}'s {side} K/V cache format yet")
         if side not in menu:
             raise KvqError(f"{engine} has no K/V cache format {side!r}; it has: {', '.join(menu)}")
     return EngineFormat(engine, k, v)
@@ -235,8 +253,8 @@ def menu(engine: str) -> list[EngineFormat]:
         raise KvqError(f"unknown engine {engine!r}; known: {', '.join(ENGINES)}, all")
     seen, out = set(), []
     for name, side in ENGINES[engine].items():
-        if (side.scheme, side.bits) not in seen:  # an alias (vllm:fp8) once
-            seen.add((side.scheme, side.bits))
+        if (side.scheme, side.bits, side.value) not in seen:  # an alias (vllm:fp8) once
+            seen.add((side.scheme, side.bits, side.value))
             out.append(EngineFormat(engine, name, name))
     return out
 
@@ -272,8 +290,15 @@ def engine_policy(
             raise KvqError(
                 f"{name}: its blocks of {block} channels do not divide head_dim {head_dim}"
             )
+        if scheme.engine == "turboquant" and head_dim is not None:
+            turboquant_head_dim(head_dim)
     layer = LayerPolicy(key=fmt.key.scheme, value=fmt.value.scheme, key_stage="post-rope")
-    return CachePolicy(name=fmt.name, layers=(layer,) * num_layers)
+    layers = [layer] * num_layers
+    if fmt.key.boundary:  # vLLM keeps them unquantized, whatever the user asks
+        exact = LayerPolicy(key=FULL_PRECISION, value=FULL_PRECISION)
+        skip = turboquant_boundary(num_layers)
+        layers = [exact if i in skip else layer for i in range(num_layers)]
+    return CachePolicy(name=fmt.name, layers=tuple(layers))
 
 
 def policy_by_name(name: str, num_layers: int, head_dim: int | None = None) -> CachePolicy:

@@ -25,7 +25,7 @@ Lifetime = Literal["static", "dynamic"]
 KeyStage = Literal["pre-rope", "post-rope"]
 ScaleDtype = Literal["float16", "bfloat16", "float32"]
 Fp8Format = Literal["e4m3", "e5m2"]
-Engine = Literal["vllm", "sglang", "trtllm"]
+Engine = Literal["vllm", "sglang", "trtllm", "turboquant"]
 
 INT_BITS = (2, 3, 4, 8)
 VQ_DIMS = (2, 4)  # kvq.quant.vq.DIMS (no torch here)
@@ -98,7 +98,9 @@ class QuantScheme:
                 `kvq.quant.vllm_int4`, rows Hadamard-rotated first); "sglang" SGLang's block-16 FP4
                 (format "mxfp4", the only one so far); "trtllm" TensorRT-LLM's INT8
                 (`kvq.quant.trtllm_int8`: reciprocal multiply, round to nearest even,
-                saturated to [-128, 127]), static per tensor, float32 scale.
+                saturated to [-128, 127]), static per tensor, float32 scale; "turboquant"
+                vLLM's TurboQuant presets (`kvq.quant.turboquant`: `turboquant_key`,
+                `turboquant_value`).
     """
 
     format: Format
@@ -216,6 +218,20 @@ class QuantScheme:
             return
         if asdict(self) == _TRTLLM_INT8:
             return
+        if self.engine == "turboquant":  # every other field at its default
+            mine, plain = asdict(self), {f.name: f.default for f in fields(QuantScheme)}
+            others = [k for k in plain if k not in ("format", "bits", "engine")]
+            if (self.format, self.bits) not in {
+                ("nuq", 3),
+                ("nuq", 4),
+                ("int", 3),
+                ("int", 4),
+            } or any(mine[k] != plain[k] for k in others):
+                raise KvqError(
+                    "a turboquant scheme is vLLM's TurboQuant exactly: 3- or 4-bit keys "
+                    "(Lloyd-Max levels, fp16 norm per row) or values (min/max, fp16 qparams)"
+                )
+            return
         row = QuantScheme(format="int", bits=8, symmetric=True, scale_dtype="float32")
         fp8_row = replace(row, format="fp8", fp8_format="e4m3")
         int4_row = replace(row, bits=4, symmetric=False)  # rotated, min/max (vllm_int4)
@@ -238,6 +254,10 @@ class QuantScheme:
             return f"SGLang fp4_e2m1 (E2M1 blocks of {MXFP4_BLOCK}, power-of-two scales)"
         if self.engine == "trtllm":
             return "TensorRT-LLM int8 (one static float32 scale per layer, K and V)"
+        if self.engine == "turboquant" and self.format == "nuq":
+            return f"vLLM TurboQuant {self.bits}-bit keys (Hadamard, Lloyd-Max, fp16 norm)"
+        if self.engine == "turboquant":
+            return f"vLLM TurboQuant {self.bits}-bit values (min/max per token and head)"
         if self.engine == "vllm" and self.bits == 4:
             return "vLLM int4_per_token_head (Hadamard-rotated, min/max per token and head)"
         if self.engine == "vllm":
@@ -263,6 +283,42 @@ class QuantScheme:
 
 
 FULL_PRECISION = QuantScheme(format="none", bits=16)
+
+
+# vLLM TurboQuant preset -> (key bits, value bits); 8-bit keys are FP8 E4M3 without a
+# scale (`kvq.quant.turboquant` holds the numerics; no torch here)
+TURBOQUANT_PRESETS = {
+    "turboquant_k8v4": (8, 4),
+    "turboquant_4bit_nc": (4, 4),
+    "turboquant_k3v4_nc": (3, 4),
+    "turboquant_3bit_nc": (3, 3),
+}
+
+
+def turboquant_boundary(num_layers: int) -> set[int]:
+    """The layers vLLM keeps unquantized under any TurboQuant preset of a dense model,
+    whatever the user asks: the first and last min(2, layers // 2)."""
+    n = min(2, num_layers // 2)
+    return set(range(n)) | set(range(num_layers - n, num_layers))
+
+
+def turboquant_head_dim(d: int) -> None:
+    """Refuse a head_dim vLLM's TurboQuant cannot take (its Hadamard and 3-bit packing)."""
+    if d < 8 or d & (d - 1):
+        raise KvqError(f"vLLM's TurboQuant needs a power-of-two head_dim of 8 or more, not {d}")
+
+
+def turboquant_key(bits: int) -> QuantScheme:
+    """vLLM TurboQuant's 3- or 4-bit keys (`kvq.quant.turboquant`): codebook indices of
+    the rotated unit row, one fp16 norm per (token, head)."""
+    return QuantScheme(format="nuq", bits=bits, engine="turboquant")
+
+
+def turboquant_value(bits: int) -> QuantScheme:
+    """vLLM TurboQuant's 3- or 4-bit values: min/max codes, fp16 scale and minimum."""
+    return QuantScheme(format="int", bits=bits, engine="turboquant")
+
+
 QUANTIZE_SIDES = ("both", "keys", "values")  # what `CachePolicy.only` keeps quantized
 
 

@@ -36,6 +36,8 @@ ENGINE_NUMERICS = {
     ("vllm", "int"): "token_head",
     ("vllm", "fp8"): "token_head",
     ("trtllm", "int"): "trtllm",
+    ("turboquant", "nuq"): "turboquant",
+    ("turboquant", "int"): "turboquant",
 }
 
 
