@@ -16,6 +16,7 @@ from kvq.engines.formats import ENGINES, engine_policy, menu, parse, policy_by_n
 from kvq.errors import KvqError
 from kvq.quant import ggml_blocks
 from kvq.runtime.codecs import make_codec
+from tests.engines.helpers import generate_through
 
 runner = CliRunner()
 
@@ -123,11 +124,7 @@ def test_vllm_per_token_head_numerics():
 
 @pytest.mark.parametrize("name", ["vllm:int8_per_token_head", "vllm:fp8_per_token_head"])
 def test_vllm_per_token_head_runs_through_generate(tiny_model_dir, name):
-    model, _ = kvq.load_model(str(tiny_model_dir("gemma3")))
-    ids = torch.randint(3, 300, (2, 24), generator=torch.Generator().manual_seed(0))
-    cache = kvq.make_cache(model, policy=name)
-    out = model.generate(ids, cache=cache, max_new_tokens=6, do_sample=False, pad_token_id=0)
-    assert out.shape == (2, 30)
+    model, cache = generate_through(tiny_model_dir("gemma3"), name)
     # stored: 8-bit codes and a float32 scale per (token, head): 8 + 32 / head_dim bits
     ledger, head_dim = cache.nbytes(), model.config.head_dim
     assert ledger.qparams == ledger.codes * 4 // head_dim
@@ -338,11 +335,7 @@ def test_sglang_fp4_numerics():
 
 
 def test_sglang_fp4_runs_through_generate_and_stores_4_5_bits(tiny_model_dir):
-    model, _ = kvq.load_model(str(tiny_model_dir("gemma3")))
-    ids = torch.randint(3, 300, (2, 24), generator=torch.Generator().manual_seed(0))
-    cache = kvq.make_cache(model, policy="sglang:fp4_e2m1")
-    out = model.generate(ids, cache=cache, max_new_tokens=6, do_sample=False, pad_token_id=0)
-    assert out.shape == (2, 30)
+    _, cache = generate_through(tiny_model_dir("gemma3"), "sglang:fp4_e2m1")
     ledger = cache.nbytes()  # 4-bit codes and one exponent byte per 16 channels
     assert ledger.total / ledger.fp16_bytes == pytest.approx(4.5 / 16)
     codec = make_codec(engine_policy("sglang:fp4_e2m1", 1, 64).layers[0].key, 64,

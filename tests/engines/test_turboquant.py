@@ -9,13 +9,13 @@ import numpy as np
 import pytest
 import torch
 
-import kvq
 from kvq.engines.formats import engine_policy, parse
 from kvq.errors import KvqError
 from kvq.quant import turboquant
 from kvq.quant.schemes import FULL_PRECISION, turboquant_boundary
 from kvq.runtime.codecs import make_codec
 from tests.conftest import make_tiny_model, tiny_tokenizer
+from tests.engines.helpers import generate_through
 
 # vLLM's centroids.py iteration re-run apart from kvq (docs/ research note), as float32
 LEVELS_128_3 = [0.02165369503200054, 0.06679026037454605, 0.11872146278619766,
@@ -108,11 +108,7 @@ def six_layers(tmp_path_factory):
                      ("turboquant_k3v4_nc", (3, 4)), ("turboquant_3bit_nc", (3, 3))]
 )  # fmt: skip
 def test_presets_run_through_generate_and_store_their_bits(six_layers, preset, bits):
-    model, _ = kvq.load_model(str(six_layers))
-    ids = torch.randint(3, 300, (2, 24), generator=torch.Generator().manual_seed(0))
-    cache = kvq.make_cache(model, policy=f"vllm:{preset}")
-    out = model.generate(ids, cache=cache, max_new_tokens=6, do_sample=False, pad_token_id=0)
-    assert out.shape == (2, 30)
+    model, cache = generate_through(six_layers, f"vllm:{preset}")
     # 4 boundary layers in the model's dtype, 2 quantized: K codes + an fp16 norm (FP8:
     # codes), V codes + fp16 scale and minimum (+ the FP8 keys' unit scales: rel=1e-3)
     d, (k, v), full = model.config.head_dim, bits, 8 * model.dtype.itemsize

@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 import torch
 
-import kvq
 from kvq.engines.formats import engine_policy
 from kvq.errors import KvqError
 from kvq.quant import packing, vllm_int4
 from kvq.runtime.codecs import make_codec
+from tests.engines.helpers import generate_through
 
 
 def test_a_hand_worked_row():
@@ -90,11 +90,7 @@ def test_rotation_and_decode():
 
 
 def test_the_cache_runs_through_generate_and_stores_4_bits_and_a_word(tiny_model_dir):
-    model, _ = kvq.load_model(str(tiny_model_dir("gemma3")))
-    ids = torch.randint(3, 300, (2, 24), generator=torch.Generator().manual_seed(0))
-    cache = kvq.make_cache(model, policy="vllm:int4_per_token_head")
-    out = model.generate(ids, cache=cache, max_new_tokens=6, do_sample=False, pad_token_id=0)
-    assert out.shape == (2, 30)
+    model, cache = generate_through(tiny_model_dir("gemma3"), "vllm:int4_per_token_head")
     ledger, head_dim = cache.nbytes(), model.config.head_dim
     assert ledger.total / ledger.fp16_bytes == pytest.approx((4 + 32 / head_dim) / 16)
 
