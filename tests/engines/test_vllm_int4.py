@@ -117,6 +117,34 @@ def test_rotated_rows_decode_on_the_reference_and_triton_refuses_them_by_name():
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("chunk_rows", [None, 16])  # one SDPA call; the online softmax
+@pytest.mark.parametrize("sink", [False, True])  # a full-precision segment before them
+def test_rotated_rows_attend_with_the_query_and_output_turned(chunk_rows, sink):
+    """The reference turns the query and the output once instead of every row: the same
+    attention as over the decoded (un-rotated) rows, alone or beside unrotated rows."""
+    from kvq.runtime.kernels.decode.reference import decode_attention_reference
+    from kvq.runtime.kernels.decode.segments import Segment
+    from kvq.runtime.packed import PackedRows
+
+    g = torch.Generator().manual_seed(2)
+    k, v = (torch.randn(2, 2, 40, 64, generator=g) for _ in range(2))  # [B, H_kv, T, D]
+    q = torch.randn(2, 4, 3, 64, generator=g)  # [B, H_q, Q, D]: three query positions
+    scheme = engine_policy("vllm:int4_per_token_head", 1, 64).layers[0].key
+    codec = make_codec(scheme, 64, torch.float32, {}, "k")
+    segments = [Segment(*(codec.packed(*codec.encode(x)) for x in (k, v)))]
+    keys, values = [codec.decode(*codec.encode(x)) for x in (k, v)]
+    if sink:
+        s_k, s_v = (torch.randn(2, 2, 4, 64, generator=g) for _ in range(2))
+        segments.insert(0, Segment(PackedRows("full", 64, s_k), PackedRows("full", 64, s_v)))
+        keys, values = torch.cat([s_k, keys], 2), torch.cat([s_v, values], 2)
+    mask = torch.rand(2, 1, 3, keys.shape[2], generator=g) > 0.3  # [B, 1, Q, K]
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        q, keys, values, attn_mask=mask, scale=0.125, enable_gqa=True
+    )
+    got = decode_attention_reference(q, segments, scaling=0.125, mask=mask, chunk_rows=chunk_rows)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
 def test_a_head_dim_that_is_not_a_power_of_two_is_refused():
     with pytest.raises(KvqError, match="power-of-two head_dim, not 96"):
         engine_policy("vllm:int4_per_token_head", 2, 96)

@@ -5,6 +5,9 @@ enough (`DENSE_ELEMENTS`) they are decoded once and attended in one SDPA call.""
 
 from __future__ import annotations
 
+from dataclasses import replace
+from functools import partial
+
 import torch
 from torch import Tensor
 
@@ -19,6 +22,7 @@ from kvq.runtime.kernels.decode.segments import (
 )
 from kvq.runtime.packed import (
     ChunkDecoder,
+    PackedRows,
     decode_packed,
     layout_perm,
 )
@@ -61,12 +65,18 @@ def decode_attention_reference(
         hkv = seg.key.data.shape[1]
         group = hq // hkv
         step = chunk_rows or max(64, CHUNK_ELEMENTS // (b * hkv * d))
-        keys, values = ChunkDecoder(seg.key, pairs=seg.key.pre_rope), ChunkDecoder(seg.value)
+        # rows stored rotated decode unturned: the query turns instead, and each chunk's
+        # share of the output (see `_dense_attention`)
+        key_turn, value_turn = seg.key.rotation, seg.value.rotation
+        keys = ChunkDecoder(_unturned(seg.key), pairs=seg.key.pre_rope)
+        values = ChunkDecoder(_unturned(seg.value))
         # query rows r = g * Q + qi per KV head, pre-scaled (the scores come out scaled), in
         # the keys' planes; the numerator accumulates in the values' planes
-        qk = keys.to_planes(q.reshape(b, hkv, group * q_len, d) * scaling)
+        qk = q.reshape(b, hkv, group * q_len, d) * scaling
+        qk = keys.to_planes(qk if key_turn is None else qk @ key_turn.T)
         if state is not None:
             state = (*state[:2], values.to_planes(state[2]))
+        turn_out = None if value_turn is None else partial(_turn_planes, values, value_turn)
         turn = _PairRotation(rope, keys.planes, seg.positions) if keys.pairs else None
         # one decode query sees every cached row: no mask to apply
         seg_mask = None
@@ -86,7 +96,7 @@ def decode_attention_reference(
             if seg_mask is not None:
                 scores = scores.masked_fill(~seg_mask[..., a:stop], float("-inf"))
             value = values.decode(a, stop, bias=False)  # [planes, B, H_kv, C, D/planes]
-            state = _online_update(state, scores, value, values.row_bias(a, stop))
+            state = _online_update(state, scores, value, values.row_bias(a, stop), turn_out)
         state = (*state[:2], values.to_channels(state[2]))  # [B, H_kv, R, D]
         col += seg.rows
     if state is None:
@@ -116,26 +126,53 @@ def _dense_attention(query, segments: list[Segment], scaling: float, rope, mask,
     """`decode_attention_reference` for rows that decode whole: every segment dequantized
     once (`decode_packed`: the quantizers' own arithmetic; pre-RoPE keys rotated at their
     positions), then one SDPA call, as a DynamicCache's layer runs. Equal to the online
-    softmax within fp32 rounding; a query that may see no row reads zeros, as there."""
+    softmax within fp32 rounding; a query that may see no row reads zeros, as there.
+
+    Rows stored under one rotation R (vLLM's int4 and TurboQuant rows decode as x R) are
+    attended unturned: q . (x R) = (q R^T) . x and sum_t p_t (v_t R) = (sum_t p_t v_t) R, so
+    the query and the output turn once a step instead of every cached row."""
+    key_turn = _one_rotation([seg.key for seg in segments])
+    value_turn = _one_rotation([seg.value for seg in segments])
     keys, values = [], []
     for seg in segments:
-        key = decode_packed(seg.key)  # [B, H_kv, T, D] fp32
-        if seg.key.pre_rope:
+        key = decode_packed(_unturned(seg.key) if key_turn is not None else seg.key)
+        if seg.key.pre_rope:  # [B, H_kv, T, D] fp32
             key = rotate(key, seg.positions, rope)
         keys.append(key)
-        values.append(decode_packed(seg.value))
+        values.append(decode_packed(_unturned(seg.value) if value_turn is not None else seg.value))
     key = keys[0] if len(keys) == 1 else torch.cat(keys, dim=2)
     value = values[0] if len(values) == 1 else torch.cat(values, dim=2)
     q = query.float()
+    if key_turn is not None:
+        q = q @ key_turn.T
     q_len = q.shape[2]
     if mask is None and q_len > 1:
         mask = causal_mask(q_len, total, query.device)
     out = torch.nn.functional.scaled_dot_product_attention(
         q, key, value, attn_mask=mask, scale=scaling, enable_gqa=key.shape[1] != q.shape[1]
     )
+    if value_turn is not None:
+        out = out @ value_turn
     if mask is not None:
         out = torch.where(mask.any(-1, keepdim=True), out, 0.0)
     return out
+
+
+def _turn_planes(values: ChunkDecoder, rotation: Tensor, num: Tensor) -> Tensor:
+    """A numerator [planes, B, H, R, W] of unturned values -> that of the values turned."""
+    return values.to_planes(values.to_channels(num) @ rotation)
+
+
+def _one_rotation(rows: list[PackedRows]) -> Tensor | None:
+    """The rotation all of `rows` were stored under when they share one, else None (none
+    rotated, or a mix: each decodes turned)."""
+    first = rows[0].rotation
+    return first if first is not None and all(r.rotation is first for r in rows) else None
+
+
+def _unturned(p: PackedRows) -> PackedRows:
+    """p decoding as stored, before its rotation (the same rows when it has none)."""
+    return p if p.rotation is None else replace(p, rotation=None)
 
 
 def _planes_matmul(x: Tensor, y: Tensor) -> Tensor:
@@ -146,12 +183,13 @@ def _planes_matmul(x: Tensor, y: Tensor) -> Tensor:
     return torch.bmm(x, y.reshape(p * b * h, k, n)).view(p, b, h, -1, n)
 
 
-def _online_update(state, scores: Tensor, value: Tensor, bias: Tensor | None):
+def _online_update(state, scores: Tensor, value: Tensor, bias: Tensor | None, turn=None):
     """Fold one chunk into (max, denominator, numerator): one softmax over all chunks.
 
     scores [B, H, R, C] (consumed); value [planes, B, H, C, W] codes * scale; bias [B, H, C, G]
     per-row value biases left out of `value` (sum_t p_t bias_tg covers a group's positions,
-    D/G/per per plane), or None; numerator [planes, B, H, R, W].
+    D/G/per per plane), or None; numerator [planes, B, H, R, W]. turn: maps the chunk's
+    numerator from the values' stored rotation to theirs decoded, or None.
     """
     top = scores.amax(dim=-1)
     if state is not None:
@@ -162,6 +200,8 @@ def _online_update(state, scores: Tensor, value: Tensor, bias: Tensor | None):
     num = _planes_matmul(p[None], value)
     if bias is not None:
         num.unflatten(-1, (bias.shape[-1], -1)).add_((p @ bias)[..., None])
+    if turn is not None:
+        num = turn(num)
     if state is None:
         return top, p.sum(-1), num
     alpha = (state[0] - safe).exp_()  # rescales what earlier chunks accumulated
