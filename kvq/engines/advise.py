@@ -129,6 +129,7 @@ def advise_job(
                             title=f"eval {len(factories)} caches (shared baseline)")  # fmt: skip
     results |= {name: results[first] for name, first in alias.items()}
     table = []
+    dtype_bytes = loaded.model.dtype.itemsize  # kvq keeps unquantized rows in this dtype
     for name, result in results.items():
         # bytes as measured on the cache at --seqlen (sliding layers hold their window):
         # kvq stores each engine format's codes and scales at the engine's own size
@@ -137,6 +138,8 @@ def advise_job(
         stored = ledger.total
         if cand.engine_bits == 16:  # the engine keeps 16-bit K/V (kvq: the model's dtype)
             stored = ledger.fp16_bytes
+        elif cand.kind != "kvq":  # layers it leaves unquantized (TurboQuant's boundary) too
+            stored += ledger.full_precision * 2 // dtype_bytes - ledger.full_precision
         table.append({
             "name": name, "kind": cand.kind, "flags": cand.flags,
             "engine_bits_per_element": cand.engine_bits,

@@ -221,6 +221,9 @@ def test_advise_sweeps_an_engine_and_recommends(tiny_model_dir, shared_data, dat
     assert report["recommendation"] == best["name"]
     q4 = next(r for r in report["rows"] if r["name"] == "llamacpp:q4_0")
     assert q4["ratio_to_fp16"] == pytest.approx(4.5 / 16)
+    # the tiny model's 4 layers are all TurboQuant boundary layers: 16-bit, as vLLM keeps them
+    tq = next(r for r in report["rows"] if r["name"] == "vllm:turboquant_4bit_nc")
+    assert tq["ratio_to_fp16"] == pytest.approx(1.0)
     assert "verdict:" in result.output and plot.stat().st_size > 0
 
 
