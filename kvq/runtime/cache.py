@@ -455,6 +455,8 @@ def build_cache(
     ropes = _RopeTables(adapter, info.head_dim)
     layers = []
     for i, lp in enumerate(policy.layers):
+        pre_rope = lp.key_stage == "pre-rope"
+        rope_table = ropes.for_layer(i, needed=pre_rope)
         codecs = []
         for part, scheme in (("key", lp.key), ("value", lp.value)):
             prefix = f"layers.{i}.{part}."
@@ -468,8 +470,8 @@ def build_cache(
                 value_codec=codecs[1],
                 activation_dtype=dtype,
                 sliding_window=adapter.sliding_window(i),
-                unrotate=_rope_fn(adapter, i, inverse=True),
-                rope_table=ropes.for_layer(i, needed=lp.key_stage == "pre-rope"),
+                unrotate=_rope_fn(adapter, i, inverse=True, table=rope_table if pre_rope else None),
+                rope_table=rope_table,
                 prefix=None if seeded is None else seeded.layers[i],
                 rotate=_rope_fn(adapter, i, inverse=False),
             )
@@ -538,13 +540,23 @@ class _RopeTables:
         return cos.to(c.device), sin.to(c.device)
 
 
-def _rope_fn(adapter, layer_idx: int, inverse: bool):
+def _rope_fn(adapter, layer_idx: int, inverse: bool, table=None):
+    """(x [B, H, T, D], positions [B, T]) -> x rotated (or back). table: the layer's cos/sin
+    table (`_RopeTables`, whole-head RoPE), read instead of calling the model's rotary
+    module on every append: the same values, as the module fills the table."""
+
     def fn(x: Tensor, positions: Tensor) -> Tensor:
         # positions [B, T] -> cos/sin [B, 1, T, rotary_dim]
         b, t = positions.shape
-        cos, sin = adapter.rope_cos_sin(layer_idx, positions.reshape(-1))
-        cos = cos.view(b, 1, t, -1).to(x.device)
-        sin = sin.view(b, 1, t, -1).to(x.device)
+        lo, top = torch.stack(positions.aminmax()).tolist() if table is not None else (0, 0)
+        if table is not None and lo >= 0:  # (a table has no negative positions)
+            half = table(max(1024, 1 << top.bit_length()))  # what decode attention asks
+            cos, sin = (torch.cat((h, h), -1) for h in (c[positions] for c in half))
+            cos, sin = cos[:, None].to(x.device), sin[:, None].to(x.device)
+        else:
+            cos, sin = adapter.rope_cos_sin(layer_idx, positions.reshape(-1))
+            cos = cos.view(b, 1, t, -1).to(x.device)
+            sin = sin.view(b, 1, t, -1).to(x.device)
         op = adapter.invert_rope if inverse else adapter.apply_rope
         return op(x, cos, sin)
 
