@@ -145,6 +145,34 @@ def test_rotated_rows_attend_with_the_query_and_output_turned(chunk_rows, sink):
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("chunk_rows", [None, 16])
+def test_rotated_rows_turned_by_rope_afterwards_decode_turned(chunk_rows):
+    """A rotation followed by RoPE at each row's position does not commute with the query:
+    such rows decode turned, then rotated to their positions."""
+    from dataclasses import replace
+
+    from kvq.runtime.kernels.decode.reference import decode_attention_reference
+    from kvq.runtime.kernels.decode.segments import Segment, rotate
+    from kvq.runtime.packed import decode_packed
+
+    g = torch.Generator().manual_seed(3)
+    k, v = (torch.randn(1, 1, 24, 64, generator=g) for _ in range(2))  # [B, H_kv, T, D]
+    q = torch.randn(1, 2, 1, 64, generator=g)  # [B, H_q, Q, D]
+    scheme = engine_policy("vllm:int4_per_token_head", 1, 64).layers[0].key
+    codec = make_codec(scheme, 64, torch.float32, {}, "k")
+    key, value = (codec.packed(*codec.encode(x)) for x in (k, v))
+    key = replace(key, pre_rope=True)
+    angle = torch.arange(32)[:, None] * 0.3 ** torch.arange(32.0)  # [P, D/2]
+    rope, positions = (angle.cos(), angle.sin()), torch.arange(24)[None]  # positions [B, T]
+    keys = rotate(decode_packed(key), positions, rope)
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        q, keys, decode_packed(value), scale=0.125, enable_gqa=True
+    )
+    seg = Segment(key, value, positions)
+    got = decode_attention_reference(q, [seg], scaling=0.125, rope=rope, chunk_rows=chunk_rows)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
 def test_a_head_dim_that_is_not_a_power_of_two_is_refused():
     with pytest.raises(KvqError, match="power-of-two head_dim, not 96"):
         engine_policy("vllm:int4_per_token_head", 2, 96)

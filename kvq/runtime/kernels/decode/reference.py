@@ -67,9 +67,9 @@ def decode_attention_reference(
         step = chunk_rows or max(64, CHUNK_ELEMENTS // (b * hkv * d))
         # rows stored rotated decode unturned: the query turns instead, and each chunk's
         # share of the output (see `_dense_attention`)
-        key_turn, value_turn = seg.key.rotation, seg.value.rotation
-        keys = ChunkDecoder(_unturned(seg.key), pairs=seg.key.pre_rope)
-        values = ChunkDecoder(_unturned(seg.value))
+        key_turn, value_turn = _turn(seg.key), _turn(seg.value)
+        keys = ChunkDecoder(_unturned(seg.key, key_turn), pairs=seg.key.pre_rope)
+        values = ChunkDecoder(_unturned(seg.value, value_turn))
         # query rows r = g * Q + qi per KV head, pre-scaled (the scores come out scaled), in
         # the keys' planes; the numerator accumulates in the values' planes
         qk = q.reshape(b, hkv, group * q_len, d) * scaling
@@ -135,11 +135,11 @@ def _dense_attention(query, segments: list[Segment], scaling: float, rope, mask,
     value_turn = _one_rotation([seg.value for seg in segments])
     keys, values = [], []
     for seg in segments:
-        key = decode_packed(_unturned(seg.key) if key_turn is not None else seg.key)
-        if seg.key.pre_rope:  # [B, H_kv, T, D] fp32
+        key = decode_packed(_unturned(seg.key, key_turn))  # [B, H_kv, T, D] fp32
+        if seg.key.pre_rope:
             key = rotate(key, seg.positions, rope)
         keys.append(key)
-        values.append(decode_packed(_unturned(seg.value) if value_turn is not None else seg.value))
+        values.append(decode_packed(_unturned(seg.value, value_turn)))
     key = keys[0] if len(keys) == 1 else torch.cat(keys, dim=2)
     value = values[0] if len(values) == 1 else torch.cat(values, dim=2)
     q = query.float()
@@ -163,16 +163,22 @@ def _turn_planes(values: ChunkDecoder, rotation: Tensor, num: Tensor) -> Tensor:
     return values.to_planes(values.to_channels(num) @ rotation)
 
 
+def _turn(p: PackedRows) -> Tensor | None:
+    """The rotation that attention may apply to the query or output instead of p's rows:
+    p's own, unless its rows are also turned by RoPE afterwards (which does not commute)."""
+    return None if p.pre_rope else p.rotation
+
+
 def _one_rotation(rows: list[PackedRows]) -> Tensor | None:
-    """The rotation all of `rows` were stored under when they share one, else None (none
-    rotated, or a mix: each decodes turned)."""
-    first = rows[0].rotation
-    return first if first is not None and all(r.rotation is first for r in rows) else None
+    """The rotation all of `rows` were stored under when they share one (see `_turn`), else
+    None (none rotated, or a mix: each decodes turned)."""
+    first = _turn(rows[0])
+    return first if first is not None and all(_turn(r) is first for r in rows) else None
 
 
-def _unturned(p: PackedRows) -> PackedRows:
-    """p decoding as stored, before its rotation (the same rows when it has none)."""
-    return p if p.rotation is None else replace(p, rotation=None)
+def _unturned(p: PackedRows, turn: Tensor | None) -> PackedRows:
+    """p decoding as stored, before its rotation, when attention applies `turn` instead."""
+    return p if turn is None else replace(p, rotation=None)
 
 
 def _planes_matmul(x: Tensor, y: Tensor) -> Tensor:
