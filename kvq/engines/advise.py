@@ -181,27 +181,75 @@ def advise_job(
 
 
 def advise_plot(report: dict, path: Path) -> Path:
-    """KLD against bytes per token, one point per row, the budget as a line."""
+    """KLD against bytes per token, one point per distinct result (formats with the same
+    numerics share a point and a label), labels moved apart where points crowd, the
+    budget as a line."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8, 5))
+    fig, ax = plt.subplots(figsize=(9, 6))
     colors = {"engine": "tab:blue", "engine + kvq scales": "tab:green", "kvq": "tab:orange"}
+    points: dict[str, tuple[float, float, str, list[str]]] = {}  # first name -> point
     for r in report["rows"]:
-        ax.scatter(r["bytes_per_token"], max(r["kld"], 1e-6), color=colors[r["kind"]])
-        ax.annotate(r["name"], (r["bytes_per_token"], max(r["kld"], 1e-6)), fontsize=7,
-                    xytext=(3, 3), textcoords="offset points")  # fmt: skip
+        first = r["same_numerics_as"] or r["name"]
+        if first in points:
+            points[first][3].append(r["name"])
+        else:
+            points[first] = (r["bytes_per_token"], max(r["kld"], 1e-6), r["kind"], [r["name"]])
+    lossless = [_joined(names) for _, y, _, names in points.values() if y <= 1e-6]
+    points = {k: p for k, p in points.items() if p[1] > 1e-6}  # KLD 0: off a log axis
+    for x, y, kind, _ in points.values():
+        ax.scatter(x, y, color=colors[kind], s=18)
+    if lossless:
+        ax.text(0.01, 0.01, f"KLD 0 (16-bit): {', '.join(lossless)}", fontsize=7,
+                transform=ax.transAxes)  # fmt: skip
     ax.axhline(report["budget"]["max_kld"], color="gray", linestyle="--", label="--max-kld")
     for kind, c in colors.items():
         ax.scatter([], [], color=c, label=kind)
     ax.set_yscale("log")
     ax.set_xlabel(f"K/V bytes per token at {report['seqlen']} tokens")
     ax.set_ylabel("KLD vs unquantized (nats/token)")
-    ax.set_title(f"{report['model']}: {report['engine']} K/V formats")
-    ax.legend(fontsize=8)
+    ax.set_title(f"{report['model']}: {report['engine']} K/V formats "
+                 f"({report['windows']} x {report['seqlen']} {report['dataset']})")  # fmt: skip
+    ax.legend(fontsize=8, loc="upper right")
     fig.tight_layout()
+    _label_apart(ax, [(x, y, _joined(names)) for x, y, _, names in points.values()])
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+def _label_apart(ax, labels: list[tuple[float, float, str]], size: int = 7) -> None:
+    """Annotate each (x, y, text) to the right of its point, moving a label up or down a
+    line at a time (with a leader line) until it overlaps no label placed before it."""
+    line = size * 1.4  # label height in points
+    placed: list[tuple[float, float, float, float]] = []  # boxes in display points
+    to_points = 72 / ax.figure.dpi
+    right_edge = ax.transAxes.transform((0.7, 0))[0] * to_points
+    for x, y, text in sorted(labels, key=lambda t: (t[0], -t[1])):
+        px, py = (v * to_points for v in ax.transData.transform((x, y)))
+        width = 0.55 * size * len(text)
+        dx = 4 if px < right_edge else -4 - width  # labels of the right-most points: left
+        for k in range(40):  # offsets 0, +1, -1, +2, -2 ... lines
+            dy = line * ((k + 1) // 2) * (1 if k % 2 else -1)
+            box = (px + dx, py + dy - line / 2, px + dx + width, py + dy + line / 2)
+            if not any(_overlap(box, b) for b in placed):
+                break
+        placed.append(box)
+        ax.annotate(text, (x, y), xytext=(dx, dy), textcoords="offset points", fontsize=size,
+                    va="center", arrowprops=None if dy == 0 else
+                    {"arrowstyle": "-", "color": "0.6", "lw": 0.5})  # fmt: skip
+
+
+def _joined(names: list[str]) -> str:
+    """Formats sharing a point: "a = b = c", a common " + kvq scales" said once."""
+    tail = " + kvq scales"
+    if len(names) > 1 and all(n.endswith(tail) for n in names):
+        return " = ".join(n[: -len(tail)] for n in names) + tail
+    return " = ".join(names)
+
+
+def _overlap(a, b) -> bool:
+    return a[0] < b[2] and b[0] < a[2] and a[1] < b[3] and b[1] < a[3]
