@@ -300,7 +300,8 @@ def print_advise(report: dict) -> None:
         table.add_column(col, justify="left" if col in ("format", "kind") else "right")
     for r in sorted(report["rows"], key=lambda r: (-r["bytes_per_token"], r["kld"])):
         table.add_row(
-            _t(r["name"]), r["kind"], f"{r['ppl_ratio']:.4f}", f"{r['kld']:.5f}",
+            # a lossless row's KLD sums to a rounding-level negative: it is 0
+            _t(r["name"]), r["kind"], f"{r['ppl_ratio']:.4f}", f"{max(r['kld'], 0.0):.5f}",
             f"{r['top1']:.4f}", f"{r['bytes_per_token']:.0f}",
             "—" if r["ratio_to_fp16"] is None else f"{r['ratio_to_fp16']:.3f}",
             "within" if r["within_budget"] else "over",

@@ -347,3 +347,17 @@ def test_sglang_fp4_runs_through_generate_and_stores_4_5_bits(tiny_model_dir):
     from kvq.quant import mxfp4
 
     assert torch.equal(codec.decode(*codec.encode(x)), mxfp4.dequantize(*mxfp4.quantize(x)))
+
+
+def test_advise_prints_a_lossless_rows_rounding_level_kld_as_zero(capsys):
+    from kvq.cli.render import print_advise
+
+    row = {"name": "llamacpp:f16", "kind": "engine", "ppl_ratio": 1.0, "kld": -3e-9,
+           "top1": 1.0, "bytes_per_token": 4989.0, "ratio_to_fp16": 1.0, "within_budget": True}  # fmt: skip
+    print_advise({
+        "engine": "llamacpp", "model": "m", "windows": 2, "seqlen": 4096, "dataset": "wikitext2",
+        "budget": {"max_kld": 0.02, "max_ppl_ratio": 1.02}, "rows": [row],
+        "recommendation": "llamacpp:f16", "recommended_flags": "-ctk f16",
+    })  # fmt: skip
+    out = capsys.readouterr().out
+    assert "0.00000" in out and "-0.00000" not in out
