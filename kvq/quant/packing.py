@@ -49,13 +49,21 @@ def pack_bits(codes: Tensor, bits: int) -> Tensor:
     if codes.dim() == 0:
         raise KvqError("cannot pack a scalar; codes need a last dimension")
     # 8-bit codes always fit (and 2**8 does not fit a uint8 comparison).
-    if bits < 8 and codes.numel() and bool((codes >= 2**bits).any()):
+    if bits < 8 and codes.numel() and int(codes.max()) >= 2**bits:
         raise KvqError(f"a code does not fit in {bits} bits (max {2**bits - 1})")
     if bits == 8:
         return codes.clone()
     lead, n = codes.shape[:-1], codes.shape[-1]
     units = -(-n // per)
-    padded = torch.nn.functional.pad(codes, (0, units * per - n))
+    padded = codes if units * per == n else torch.nn.functional.pad(codes, (0, units * per - n))
+    if nbytes == 1:
+        # 1, 2 and 4 bits: OR the code slots of each byte as uint8, no wider word; ~8x
+        # faster than the word path on CPU (a decode step packs every appended row)
+        slots = padded.reshape(*lead, units, per)
+        out = slots[..., 0] | (slots[..., 1] << bits)  # [..., U], a fresh tensor
+        for i in range(2, per):
+            out |= slots[..., i] << (bits * i)
+        return out
     # the word holds a whole unit (24 bits in int32, 5-bit codes' 40 in int64)
     grouped = padded.reshape(*lead, units, per).to(_word(nbytes))  # [..., U, per]
     word = (grouped << _shifts(bits, per, codes.device)).sum(-1)  # [..., U]
@@ -86,6 +94,26 @@ def unpack_bits(packed: Tensor, bits: int, n: int) -> Tensor:
     word = (grouped << _shifts(8, nbytes, packed.device)).sum(-1)  # [..., U]
     codes = (word.unsqueeze(-1) >> _shifts(bits, per, packed.device)) & (2**bits - 1)
     return codes.to(torch.uint8).reshape(*lead, units * per)[..., :n].contiguous()
+
+
+def unpack_float(packed: Tensor, bits: int, n: int, out: Tensor | None = None) -> Tensor:
+    """unpack_bits(packed, bits, n) as float32 [..., n], into `out` when given.
+
+    4 bits write each code slot's plane straight into the float buffer (interleaved by
+    stride): no uint8 code tensor to convert, 1.5-1.8x faster on CPU at 512-2048 rows;
+    other widths measured no faster that way and unpack, then convert."""
+    per, nbytes = _unit(bits)
+    if bits != 4 or packed.shape[-1] * per != n:
+        codes = unpack_bits(packed, bits, n)
+        return codes.float() if out is None else out.copy_(codes)
+    if packed.dtype != torch.uint8:
+        raise KvqError(f"packed codes must be uint8, got {packed.dtype}")
+    if out is None:
+        out = torch.empty(*packed.shape[:-1], n, dtype=torch.float32, device=packed.device)
+    slots = out.unflatten(-1, (-1, 2))  # [..., bytes, 2]: low nibble, high nibble
+    slots[..., 0] = packed & 0xF
+    slots[..., 1] = packed >> 4
+    return out
 
 
 def unpack_lookup(packed: Tensor, table: Tensor, bits: int, n: int) -> Tensor:

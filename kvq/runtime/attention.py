@@ -120,7 +120,7 @@ def _bool_mask(mask: Tensor | None, query: Tensor, kv_len: int) -> Tensor | None
 def _rows_mask(mask: Tensor | None, view, state, query: Tensor) -> Tensor | None:
     """The mask over the kernel's rows (see `kvq.runtime.sink.kernel_mask`); None when every
     row is visible to the single query, the common decode step."""
-    sink = state.sink
+    sink = view.layer.live_sink(state)  # the sink slots `segments` read, if any
     b, _, q_len, _ = query.shape
     encoded = view.layer.seen_encoded(state, q_len)
     prefix = None
@@ -136,7 +136,7 @@ def _rows_mask(mask: Tensor | None, view, state, query: Tensor) -> Tensor | None
         mask = causal[None, None].expand(b, 1, q_len, cols)
     return kernel_mask(
         mask, sink, state.lead, state.main.length, state.residual.length, state.phase, encoded,
-        prefix,
+        prefix, sink_in_lead=view.layer.sink_in_lead(state),
     )  # fmt: skip
 
 

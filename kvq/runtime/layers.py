@@ -149,6 +149,7 @@ class KvqLayer(LayerEdits, CacheLayerMixin):
         self.prefix_kv, self.rotate = prefix, rotate  # the artifact's prefix rows, RoPE
         self._rope: Rope | None = None
         self._in_lead: tuple | None = None  # (sink rows, lead, result) of `sink_in_lead`
+        self._live: tuple | None = None  # (sink rows, result) of `live_sink`
         self._device_rows: _DeviceRows | None = None  # see `_replayable`
         self.replay = False  # replayable steps asked for (`QuantizedKVCache.prepare_replay`)
         self.state = EMPTY
@@ -394,11 +395,24 @@ class KvqLayer(LayerEdits, CacheLayerMixin):
         # (never past the columns: with R < G a shifted sequence's rows may not exist yet)
         return max(0, min(beyond - beyond % self.group_rows, columns - columns % self.group_rows))
 
-    def sink_in_lead(self, state: LayerState) -> bool:
-        """Every sink slot holds a row in the lead columns (an unpadded batch, sinks filled
-        and not evicted), so a single query needs no mask. Read from the device once per
-        change of the (immutable) sink rows, not at every decode step."""
+    def live_sink(self, state: LayerState) -> SinkRows | None:
+        """state.sink, or None when no slot holds a row attention may still see (a sliding
+        layer past its window has evicted them, or none is filled yet): attention then
+        reads no sink segment and builds no sink mask. Read from the device once per
+        change of the (immutable) sink rows."""
         sink = state.sink
+        if sink is None:
+            return None
+        if self._live is None or self._live[0] is not sink:
+            self._live = (sink, bool(sink.valid().any()))
+        return sink if self._live[1] else None
+
+    def sink_in_lead(self, state: LayerState) -> bool:
+        """Every live sink slot holds a row in the lead columns (an unpadded batch, sinks
+        filled and not evicted; or none live, `live_sink`), so a single query needs no
+        mask. Read from the device once per change of the (immutable) sink rows, not at
+        every decode step."""
+        sink = self.live_sink(state)
         if sink is None:
             return True
         memo = self._in_lead
@@ -549,11 +563,11 @@ class KvqLayer(LayerEdits, CacheLayerMixin):
             key = PackedRows("full", self.key_codec.head_dim, r["k"])
             value = PackedRows("full", self.value_codec.head_dim, r["v"])
             out.append(Segment(key, value, state.prefix.positions))
-        if state.sink is not None:
-            r = state.sink.rows
-            key = PackedRows("full", self.key_codec.head_dim, r["k"], pre_rope=pre)
-            value = PackedRows("full", self.value_codec.head_dim, r["v"])
-            out.append(Segment(key, value, state.sink.positions))
+        sink = self.live_sink(state)
+        if sink is not None:
+            key = PackedRows("full", self.key_codec.head_dim, sink.rows["k"], pre_rope=pre)
+            value = PackedRows("full", self.value_codec.head_dim, sink.rows["v"])
+            out.append(Segment(key, value, sink.positions))
         if state.main.length:
             rows = state.main.rows()
             flat = {p: f.entries(0, f.length) for p, f in state.flat.items()}
@@ -603,15 +617,16 @@ class KvqLayer(LayerEdits, CacheLayerMixin):
         b, h, _, d = k.shape
         c, m = state.visible, state.main.length
         everything = torch.ones(b, 1, 1, c, dtype=torch.bool, device=k.device)
+        sink = self.live_sink(state)  # the sink slots `segments` read
         seen = kernel_mask(
-            everything, state.sink, state.lead, m, state.residual.length, state.phase,
+            everything, sink, state.lead, m, state.residual.length, state.phase,
             self.seen_encoded(state, 1),
         )[:, 0, 0]  # fmt: skip  # [B, kernel rows]
         shift = 0 if state.phase is None else state.phase[:, None]
         cols = [(state.lead - shift + torch.arange(m, device=k.device)[None]).expand(b, m)]
         cols.append(torch.arange(c - state.residual.length, c, device=k.device)[None].expand(b, -1))
-        if state.sink is not None:
-            cols.insert(0, state.sink.cols)
+        if sink is not None:
+            cols.insert(0, sink.cols)
         col = torch.cat(cols, dim=1)  # [B, kernel rows] mask column of each row
         bi, ri = seen.nonzero(as_tuple=True)
         out_k, out_v = k.new_zeros(b, h, c, d), v.new_zeros(b, h, c, d)

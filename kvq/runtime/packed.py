@@ -155,17 +155,23 @@ def _apply(x: Tensor, t: Tensor, op: str) -> None:
         getattr(x, op)(t[None, :, None, None])
 
 
-def decode_packed(p: PackedRows) -> Tensor:
+def decode_packed(p: PackedRows, out: Tensor | None = None) -> Tensor:
     """Packed rows -> [B, H, T, D] float32 (exceptions merged, keys NOT rotated).
 
-    In-place arithmetic on one fresh fp32 buffer: the same operations, in the same
-    order, as the shared quantizers' decode functions, so results are bit-identical.
+    In-place arithmetic on one fp32 buffer: the same operations, in the same order, as
+    the shared quantizers' decode functions, so results are bit-identical. out: a float32
+    [B, H, T, D] view to decode into (e.g. a segment's rows of a whole layer's buffer, so
+    attention needs no concatenation); returned filled.
     """
+    if out is not None and (p.kind not in ("full", "affine") or p.rotation is not None):
+        return out.copy_(decode_packed(p))
     if p.kind == "full":
-        return p.data.float()
+        return p.data.float() if out is None else out.copy_(p.data)
     if p.kind == "affine":  # 8-bit codes are their own bytes: no unpacked copy
-        codes = p.data if p.bits == 8 else packing.unpack_bits(p.data, p.bits, p.head_dim)
-        x = codes.float()  # [B, H, T, D]
+        if p.bits == 8:
+            x = p.data.float() if out is None else out.copy_(p.data)  # [B, H, T, D]
+        else:
+            x = packing.unpack_float(p.data, p.bits, p.head_dim, out)
         if p.zero:
             x.sub_(p.zero)
         if p.zero_point is not None:
@@ -187,7 +193,7 @@ def decode_packed(p: PackedRows) -> Tensor:
         x = _merge_flat(x, p.sparse_count, p.sparse_index, p.sparse_value)
     if p.rotation is not None:
         x = x @ p.rotation
-    return x
+    return x if out is None or x is out else out.copy_(x)
 
 
 def _merge_flat(x: Tensor, count: Tensor, index: Tensor, value: Tensor) -> Tensor:

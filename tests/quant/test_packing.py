@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvq.errors import KvqError
-from kvq.quant.packing import pack_bits, packed_len, unpack_bits, unpack_lookup
+from kvq.quant.packing import pack_bits, packed_len, unpack_bits, unpack_float, unpack_lookup
 
 BITS = (1, 2, 3, 4, 5, 6, 8)
 
@@ -73,3 +73,16 @@ def test_bad_inputs_rejected():
         pack_bits(torch.zeros(4, dtype=torch.uint8), 7)
     with pytest.raises(KvqError):
         unpack_bits(torch.zeros(3, dtype=torch.uint8), 4, 8)  # needs 4 bytes
+
+
+@pytest.mark.parametrize("bits", BITS)
+@pytest.mark.parametrize("n", (0, 5, 16))
+def test_unpack_float_equals_codes_as_floats(bits, n):
+    """Into a fresh buffer or a strided view of a wider one, the same values."""
+    gen = torch.Generator().manual_seed(bits * 100 + n)
+    codes = torch.randint(0, 2**bits, (2, 3, n), generator=gen, dtype=torch.uint8)
+    packed = pack_bits(codes, bits)
+    assert torch.equal(unpack_float(packed, bits, n), codes.float())
+    wide = torch.full((2, 5, n), -1.0)
+    unpack_float(packed, bits, n, out=wide[:, 1:4])
+    assert torch.equal(wide[:, 1:4], codes.float()) and (wide[:, 0] == -1).all()

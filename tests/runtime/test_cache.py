@@ -180,6 +180,28 @@ def test_sliding_window_layers_evict_and_stay_correct():
 
 
 @torch.no_grad()
+def test_a_sliding_layer_past_its_window_reads_no_sink_rows():
+    """Sinks a sliding layer evicted are skipped, not decoded and masked: its segments
+    lose the sink slot, a global layer keeps it, and the logits stay the model's."""
+    model = make_tiny_model("gemma3")
+    window = get_adapter(model).sliding_window(0)
+    cache = _cache(model, "fp16", key_stage="pre-rope", sink_tokens=1)
+    full = _ids(2 * window + 3)
+    ref = model(full).logits
+    model(full[:, :4], cache=cache)
+    for t in range(4, full.shape[1]):
+        step = model(full[:, t : t + 1], cache=cache).logits[:, -1]
+        # (the global layers' sink row is stored in float16)
+        torch.testing.assert_close(step, ref[:, t], atol=1e-3, rtol=1e-3)
+    for layer in cache.layers:
+        rows = [seg.rows for seg in layer.segments(layer.state)]
+        if layer.is_sliding:  # the window's rows only: no sink slot left in front
+            assert layer.live_sink(layer.state) is None and sum(rows) == layer.state.visible
+        else:
+            assert layer.live_sink(layer.state) is not None and rows[0] == 1
+
+
+@torch.no_grad()
 def test_generate_with_quantized_cache(model):
     ids = _ids(8)
     want = model.generate(ids, max_new_tokens=6, do_sample=False)

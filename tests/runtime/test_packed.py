@@ -141,3 +141,22 @@ def test_value_slots_replace_in_place_and_unused_slots_are_ignored():
     out = decoded(unused)
     expect[0, 0, 1, 7] = dense[0, 0, 1, 7]
     assert torch.equal(out, expect)
+
+
+@pytest.mark.parametrize("name", sorted(SCHEMES))
+def test_decode_into_a_strided_view_matches_decode(name):
+    """decode_packed(p, out=rows of a wider buffer), as attention decodes each segment into
+    its rows of one layer buffer, fills exactly those rows with the same values."""
+    scheme, state = SCHEMES[name]
+    x = _rows()
+    if state is None:
+        state = _nuq_state(x, 0.02)
+    if state.get("codebook", 0) is None:
+        state = {"codebook": nuq.uniform_codebook(4)}
+    codec = make_codec(scheme, D, torch.float32, state, "layers.0.key")
+    p = codec.packed(*codec.encode(x))
+    buffer = torch.full((2, 2, 10, D), -7.0)
+    filled = decode_packed(p, out=buffer[:, :, 2:9])
+    assert filled.data_ptr() == buffer[:, :, 2:9].data_ptr()
+    assert torch.equal(buffer[:, :, 2:9], decode_packed(p))
+    assert (buffer[:, :, :2] == -7).all() and (buffer[:, :, 9:] == -7).all()

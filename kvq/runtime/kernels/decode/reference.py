@@ -133,15 +133,7 @@ def _dense_attention(query, segments: list[Segment], scaling: float, rope, mask,
     the query and the output turn once a step instead of every cached row."""
     key_turn = _one_rotation([seg.key for seg in segments])
     value_turn = _one_rotation([seg.value for seg in segments])
-    keys, values = [], []
-    for seg in segments:
-        key = decode_packed(_unturned(seg.key, key_turn))  # [B, H_kv, T, D] fp32
-        if seg.key.pre_rope:
-            key = rotate(key, seg.positions, rope)
-        keys.append(key)
-        values.append(decode_packed(_unturned(seg.value, value_turn)))
-    key = keys[0] if len(keys) == 1 else torch.cat(keys, dim=2)
-    value = values[0] if len(values) == 1 else torch.cat(values, dim=2)
+    key, value = _decoded_rows(segments, key_turn, value_turn, rope, total)
     q = query.float()
     if key_turn is not None:
         q = q @ key_turn.T
@@ -156,6 +148,35 @@ def _dense_attention(query, segments: list[Segment], scaling: float, rope, mask,
     if mask is not None:
         out = torch.where(mask.any(-1, keepdim=True), out, 0.0)
     return out
+
+
+def _decoded_rows(segments: list[Segment], key_turn, value_turn, rope, total: int):
+    """Every segment's rows decoded (keys rotated at their positions) -> key, value
+    [B, H_kv, total, D] float32. Several segments decode into their rows of one buffer (no
+    concatenation afterwards); one alone is returned as decoded: full float32 rows then
+    cost no copy at all."""
+    if len(segments) == 1:
+        seg = segments[0]
+        key = decode_packed(_unturned(seg.key, key_turn))
+        if seg.key.pre_rope:
+            key = rotate(key, seg.positions, rope)
+        return key, decode_packed(_unturned(seg.value, value_turn))
+    first = segments[0]
+    b, hkv = first.key.data.shape[:2]
+    d = first.key.head_dim
+    key = torch.empty(b, hkv, total, d, dtype=torch.float32, device=first.key.data.device)
+    value = torch.empty_like(key)
+    col = 0
+    for seg in segments:
+        rows = slice(col, col + seg.rows)
+        if seg.key.pre_rope:
+            stored = decode_packed(_unturned(seg.key, key_turn))
+            rotate(stored, seg.positions, rope, out=key[:, :, rows])
+        else:
+            decode_packed(_unturned(seg.key, key_turn), out=key[:, :, rows])
+        decode_packed(_unturned(seg.value, value_turn), out=value[:, :, rows])
+        col += seg.rows
+    return key, value
 
 
 def _turn_planes(values: ChunkDecoder, rotation: Tensor, num: Tensor) -> Tensor:

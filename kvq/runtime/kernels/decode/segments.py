@@ -27,21 +27,23 @@ class Segment:
         return self.key.rows
 
 
-def rotate(x: Tensor, positions: Tensor, rope: Rope) -> Tensor:
-    """Rotate-half RoPE of x [B, H, T, D] at positions [B, T] with half-width tables."""
-    cos, sin = (_rows_at(t, positions)[:, None] for t in rope)  # [B, 1, T, D/2]
+def rotate(x: Tensor, positions: Tensor, rope: Rope, out: Tensor | None = None) -> Tensor:
+    """Rotate-half RoPE of x [B, H, T, D] at positions [B, T] with half-width tables,
+    into `out` (another [B, H, T, D] float buffer, not x) when given."""
+    first = run_start(positions, rope[0].shape[0])  # one check for both tables
+    cos, sin = (_rows_at(t, positions, first)[:, None] for t in rope)  # [B, 1, T, D/2]
     half = x.shape[-1] // 2
     x1, x2 = x[..., :half], x[..., half:]
-    out = torch.empty_like(x)
+    out = torch.empty_like(x) if out is None else out
     o1, o2 = out[..., :half], out[..., half:]
     torch.mul(x1, cos, out=o1).addcmul_(x2, sin, value=-1)  # no temporaries
     torch.mul(x2, cos, out=o2).addcmul_(x1, sin)
     return out
 
 
-def _rows_at(table: Tensor, positions: Tensor) -> Tensor:
-    """table[positions] ([B, T, ...]); a view when every batch row is one contiguous run."""
-    first = run_start(positions, table.shape[0])
+def _rows_at(table: Tensor, positions: Tensor, first: int | None) -> Tensor:
+    """table[positions] ([B, T, ...]); a view when every batch row is the contiguous run
+    from `first` (`run_start`), None when not."""
     if first is None:
         return table[positions]
     t = positions.shape[1]
