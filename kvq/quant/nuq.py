@@ -22,7 +22,15 @@ import torch
 from torch import Tensor
 
 from kvq.errors import KvqError
-from kvq.quant.qparams import check_finite, dtype_name, store_scale
+from kvq.quant.qparams import (
+    all_finite,
+    check_finite,
+    deferring,
+    dtype_name,
+    floored,
+    rounded_up,
+    store_scale,
+)
 from kvq.tensor_memo import Memo, memoised
 
 MAX_BITS = 8  # codes are uint8
@@ -70,6 +78,25 @@ def normalizer(
     half = torch.maximum(hi - c, c - lo)
     scale = store_scale(half, scale_dtype, hi > lo, raise_tiny)
     return scale, center
+
+
+def live_normalizer(lo: Tensor, hi: Tensor, scale_dtype=torch.float16) -> tuple[Tensor, Tensor]:
+    """`normalizer(lo, hi, scale_dtype, raise_tiny=False)` for a cache's live rows (each
+    row's own bounds, lo <= hi), the same arithmetic with one device read instead of
+    five: every refusal there (a NaN or Inf bound, a center or scale past the dtype)
+    leaves a non-finite center or scale, so one finiteness test stands for them all, and
+    the checked path then says which. Runs on every appended row."""
+    if deferring():  # the checks are recorded on the device: no read at all
+        return normalizer(lo, hi, scale_dtype, raise_tiny=False)
+    lo, hi = lo.float(), hi.float()
+    center = (lo * 0.5 + hi * 0.5).to(scale_dtype)
+    c = center.float()
+    varying = hi > lo
+    stored = rounded_up(torch.where(varying, torch.maximum(hi - c, c - lo), 1.0), scale_dtype)
+    back = stored.float()
+    if not all_finite(back + c):
+        return normalizer(lo, hi, scale_dtype, raise_tiny=False)
+    return floored(stored, back, varying), center
 
 
 def normalize(x: Tensor, scale: Tensor, center: Tensor) -> Tensor:

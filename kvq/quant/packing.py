@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from kvq.errors import KvqError
+from kvq.tensor_memo import Memo, memoised
 
 # bits -> (codes per unit, bytes per unit)
 _UNITS = {8: (1, 1), 4: (2, 1), 2: (4, 1), 1: (8, 1), 3: (8, 3), 5: (8, 5), 6: (4, 3)}
@@ -135,7 +136,12 @@ def unpack_lookup(packed: Tensor, table: Tensor, bits: int, n: int) -> Tensor:
     if packed.dtype != torch.uint8 or packed.shape[-1] != n // per:
         raise KvqError(f"{n} {bits}-bit codes pack into {n // per} uint8 bytes")
     index = packed.reshape(-1).int()  # int32 indices: index_select's fastest
-    return gather_rows(byte_table(table, bits), index).view(*packed.shape[:-1], n)
+    # built once per table: a layer's codebook is read by every decode step
+    per_byte = memoised(_BYTE_TABLES, table, lambda: byte_table(table, bits))
+    return gather_rows(per_byte, index).view(*packed.shape[:-1], n)
+
+
+_BYTE_TABLES: Memo = {}  # table -> its `byte_table`
 
 
 def gather_rows(rows: Tensor, index: Tensor) -> Tensor:

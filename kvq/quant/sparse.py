@@ -117,19 +117,18 @@ def row_outliers(
     else:
         lead = ordered.shape[:-1]
         flat = ordered.reshape(-1, d)
-        a = torch.zeros(flat.shape[0], dtype=torch.long)  # first inlier (sorted position)
-        b = torch.full((flat.shape[0],), d - 1, dtype=torch.long)  # last inlier
-        rows = torch.arange(flat.shape[0])
-        for _ in range(k):
-            low_gap = flat[rows, a + 1] - flat[rows, a]
-            high_gap = flat[rows, b] - flat[rows, b - 1]
-            take_low = low_gap > high_gap
-            a = a + take_low.long()
-            b = b - (~take_low).long()
-        inlier_lo = flat[rows, a].reshape(lead)
-        inlier_hi = flat[rows, b].reshape(lead)
-        pos = torch.arange(d)
-        out = ((pos < a[:, None]) | (pos > b[:, None])).reshape(ordered.shape)
+        gaps = flat[:, 1:] - flat[:, :-1]  # [N, D - 1]: gap i lies between sorted i and i + 1
+        n = flat.shape[0]
+        a = torch.zeros(n, 1, dtype=torch.long, device=x.device)  # first inlier (sorted)
+        b = torch.full((n, 1), d - 1, dtype=torch.long, device=x.device)  # last inlier
+        for _ in range(k):  # (k is a few: 3 of 256 at 1 %)
+            take_low = gaps.gather(1, a) > gaps.gather(1, b - 1)
+            a = a + take_low
+            b = b + take_low - 1  # the high end moves when the low one does not
+        inlier_lo = flat.gather(1, a).reshape(lead)
+        inlier_hi = flat.gather(1, b).reshape(lead)
+        pos = torch.arange(d, device=x.device)
+        out = ((pos < a) | (pos > b)).reshape(ordered.shape)
         picked = order[out].reshape(*lead, k)
     idx, _ = torch.sort(picked, dim=-1)
     vals = torch.gather(x, -1, idx)
@@ -272,18 +271,32 @@ def threshold_excess(x: Tensor, lower: Tensor, upper: Tensor) -> Tensor:
     return torch.clamp(lower.float() - xf, min=0) + torch.clamp(xf - upper.float(), min=0)
 
 
-def merge_exceptions(dense: Tensor, idx: Tensor, vals: Tensor, inplace: bool = False) -> Tensor:
+def check_slots(idx: Tensor, d: int) -> None:
+    """Refuse exception slot indices [..., k] outside [0, d] (d marks an unused slot) or
+    repeated within a row (a scatter with duplicates would pick a value in no defined
+    order)."""
+    i = idx.long()
+    if bool(((i < 0) | (i > d)).any()):
+        raise KvqError(f"exception index out of range [0, {d}] ({d} marks an unused slot)")
+    srt, _ = torch.sort(i, dim=-1)
+    if bool(((srt[..., 1:] == srt[..., :-1]) & (srt[..., 1:] < d)).any()):
+        raise KvqError("duplicate exception index within one row")
+
+
+def merge_exceptions(
+    dense: Tensor, idx: Tensor, vals: Tensor, inplace: bool = False, checked: bool = True
+) -> Tensor:
     """Dense decoded values with the exception coordinates REPLACED by the sparse values.
 
     dense: [..., D] decoded dense path; idx: [..., k] int coordinates (D marks
     an unused slot); vals: [..., k] the full values. Returns [..., D] in the
     promotion of dense's and vals' dtypes, so a stored value comes back
-    bit-exactly. Duplicate real coordinates in one row raise KvqError (a
-    scatter with duplicates would pick a value in no defined order).
+    bit-exactly. Invalid or duplicate coordinates raise KvqError (`check_slots`).
 
     inplace: dense is the caller's own scratch buffer; when no slot is unused and
     the dtypes agree, the values are scattered straight into it (no copy) and it is
-    returned.
+    returned. checked=False: the caller vouches for idx (the cache's rows, checked
+    where they enter it), saving a sort and two device reads per decode.
     """
     d = dense.shape[-1]
     if idx.shape != vals.shape or idx.shape[:-1] != dense.shape[:-1]:
@@ -294,13 +307,10 @@ def merge_exceptions(dense: Tensor, idx: Tensor, vals: Tensor, inplace: bool = F
     if idx.shape[-1] == 0:
         return dense.to(torch.promote_types(dense.dtype, vals.dtype))
     i = idx.long()
-    if bool(((i < 0) | (i > d)).any()):
-        raise KvqError(f"exception index out of range [0, {d}] ({d} marks an unused slot)")
-    srt, _ = torch.sort(i, dim=-1)
-    if bool(((srt[..., 1:] == srt[..., :-1]) & (srt[..., 1:] < d)).any()):
-        raise KvqError("duplicate exception index within one row")
+    if checked:
+        check_slots(i, d)
     out_dtype = torch.promote_types(dense.dtype, vals.dtype)
-    if inplace and dense.dtype == out_dtype and bool((srt[..., -1] < d).all()):
+    if inplace and dense.dtype == out_dtype and int(i.max()) < d:  # no unused slot
         return dense.scatter_(-1, i, vals.to(out_dtype))
     # One scratch column at position D soaks up every unused slot.
     scratch = dense.new_zeros((*dense.shape[:-1], 1), dtype=out_dtype)

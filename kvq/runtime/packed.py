@@ -188,7 +188,10 @@ def decode_packed(p: PackedRows, out: Tensor | None = None) -> Tensor:
     if p.offset is not None:
         _apply(x, p.offset, "add_")
     if p.slot_index is not None:
-        x = sparse.merge_exceptions(x, p.slot_index.long(), p.slot_value.float(), inplace=True)
+        # slot indices are checked where rows enter a cache: kvq's encoders make them
+        # valid, `load_cache` checks a saved file's (not every decode step)
+        index, value = p.slot_index.long(), p.slot_value.float()
+        x = sparse.merge_exceptions(x, index, value, inplace=True, checked=False)
     if p.sparse_count is not None and p.sparse_index.numel():
         x = _merge_flat(x, p.sparse_count, p.sparse_index, p.sparse_value)
     if p.rotation is not None:

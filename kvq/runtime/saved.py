@@ -31,6 +31,7 @@ from safetensors.torch import save_file
 from kvq.artifacts.paths import is_artifact_dir
 from kvq.errors import KvqError
 from kvq.models.fingerprint import tensor_sha256
+from kvq.quant import sparse
 from kvq.runtime.prefix import PrefixRows
 from kvq.runtime.sink import SinkRows
 from kvq.runtime.state import FlatStore, RowStore
@@ -216,6 +217,12 @@ def _layer_state(layer, counters: dict, t: dict, where: str):
             shape, dtype = spec[name]
             if x.dtype != dtype or tuple(x.shape[3:]) != shape or x.shape[0:3:2] != lead_dims:
                 raise KvqError(f"{where}: {name} has the wrong shape or dtype")
+            if name.endswith(".sparse_index"):  # exception slots: decode trusts them
+                codec = layer.key_codec if name.startswith("k.") else layer.value_codec
+                try:
+                    sparse.check_slots(x, codec.head_dim)
+                except KvqError as e:
+                    raise KvqError(f"{where}: {name}: {e}") from None
         main = RowStore(rows, positions.shape[1], positions)
     residual = RowStore.empty()
     res = {n[len("residual.") :]: x for n, x in t.items() if n.startswith("residual.")}

@@ -10,6 +10,7 @@ from kvq.quant.affine import affine_encode
 from kvq.quant.nuq import (
     denormalize,
     fit_codebook,
+    live_normalizer,
     normalize,
     normalizer,
     nuq_decode,
@@ -224,3 +225,21 @@ def test_codebook_check_is_cached_but_sees_in_place_edits():
     cb[2] = float("nan")
     with pytest.raises(KvqError, match="codebook"):
         nuq_decode(torch.zeros(3, dtype=torch.uint8), cb)
+
+
+@pytest.mark.parametrize("scale_dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_live_normalizer_is_the_checked_one(scale_dtype):
+    """The appended rows' one-read normaliser: bit-identical to the checked path on
+    ordinary, constant, near-silent and huge rows; a NaN row still refused by it."""
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 3, 40, 16, generator=g) * torch.logspace(-9, 4, 40)[:, None]
+    x[0, 0, 0] = 2.5  # constant row
+    x[1, 2, 5] = 0.0  # all zero
+    lo, hi = x.amin(-1), x.amax(-1)
+    want = normalizer(lo, hi, scale_dtype, raise_tiny=False)
+    got = live_normalizer(lo, hi, scale_dtype)
+    for a, b in zip(got, want, strict=True):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    hi[0, 1, 3] = float("nan")
+    with pytest.raises(KvqError, match="NaN"):
+        live_normalizer(lo, hi, scale_dtype)

@@ -299,3 +299,18 @@ def test_allocated_thresholds_follow_the_weights():
     assert int(per[3]) > int(per[1])  # the wide channel gets more of the budget
     lo2, hi2 = sparse.allocated_thresholds(s, w, 0.01)
     assert torch.equal(lo, lo2) and torch.equal(hi, hi2)
+
+
+@pytest.mark.parametrize("inplace", (False, True))
+def test_unchecked_merge_gives_the_checked_result(inplace):
+    """checked=False (the decode of a cache's own rows) merges valid slots, used or not,
+    exactly as the checked path does."""
+    dense = torch.arange(12.0).view(3, 4)
+    idx = torch.tensor([[0, 4], [1, 3], [4, 4]])  # 4: an unused slot
+    vals = torch.tensor([[-1.0, 9.0], [-2.0, -3.0], [7.0, 7.0]])
+    want = merge_exceptions(dense.clone(), idx, vals)
+    got = merge_exceptions(dense.clone(), idx, vals, inplace=inplace, checked=False)
+    assert torch.equal(got, want)
+    full = torch.tensor([[0, 2], [1, 3], [2, 3]])  # every slot used: the in-place scatter
+    want = merge_exceptions(dense.clone(), full, vals)
+    assert torch.equal(merge_exceptions(dense.clone(), full, vals, inplace, checked=False), want)

@@ -222,3 +222,19 @@ def test_save_refuses_a_directory_a_missing_folder_and_an_artifact(llama, tmp_pa
             cache.save(dest)
     assert {p.name: p.read_bytes() for p in art.iterdir()} == before
     kvq.load_artifact(art, model=model)  # still loads
+
+
+def test_forged_exception_slots_are_refused(saved):
+    """Decode trusts the cache's exception slots (kvq's encoders make them valid), so a
+    saved file's are checked once, when it loads."""
+    _, _, path, _ = saved
+    pristine = load_file(path)
+    name = "layers.0.main.v.sparse_index"
+    slots = pristine[name].shape[-1]  # the KVQuant values' exact exceptions per row
+    edits = [(255, "out of range")] + ([(1, "duplicate")] if slots > 1 else [])
+    for index, needle in edits:
+        tensors = {n: t.clone() for n, t in pristine.items()}
+        tensors[name][0, 0, 0] = index  # every slot of one row
+        _forge(path, tensors)
+        with pytest.raises(KvqError, match=f"layer 0.*v.sparse_index.*{needle}"):
+            _load(saved)

@@ -165,7 +165,7 @@ class NuqValueCodec(_NuqCodec):
             holes = holes.scatter_(-1, idx.long(), True)[..., :-1]  # slot index D: unused
         else:
             lo, hi = x.amin(-1), x.amax(-1)
-        scale, center = nuq.normalizer(lo, hi, self.scale_dtype, raise_tiny=False)  # [B, H, T]
+        scale, center = nuq.live_normalizer(lo, hi, self.scale_dtype)  # [B, H, T]
         rows["codes"] = self._codes(nuq.normalize(x, scale[..., None], center[..., None]), holes)
         rows["scale"], rows["center"] = scale, center
         return rows, NO_FLAT

@@ -340,7 +340,7 @@ def append_nuq_value_reference(
         idx, vals, lo, hi = sparse.row_outliers(xf, fraction, split)
     else:
         lo, hi = xf.amin(-1), xf.amax(-1)
-    scale, center = nuq.normalizer(lo, hi, scale_out.dtype, raise_tiny=False)  # [B, H, T]
+    scale, center = nuq.live_normalizer(lo, hi, scale_out.dtype)  # [B, H, T]
     codes = nuq.nuq_encode(nuq.normalize(xf, scale[..., None], center[..., None]), cb)
     if fraction:
         index_out[:, :, rows] = idx.to(index_out.dtype)
