@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -42,6 +41,7 @@ from transformers import DynamicCache
 
 import kvq
 import kvq.runtime.attention as attention
+from kvq.eval.provenance import cpu_name
 from kvq.runtime.cache import QuantizedKVCache
 
 LOAD_BEFORE = list(os.getloadavg())  # 1/5/15-minute load when the script started
@@ -229,7 +229,7 @@ def main() -> None:
             results[ctx] = profile_context(model, ids, kinds, artifacts, args.steps, args.rounds)
             print(table({ctx: results[ctx]}), flush=True)
     meta = {"model": args.model, "steps": args.steps, "rounds": args.rounds,
-            "generate_new_tokens": args.generate, "cpu": platform.processor() or platform.machine(),
+            "generate_new_tokens": args.generate, "cpu": cpu_name(),
             "threads": torch.get_num_threads(), "torch": torch.__version__,
             "artifacts": artifacts, "backend": "reference (CPU)"}  # fmt: skip
     print(generate_table(results, args.generate) if args.generate else table(results))

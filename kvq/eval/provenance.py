@@ -17,7 +17,8 @@ def _version(name: str) -> str | None:
         return None
 
 
-def _cpu_name() -> str:
+def cpu_name() -> str:
+    """The CPU model as /proc/cpuinfo names it (else what platform knows)."""
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as f:
             for line in f:
@@ -59,7 +60,7 @@ def provenance(loaded, policy, backend, params, source, tasks) -> dict:
         "cache_policy": _policy_settings(policy),
         "backend": backend or "auto",
         "device": str(device),
-        "hardware": {"cpu": _cpu_name(), "cpu_threads": torch.get_num_threads(),
+        "hardware": {"cpu": cpu_name(), "cpu_threads": torch.get_num_threads(),
                      "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None},
         "versions": {"kvq": _version("kvq-live"), "torch": torch.__version__,
                      "transformers": _version("transformers"), "python": platform.python_version()},
