@@ -162,17 +162,23 @@ def test_sink_rows_stay_exact():
 
 
 @torch.no_grad()
-def test_sliding_window_layers_evict_and_stay_correct():
-    model = make_tiny_model("gemma3")
-    ad = get_adapter(model)
-    window = ad.sliding_window(0)
-    cache = _cache(model, "fp16")
-    full = _ids(4 * window + 3)
+def _decode_against_the_model(model, cache, tokens: int, atol: float) -> None:
+    """Prefill 4 tokens into `cache`, then decode the rest of `tokens` one at a time; every
+    step's logits match the model's own over the whole sequence."""
+    full = _ids(tokens)
     ref = model(full).logits
     model(full[:, :4], cache=cache)
     for t in range(4, full.shape[1]):
         step = model(full[:, t : t + 1], cache=cache).logits[:, -1]
-        torch.testing.assert_close(step, ref[:, t], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(step, ref[:, t], atol=atol, rtol=atol)
+
+
+@torch.no_grad()
+def test_sliding_window_layers_evict_and_stay_correct():
+    model = make_tiny_model("gemma3")
+    window = get_adapter(model).sliding_window(0)
+    cache = _cache(model, "fp16")
+    _decode_against_the_model(model, cache, 4 * window + 3, atol=1e-4)
     sliding = [layer for layer in cache.layers if layer.is_sliding]
     assert sliding and all(layer.state.evicted > 0 for layer in sliding)
     assert all(layer.state.visible <= 2 * window for layer in sliding)
@@ -186,13 +192,8 @@ def test_a_sliding_layer_past_its_window_reads_no_sink_rows():
     model = make_tiny_model("gemma3")
     window = get_adapter(model).sliding_window(0)
     cache = _cache(model, "fp16", key_stage="pre-rope", sink_tokens=1)
-    full = _ids(2 * window + 3)
-    ref = model(full).logits
-    model(full[:, :4], cache=cache)
-    for t in range(4, full.shape[1]):
-        step = model(full[:, t : t + 1], cache=cache).logits[:, -1]
-        # (the global layers' sink row is stored in float16)
-        torch.testing.assert_close(step, ref[:, t], atol=1e-3, rtol=1e-3)
+    # (the global layers' sink row is stored in float16)
+    _decode_against_the_model(model, cache, 2 * window + 3, atol=1e-3)
     for layer in cache.layers:
         rows = [seg.rows for seg in layer.segments(layer.state)]
         if layer.is_sliding:  # the window's rows only: no sink slot left in front

@@ -48,15 +48,20 @@ SCHEMES = {
 }
 
 
-@pytest.mark.parametrize("name", sorted(SCHEMES))
-def test_packed_decode_matches_codec(name):
+def _codec(name: str, x):
+    """SCHEMES[name]'s codec, its state fitted to rows x where the scheme needs one."""
     scheme, state = SCHEMES[name]
-    x = _rows()
     if state is None:
         state = _nuq_state(x, 0.02)
     if state.get("codebook", 0) is None:
         state = {"codebook": nuq.uniform_codebook(4)}
-    codec = make_codec(scheme, D, torch.float32, state, "layers.0.key")
+    return make_codec(scheme, D, torch.float32, state, "layers.0.key")
+
+
+@pytest.mark.parametrize("name", sorted(SCHEMES))
+def test_packed_decode_matches_codec(name):
+    x = _rows()
+    codec = _codec(name, x)
     rows, flat = codec.encode(x)
     ref = codec.decode(rows, flat)
     assert torch.equal(decode_packed(codec.packed(rows, flat)), ref)
@@ -147,13 +152,8 @@ def test_value_slots_replace_in_place_and_unused_slots_are_ignored():
 def test_decode_into_a_strided_view_matches_decode(name):
     """decode_packed(p, out=rows of a wider buffer), as attention decodes each segment into
     its rows of one layer buffer, fills exactly those rows with the same values."""
-    scheme, state = SCHEMES[name]
     x = _rows()
-    if state is None:
-        state = _nuq_state(x, 0.02)
-    if state.get("codebook", 0) is None:
-        state = {"codebook": nuq.uniform_codebook(4)}
-    codec = make_codec(scheme, D, torch.float32, state, "layers.0.key")
+    codec = _codec(name, x)
     p = codec.packed(*codec.encode(x))
     buffer = torch.full((2, 2, 10, D), -7.0)
     filled = decode_packed(p, out=buffer[:, :, 2:9])
